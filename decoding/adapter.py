@@ -1,0 +1,150 @@
+"""Run layers [a, b) of any Llama-style Hugging Face decoder with our own cache.
+
+The adapter drives the model's own modules (embedding, decoder layers, final
+norm, LM head, rotary embedding) without forking the modelling files. The KV
+cache is preallocated and addressed by position: a forward writes its keys and
+values at ``start .. start+T`` and attends to ``0 .. start+T``; rolling back is
+moving ``cache.length``, nothing is copied.
+
+Works for the families whose decoder layers take ``(hidden_states,
+attention_mask, position_ids, past_key_values, position_embeddings)`` and whose
+attention calls ``past_key_values.update(k, v, layer_idx)``: Llama (SmolLM2),
+Qwen2, Mistral and their relatives in transformers 5.
+
+>>> # adapter = ModelAdapter(hf_model); cache = adapter.new_cache(batch=1, max_len=256)
+>>> # h = adapter.forward(cache, start=0, input_ids=prompt)          # prefill
+>>> # logits = adapter.logits(h[:, -1:])                             # [1, 1, V]
+>>> # cache.length = 10                                               # roll back to 10 tokens
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Preallocated keys/values per layer, written by position.
+
+    ``k[l]``/``v[l]``: [batch, kv_heads, max_len, head_dim]. ``length`` is the
+    number of committed positions (the caller moves it to roll back).
+    ``cursor`` is where the current forward writes; the adapter sets it.
+    """
+
+    def __init__(self, num_layers, batch, kv_heads, head_dim, max_len, dtype, device):
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.length = 0
+        self.cursor = 0
+
+    def update(self, key, value, layer_idx, *args, **kwargs):  # called by HF attention
+        # key/value: [batch, kv_heads, T, head_dim]
+        t = key.shape[2]
+        end = self.cursor + t
+        if end > self.max_len:
+            raise IndexError(f"KV cache full: writing positions {self.cursor}..{end} of {self.max_len}")
+        self.k[layer_idx][:, :, self.cursor:end] = key
+        self.v[layer_idx][:, :, self.cursor:end] = value
+        return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.max_len:
+            raise IndexError(f"rollback to {length} outside 0..{self.max_len}")
+        self.length = length
+
+
+def _decoder_parts(hf_model):
+    base = getattr(hf_model, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if base is None or not all(hasattr(base, n) for n in needed) or not hasattr(hf_model, "lm_head"):
+        raise TypeError(f"{type(hf_model).__name__} is not a Llama-style decoder (needs model.{{{', '.join(needed)}}} and lm_head)")
+    return base
+
+
+class ModelAdapter:
+    """A thin, stateless driver over a HF causal LM; state lives in ``KVCache``.
+
+    ``num_layers`` may be smaller than the model's depth: an adapter over the
+    first L layers (with the model's own final norm and head) is a shallow
+    draft model that shares the target's weights but not its cache.
+    """
+
+    def __init__(self, hf_model, num_layers: int | None = None):
+        base = _decoder_parts(hf_model)
+        self.hf_model = hf_model
+        self.config = hf_model.config
+        self.embed = base.embed_tokens
+        self.layers = base.layers
+        self.norm = base.norm
+        self.rotary = base.rotary_emb
+        self.lm_head = hf_model.lm_head
+        depth = len(self.layers)
+        self.num_layers = depth if num_layers is None else num_layers
+        if not 1 <= self.num_layers <= depth:
+            raise ValueError(f"num_layers must be in 1..{depth}, got {self.num_layers}")
+        self.kv_heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+        self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        self.vocab_size = self.lm_head.out_features
+        param = next(hf_model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 2048))
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache(self.num_layers, batch, self.kv_heads, self.head_dim, max_len, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache: KVCache,
+        start: int,
+        input_ids: torch.Tensor | None = None,  # [batch, T]
+        hidden: torch.Tensor | None = None,  # [batch, T, hidden] entering layer `first`
+        first: int = 0,
+        last: int | None = None,
+        positions: torch.Tensor | None = None,  # [batch, T] rotary positions; default start + arange(T)
+        tree_mask: torch.Tensor | None = None,  # [T, T] bool, True = may attend (ancestor or self)
+    ) -> torch.Tensor:
+        """Run layers [first, last) on T new tokens written at cache slots start..start+T.
+
+        Returns the hidden state after layer ``last - 1``: [batch, T, hidden].
+        """
+        last = self.num_layers if last is None else last
+        if hidden is None:
+            if first != 0:
+                raise ValueError("input_ids only enter at layer 0; pass hidden for first > 0")
+            hidden = self.embed(input_ids)
+        bsz, t = hidden.shape[:2]
+        if positions is None:
+            positions = torch.arange(start, start + t, device=hidden.device).unsqueeze(0).expand(bsz, t)
+        cos_sin = self.rotary(hidden, positions)
+        mask = self._mask(start, t, tree_mask, hidden.device)
+        cache.cursor = start
+        for layer in self.layers[first:last]:
+            hidden = layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                position_embeddings=cos_sin,
+            )
+            if isinstance(hidden, tuple):  # older transformers return (hidden, ...)
+                hidden = hidden[0]
+        return hidden
+
+    @staticmethod
+    def _mask(start: int, t: int, tree_mask, device):
+        """None where SDPA's own rule is exact (one query, or causal from slot 0)."""
+        if tree_mask is None and (t == 1 or start == 0):
+            return None
+        block = tree_mask if tree_mask is not None else torch.ones(t, t, dtype=torch.bool, device=device).tril_()
+        prefix = torch.ones(t, start, dtype=torch.bool, device=device)
+        return torch.cat([prefix, block.to(device)], dim=1)[None, None]  # [1, 1, T, start+T]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head on hidden states from any layer: [batch, T, vocab] float32."""
+        return self.lm_head(self.norm(hidden)).float()

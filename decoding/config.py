@@ -1,0 +1,181 @@
+"""The one configuration object of a speculative run.
+
+A ``SpecConfig`` is a frozen, typed, JSON-serialisable description of a
+generation: method, drafter knobs, sampling, model, dtype and placement. The
+same object is a benchmark row, a Tune sample and (later) a registry entry and
+a Serve model name. Invalid values fail at construction with a ``ConfigError``
+that names the field.
+
+>>> cfg = SpecConfig(method="ngram", k=6)
+>>> SpecConfig.from_json(cfg.to_json()) == cfg
+True
+>>> cfg.with_overrides(["k=3", "ngram_max=4"]).k
+3
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+
+METHODS = ("ar", "sps", "ngram", "early-exit")
+DTYPES = ("float32", "bfloat16")
+PLACEMENTS = ("local",)
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; ``field`` names the offending field."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        super().__init__(f"{field_name}: {message}")
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(name, message)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Everything that determines what a generation computes and how.
+
+    Fields
+    ------
+    method: one of ``ar`` (baseline), ``sps`` (separate draft model),
+        ``ngram`` (prompt lookup) and ``early-exit`` (self-speculation).
+    model: ``smollm2-135m`` (bundled) or a local Hugging Face model directory.
+    draft_model: for ``sps``, a separate model with the same tokenizer. When
+        unset, the draft is a shallow model made of the target's first
+        ``draft_layers`` layers plus its final norm and LM head.
+    k: draft length (tokens proposed per target forward).
+    exit_layer: for ``early-exit``, the number of target layers that draft.
+    confidence_threshold: stop drafting when the drafter's top-1 probability
+        falls below it (Kangaroo's double early exit); 0 disables the stop.
+    ngram_max / ngram_min: the longest and shortest suffix n-gram the prompt
+        lookup drafter tries to match.
+    temperature / top_p / top_k: sampling; temperature 0 is greedy decoding.
+        The same warping is applied to draft and target distributions.
+    seed: seed of the ``torch.Generator`` that drives every random draw.
+    """
+
+    method: str = "ar"
+    model: str = "smollm2-135m"
+    draft_model: str | None = None
+    draft_layers: int = 8
+    k: int = 4
+    exit_layer: int = 12
+    confidence_threshold: float = 0.0
+    ngram_max: int = 3
+    ngram_min: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    max_new_tokens: int = 128
+    dtype: str = "bfloat16"
+    threads: int | None = None
+    placement: str = "local"
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        _check(self.method in METHODS, "method", f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
+        _check(bool(self.model), "model", "must name a model")
+        _check(self.dtype in DTYPES, "dtype", f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
+        _check(self.placement in PLACEMENTS, "placement", f"unknown placement {self.placement!r}; choose from {', '.join(PLACEMENTS)}")
+        _check(self.k >= 1, "k", f"draft length must be >= 1, got {self.k}")
+        _check(self.draft_layers >= 1, "draft_layers", f"must be >= 1, got {self.draft_layers}")
+        _check(self.exit_layer >= 1, "exit_layer", f"must be >= 1, got {self.exit_layer}")
+        _check(0.0 <= self.confidence_threshold < 1.0, "confidence_threshold", f"must be in [0, 1), got {self.confidence_threshold}")
+        _check(self.ngram_min >= 1, "ngram_min", f"must be >= 1, got {self.ngram_min}")
+        _check(self.ngram_max >= self.ngram_min, "ngram_max", f"must be >= ngram_min ({self.ngram_min}), got {self.ngram_max}")
+        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, "top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
+        _check(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        _check(self.threads is None or self.threads >= 1, "threads", f"must be >= 1, got {self.threads}")
+
+    # ---- serialisation -------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SpecConfig:
+        if not isinstance(data, dict):
+            raise ConfigError("config", f"expected a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(unknown[0], f"unknown field; known fields: {', '.join(sorted(known))}")
+        return cls(**{k: _coerce(k, v) for k, v in data.items()})
+
+    @classmethod
+    def from_json(cls, text: str) -> SpecConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError("config", f"not valid JSON ({e})") from None
+        return cls.from_dict(data)
+
+    def replace(self, **changes) -> SpecConfig:
+        return dataclasses.replace(self, **{k: _coerce(k, v) for k, v in changes.items()})
+
+    def with_overrides(self, assignments: list[str]) -> SpecConfig:
+        """Apply ``key=value`` strings (the CLI's ``--set``), parsed by field type."""
+        changes = {}
+        for item in assignments:
+            key, sep, value = item.partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep:
+                raise ConfigError(key or "set", f"expected key=value, got {item!r}")
+            changes[key] = _parse_value(key, value.strip())
+        return self.replace(**changes)
+
+
+_FIELD_TYPES = typing.get_type_hints(SpecConfig)
+
+
+def _coerce(name: str, value):
+    """Check a value against the field's declared type; accept ints for floats."""
+    if name not in _FIELD_TYPES:
+        raise ConfigError(name, "unknown field")
+    hint = _FIELD_TYPES[name]
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(name, "must not be null")
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base in (int, float) and isinstance(value, bool):
+        raise ConfigError(name, f"expected {base.__name__}, got a boolean")
+    if not isinstance(value, typing.get_origin(base) or base):
+        raise ConfigError(name, f"expected {getattr(base, '__name__', base)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _parse_value(name: str, text: str):
+    if name not in _FIELD_TYPES:
+        raise ConfigError(name, "unknown field")
+    hint = _FIELD_TYPES[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if args else hint
+    if text.lower() in ("none", "null") and type(None) in typing.get_args(hint):
+        return None
+    try:
+        if base is int:
+            return int(text)
+        if base is float:
+            return float(text)
+        if base is dict:
+            return json.loads(text)
+    except ValueError:
+        raise ConfigError(name, f"expected {base.__name__}, got {text!r}") from None
+    return text

@@ -1,0 +1,100 @@
+"""From a ``SpecConfig`` to a ready decoder: load the model(s), build the drafter, run the loop.
+
+>>> # dec = SpecDecoder(SpecConfig(method="ngram", k=6))
+>>> # out = dec.generate_text("Summarize: ...", chat=True)
+>>> # out["text"], out["stats"]["tokens_per_s"]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decoding.adapter import ModelAdapter
+from decoding.config import ConfigError, SpecConfig
+from decoding.drafters import Drafter, DraftModelDrafter, EarlyExitDrafter, NgramDrafter
+from decoding.loop import ContextTooLong, Generation, generate
+from decoding.models import LoadedModel, load_model, set_threads
+from decoding.sampling import SamplingParams
+
+
+def build_drafter(cfg: SpecConfig, target: LoadedModel) -> Drafter | None:
+    """The drafter a method uses; checks knobs that depend on the model (exit layer vs depth)."""
+    depth = len(ModelAdapter(target.model).layers)
+    if cfg.method == "ar":
+        return None
+    if cfg.method == "ngram":
+        return NgramDrafter(cfg.ngram_max, cfg.ngram_min)
+    if cfg.method == "early-exit":
+        if cfg.exit_layer >= depth:
+            raise ConfigError("exit_layer", f"must be below the model's {depth} layers, got {cfg.exit_layer}")
+        return EarlyExitDrafter(cfg.exit_layer, cfg.confidence_threshold)
+    if cfg.method == "sps":
+        if cfg.draft_model:
+            draft = load_model(cfg.draft_model, cfg.dtype)
+            if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+                raise ConfigError("draft_model", f"{cfg.draft_model!r} does not share the target's tokenizer")
+            return DraftModelDrafter(ModelAdapter(draft.model), cfg.confidence_threshold)
+        if cfg.draft_layers >= depth:
+            raise ConfigError("draft_layers", f"must be below the model's {depth} layers, got {cfg.draft_layers}")
+        return DraftModelDrafter(ModelAdapter(target.model, num_layers=cfg.draft_layers), cfg.confidence_threshold)
+    raise ConfigError("method", f"unknown method {cfg.method!r}")  # unreachable: SpecConfig checks it
+
+
+class SpecDecoder:
+    """A loaded target, a drafter and sampling settings: the in-process way to generate."""
+
+    def __init__(self, cfg: SpecConfig):
+        self.cfg = cfg
+        self.threads = set_threads(cfg.threads)
+        self.loaded = load_model(cfg.model, cfg.dtype)
+        self.tokenizer = self.loaded.tokenizer
+        self.target = ModelAdapter(self.loaded.model)
+        self.drafter = build_drafter(cfg, self.loaded)
+        self.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+
+    # ---- text <-> ids ----------------------------------------------------
+    def encode(self, prompt: str, chat: bool = False) -> torch.Tensor:
+        """Token ids [1, T] of a prompt; ``chat`` applies the model's chat template."""
+        if not prompt or not prompt.strip():
+            raise ConfigError("prompt", "is empty")
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ConfigError("chat", "this model has no chat template")
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = self.tokenizer(prompt)["input_ids"]
+        return torch.tensor([ids], dtype=torch.long)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ---- generation -------------------------------------------------------
+    def generate_ids(self, prompt_ids: torch.Tensor, max_new_tokens: int | None = None, seed: int | None = None, on_step=None) -> Generation:
+        max_new = max_new_tokens or self.cfg.max_new_tokens
+        gen = torch.Generator().manual_seed(self.cfg.seed if seed is None else seed)
+        try:
+            return generate(
+                self.target,
+                prompt_ids,
+                drafter=self.drafter,
+                k=self.cfg.k,
+                sampling=self.sampling,
+                max_new_tokens=max_new,
+                eos_token_ids=self.loaded.eos_token_ids,
+                generator=gen,
+                on_step=on_step,
+            )
+        except ContextTooLong as e:
+            raise ConfigError("max_new_tokens", str(e)) from None
+
+    def generate_text(self, prompt: str, chat: bool = False, max_new_tokens: int | None = None, seed: int | None = None) -> dict:
+        """The CLI's JSON shape: method, text, token_ids, stats (+ finish_reason)."""
+        out = self.generate_ids(self.encode(prompt, chat), max_new_tokens, seed)
+        return {
+            "method": self.cfg.method,
+            "text": self.decode(out.token_ids),
+            "token_ids": out.token_ids,
+            "finish_reason": out.finish_reason,
+            "stats": out.stats.to_dict(),
+        }

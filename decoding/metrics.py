@@ -1,0 +1,61 @@
+"""Per-step records and the figures computed from them."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StepRecord:
+    drafted: int  # tokens proposed this step (j)
+    accepted: int  # drafts accepted (m); the step commits m + 1 tokens (fewer only at EOS)
+    draft_s: float
+    verify_s: float
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int
+    wall_s: float
+    tokens_per_s: float
+    target_forwards: int  # including the prefill forward that produced the first token
+    mean_accepted_tokens: float  # tokens committed per decoding target forward (tau); 1.0 for AR
+    acceptance_rate: float  # accepted drafts / proposed drafts (0 when nothing was proposed)
+    per_position_acceptance: list[float] = field(default_factory=list)  # P(draft i accepted | proposed), i = 1..k
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def per_position_acceptance(steps: list[StepRecord]) -> list[float]:
+    """Fraction of steps whose draft at position i was accepted, among steps that proposed position i.
+
+    >>> per_position_acceptance([StepRecord(3, 1, 0, 0), StepRecord(2, 2, 0, 0)])
+    [1.0, 0.5, 0.0]
+    """
+    depth = max((s.drafted for s in steps), default=0)
+    out = []
+    for i in range(depth):
+        proposed = [s for s in steps if s.drafted > i]
+        out.append(sum(s.accepted > i for s in proposed) / len(proposed))
+    return out
+
+
+def summarize(new_tokens: int, wall_s: float, prefill_s: float, steps: list[StepRecord]) -> GenerationStats:
+    drafted = sum(s.drafted for s in steps)
+    accepted = sum(s.accepted for s in steps)
+    return GenerationStats(
+        new_tokens=new_tokens,
+        wall_s=wall_s,
+        tokens_per_s=new_tokens / wall_s if wall_s > 0 else 0.0,
+        target_forwards=len(steps) + 1,
+        mean_accepted_tokens=(accepted + len(steps)) / len(steps) if steps else 1.0,
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        per_position_acceptance=per_position_acceptance(steps),
+        prefill_s=prefill_s,
+        draft_s=sum(s.draft_s for s in steps),
+        verify_s=sum(s.verify_s for s in steps),
+    )
