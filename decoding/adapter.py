@@ -44,8 +44,8 @@ class KVCache:
         end = self.cursor + t
         if end > self.max_len:
             raise IndexError(f"KV cache full: writing positions {self.cursor}..{end} of {self.max_len}")
-        self.k[layer_idx][:, :, self.cursor:end] = key
-        self.v[layer_idx][:, :, self.cursor:end] = value
+        self.k[layer_idx][:, :, self.cursor : end] = key
+        self.v[layer_idx][:, :, self.cursor : end] = value
         return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
 
     def rollback(self, length: int) -> None:

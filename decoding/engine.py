@@ -70,7 +70,9 @@ class SpecDecoder:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # ---- generation -------------------------------------------------------
-    def generate_ids(self, prompt_ids: torch.Tensor, max_new_tokens: int | None = None, seed: int | None = None, on_step=None) -> Generation:
+    def generate_ids(
+        self, prompt_ids: torch.Tensor, max_new_tokens: int | None = None, seed: int | None = None, on_step=None
+    ) -> Generation:
         max_new = max_new_tokens or self.cfg.max_new_tokens
         gen = torch.Generator().manual_seed(self.cfg.seed if seed is None else seed)
         try:

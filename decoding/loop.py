@@ -21,6 +21,8 @@ from decoding.metrics import GenerationStats, StepRecord, summarize
 from decoding.sampling import SamplingParams, warp
 from decoding.verify import Verdict, verify_greedy, verify_speculative
 
+GREEDY = SamplingParams()
+
 
 class ContextTooLong(ValueError):
     pass
@@ -51,7 +53,7 @@ def generate(
     *,
     drafter: Drafter | None = None,
     k: int = 4,
-    sampling: SamplingParams = SamplingParams(),
+    sampling: SamplingParams = GREEDY,
     max_new_tokens: int = 128,
     eos_token_ids: tuple[int, ...] | list[int] = (),
     generator: torch.Generator | None = None,
