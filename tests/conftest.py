@@ -1,0 +1,70 @@
+"""Shared fixtures: a tiny random-weight Llama (fast unit tests) and the real SmolLM2 (slow tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def tiny_llama(vocab: int = 12, layers: int = 3, seed: int = 0, sharpness: float = 4.0):
+    """A random Llama whose next-token distributions are peaked (not near-uniform).
+
+    Random init gives almost uniform outputs, where every acceptance rule looks
+    right; scaling the LM head makes draft and target disagree measurably.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.5)
+        model.lm_head.weight.mul_(sharpness / 4)
+    model.requires_grad_(False)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32():
+    from decoding.models import load_model
+
+    return load_model("smollm2-135m", "float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm2_fp32):
+    """A 2-layer random model with SmolLM2's tokenizer, saved as a local HF model directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-smol")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=smollm2_fp32.model.config.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=smollm2_fp32.tokenizer.eos_token_id,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    smollm2_fp32.tokenizer.save_pretrained(out)
+    return out
