@@ -7,6 +7,8 @@ import sys
 
 COMMANDS = {
     "generate": "jobs.generate",
+    "bench": "jobs.bench",
+    "registry": "jobs.registry",
 }
 
 
