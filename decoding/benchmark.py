@@ -1,0 +1,337 @@
+"""The pure half of the benchmark: run order, greedy identity with AR, and the summary maths.
+
+Everything here works on plain Python rows (dicts, as ``pyarrow.Table.to_pylist``
+returns them) or on torch tensors; files, plots, Ray and the CLI live in
+``jobs/bench.py``.
+
+Two tables describe a run:
+
+* generation rows, one per (prompt, repeat, method): ``GEN_COLUMNS``;
+* step rows, one per decoding step of a specray method: ``STEP_COLUMNS``.
+
+Speedup is tokens/s of a method over tokens/s of the baseline (``ar``), each
+aggregated as total new tokens / total wall seconds over the same prompts
+(the prompts every method finished), overall and per category. The per-prompt
+ratio (method tokens/s / AR tokens/s on one prompt and repeat) gives the spread.
+
+>>> rows = [gen_row("ar", 1, "qa", new_tokens=10, wall_s=1.0), gen_row("ngram", 1, "qa", new_tokens=10, wall_s=0.5)]
+>>> s = summarize(rows, [])
+>>> s["methods"]["ngram"]["speedup"], s["methods"]["ar"]["tokens_per_s"]
+(2.0, 10.0)
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from decoding.adapter import ModelAdapter
+from decoding.metrics import StepRecord, per_position_acceptance
+
+BASELINE = "ar"
+
+# generation rows: one per (prompt, repeat, method)
+GEN_COLUMNS = (
+    "method",  # specray method ("ar", "ngram", ...) or a peer mode ("hf-plain", ...)
+    "kind",  # "specray" or "peer"
+    "prompt_id",  # str(question_id)
+    "category",
+    "repeat",
+    "worker",  # "local" or the Ray worker that ran it
+    "new_tokens",
+    "wall_s",  # prefill + decoding, what tokens/s divides by
+    "prefill_s",
+    "draft_s",
+    "verify_s",
+    "target_forwards",  # including the prefill forward; None for peers
+    "steps",
+    "identical",  # greedy output token-identical to AR's on the same prompt and repeat; None = not compared
+    "first_diff",  # first differing position (0-based, among the new tokens); None when identical
+    "margin",  # AR's top-1 minus top-2 target logit at first_diff
+    "suspicious",  # the divergence sits on a margin wider than the dtype's rounding
+    "finish_reason",
+    "config",  # SpecConfig JSON (or the peer's generate kwargs)
+)
+
+# step rows: one per decoding step of a specray method
+STEP_COLUMNS = ("method", "prompt_id", "category", "repeat", "worker", "step", "drafted", "accepted", "draft_s", "verify_s", "config")
+
+# A divergence at a margin up to this is numerics (one or two rounding steps of the dtype), above it a bug.
+MARGIN_TOLERANCE = {"bfloat16": 0.5, "float16": 0.05, "float32": 1e-3}
+
+
+def gen_row(method: str, prompt_id, category: str, **fields) -> dict:
+    """A generation row with every column present (missing ones are None; defaults for the rest)."""
+    row = dict.fromkeys(GEN_COLUMNS)
+    row.update(method=method, kind="specray", prompt_id=str(prompt_id), category=category, repeat=0, worker="local")
+    row.update(fields)
+    unknown = set(row) - set(GEN_COLUMNS)
+    if unknown:
+        raise KeyError(f"unknown generation columns: {sorted(unknown)}")
+    return row
+
+
+def step_rows(method: str, prompt_id, category: str, steps: Iterable[StepRecord], repeat=0, worker="local", config="") -> list[dict]:
+    return [
+        {
+            "method": method,
+            "prompt_id": str(prompt_id),
+            "category": category,
+            "repeat": repeat,
+            "worker": worker,
+            "step": i,
+            "drafted": s.drafted,
+            "accepted": s.accepted,
+            "draft_s": s.draft_s,
+            "verify_s": s.verify_s,
+            "config": config,
+        }
+        for i, s in enumerate(steps)
+    ]
+
+
+# ---- run order -------------------------------------------------------------
+def method_order(methods: Sequence[str], index: int) -> list[str]:
+    """The methods rotated by ``index``: prompt i starts with method i mod n, so no method always runs first.
+
+    >>> [method_order(["ar", "ngram", "sps"], i) for i in range(4)]
+    [['ar', 'ngram', 'sps'], ['ngram', 'sps', 'ar'], ['sps', 'ar', 'ngram'], ['ar', 'ngram', 'sps']]
+    """
+    n = len(methods)
+    if n == 0:
+        return []
+    r = index % n
+    return list(methods[r:]) + list(methods[:r])
+
+
+# ---- fidelity ----------------------------------------------------------------
+def first_divergence(tokens: Sequence[int], reference: Sequence[int]) -> int | None:
+    """First position where two token lists differ (a length difference counts); None when equal.
+
+    >>> first_divergence([1, 2, 3], [1, 2, 3]), first_divergence([1, 5, 3], [1, 2, 3]), first_divergence([1, 2], [1, 2, 3])
+    (None, 1, 2)
+    """
+    for i, (a, b) in enumerate(zip(tokens, reference, strict=False)):
+        if a != b:
+            return i
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
+
+
+def top2_margin(logits: torch.Tensor) -> torch.Tensor:
+    """Top-1 minus top-2 logit along the last dim. logits: [..., V] -> [...]."""
+    top = logits.float().topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1]
+
+
+@torch.inference_mode()
+def reference_margins(target: ModelAdapter, prompt_ids: torch.Tensor, new_tokens: Sequence[int]) -> list[float]:
+    """The target's top-1 minus top-2 logit at each generated position, from one forward over prompt + tokens.
+
+    prompt_ids: [1, T]. Entry i is the margin of the distribution that chose ``new_tokens[i]``
+    (the logits at sequence index T - 1 + i).
+    """
+    n = len(new_tokens)
+    if n == 0:
+        return []
+    t = prompt_ids.shape[1]
+    seq = torch.cat([prompt_ids, torch.tensor([list(new_tokens)], dtype=prompt_ids.dtype, device=prompt_ids.device)], dim=1)
+    cache = target.new_cache(1, t + n)
+    h = target.forward(cache, 0, input_ids=seq[:, : t + n - 1])  # the last token's logits are never used
+    return top2_margin(target.logits(h[:, t - 1 :]))[0].tolist()
+
+
+def margin_tolerance(dtype: str) -> float:
+    return MARGIN_TOLERANCE.get(str(dtype).removeprefix("torch."), MARGIN_TOLERANCE["float32"])
+
+
+def compare_to_reference(tokens: Sequence[int], reference: Sequence[int], margins: Sequence[float], dtype: str) -> dict:
+    """Identity with the reference (AR) output; for a divergence its position, AR's margin there, and whether it is suspicious.
+
+    >>> compare_to_reference([1, 2, 9], [1, 2, 3], [5.0, 4.0, 0.125], "bfloat16")
+    {'identical': False, 'first_diff': 2, 'margin': 0.125, 'suspicious': False}
+    >>> compare_to_reference([7, 2, 3], [1, 2, 3], [5.0, 4.0, 0.125], "bfloat16")["suspicious"]
+    True
+    """
+    pos = first_divergence(tokens, reference)
+    if pos is None:
+        return {"identical": True, "first_diff": None, "margin": None, "suspicious": False}
+    margin = float(margins[pos]) if pos < len(margins) else None
+    suspicious = margin is not None and margin > margin_tolerance(dtype)
+    return {"identical": False, "first_diff": pos, "margin": margin, "suspicious": suspicious}
+
+
+# ---- summary maths -------------------------------------------------------------
+def quantiles(values: Iterable[float]) -> dict | None:
+    """min / p25 / median / p75 / max with linear interpolation (numpy's default); None for no values.
+
+    >>> quantiles([4.0, 1.0, 3.0, 2.0])
+    {'n': 4, 'min': 1.0, 'p25': 1.75, 'median': 2.5, 'p75': 3.25, 'max': 4.0}
+    """
+    xs = sorted(float(v) for v in values)
+    if not xs:
+        return None
+
+    def q(p):
+        pos = p * (len(xs) - 1)
+        lo, hi = math.floor(pos), math.ceil(pos)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+    return {"n": len(xs), "min": xs[0], "p25": q(0.25), "median": q(0.5), "p75": q(0.75), "max": xs[-1]}
+
+
+def _rate(rows) -> float:
+    secs = sum(r["wall_s"] for r in rows)
+    return sum(r["new_tokens"] for r in rows) / secs if secs > 0 else 0.0
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+def _key(r) -> tuple:
+    return (r["prompt_id"], r["repeat"])
+
+
+def complete_keys(gen_rows: Sequence[dict], methods: Sequence[str]) -> set:
+    """(prompt_id, repeat) pairs that every method finished."""
+    done = defaultdict(set)
+    for r in gen_rows:
+        done[_key(r)].add(r["method"])
+    return {k for k, ms in done.items() if set(methods) <= ms}
+
+
+def _speedups(rows_by_method: dict, baseline_rows: list, methods) -> dict:
+    base = _rate(baseline_rows)
+    return {m: _ratio(_rate(rows_by_method.get(m, [])), base) for m in methods}
+
+
+def summarize(gen_rows: Sequence[dict], step_rows: Sequence[dict], baseline: str = BASELINE, order: Sequence[str] = ()) -> dict:
+    """Everything the report shows, from the two tables (see the module docstring).
+
+    Only (prompt, repeat) pairs that every method finished count, so an interrupted
+    run compares like with like. Per-step figures come from the step rows of the same pairs.
+    ``order`` lists methods in the order the report shows them (others follow in row order).
+    """
+    present = set(r["method"] for r in gen_rows)
+    methods = list(dict.fromkeys([m for m in order if m in present] + [r["method"] for r in gen_rows]))
+    if methods and baseline not in methods:
+        raise ValueError(f"no {baseline!r} rows: the speedup needs the baseline")
+    keys = complete_keys(gen_rows, methods)
+    all_keys = {_key(r) for r in gen_rows}
+    rows = [r for r in gen_rows if _key(r) in keys]
+    steps = [s for s in step_rows if _key(s) in keys]
+    by_method = defaultdict(list)
+    for r in rows:
+        by_method[r["method"]].append(r)
+    steps_by_method = defaultdict(list)
+    for s in steps:
+        steps_by_method[s["method"]].append(s)
+    base_rows = by_method.get(baseline, [])
+    base_rate = _rate(base_rows)
+    base_by_key = {_key(r): r for r in base_rows}
+    repeats = sorted({r["repeat"] for r in rows})
+
+    out_methods = {}
+    for m in methods:
+        mrows, msteps = by_method[m], steps_by_method[m]
+        rate = _rate(mrows)
+        per_prompt = []
+        for r in mrows:
+            b = base_by_key[_key(r)]
+            if r["wall_s"] > 0 and b["wall_s"] > 0 and b["new_tokens"] > 0:
+                per_prompt.append((r["new_tokens"] / r["wall_s"]) / (b["new_tokens"] / b["wall_s"]))
+        per_repeat = [
+            _ratio(_rate([r for r in mrows if r["repeat"] == k]), _rate([r for r in base_rows if r["repeat"] == k])) for k in repeats
+        ]
+        n_steps = len(msteps)
+        accepted = sum(s["accepted"] for s in msteps)
+        drafted = sum(s["drafted"] for s in msteps)
+        forwards = [r["target_forwards"] for r in mrows if r["target_forwards"] is not None]
+        new_tokens = sum(r["new_tokens"] for r in mrows)
+        compared = [r for r in mrows if r["identical"] is not None]
+        divergences = [
+            {k: r[k] for k in ("prompt_id", "category", "repeat", "first_diff", "margin", "suspicious")}
+            for r in compared
+            if not r["identical"]
+        ]
+        out_methods[m] = {
+            "kind": mrows[0]["kind"] if mrows else None,
+            "prompts": len(mrows),
+            "new_tokens": new_tokens,
+            "wall_s": sum(r["wall_s"] for r in mrows),
+            "tokens_per_s": rate,
+            "speedup": _ratio(rate, base_rate),
+            "speedup_per_prompt": quantiles(per_prompt),
+            "speedup_per_repeat": quantiles(x for x in per_repeat if x is not None) if len(repeats) > 1 else None,
+            "steps": n_steps,
+            "mean_accepted_tokens": (accepted + n_steps) / n_steps if n_steps else None,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "per_position_acceptance": per_position_acceptance([StepRecord(s["drafted"], s["accepted"], 0.0, 0.0) for s in msteps])
+            if msteps
+            else [],
+            "target_forwards_per_token": sum(forwards) / new_tokens if forwards and new_tokens else None,
+            "draft_ms_per_step": 1e3 * sum(s["draft_s"] for s in msteps) / n_steps if n_steps else None,
+            "verify_ms_per_step": 1e3 * sum(s["verify_s"] for s in msteps) / n_steps if n_steps else None,
+            "identity": {
+                "compared": len(compared),
+                "identical": sum(bool(r["identical"]) for r in compared),
+                "fraction": sum(bool(r["identical"]) for r in compared) / len(compared) if compared else None,
+                "suspicious": sum(bool(d["suspicious"]) for d in divergences),
+                "divergences": divergences,
+            }
+            if m != baseline
+            else None,
+        }
+
+    categories = {}
+    for c in dict.fromkeys(r["category"] for r in rows):
+        crows = defaultdict(list)
+        for r in rows:
+            if r["category"] == c:
+                crows[r["method"]].append(r)
+        sp = _speedups(crows, crows[baseline], methods)
+        categories[c] = {m: {"prompts": len(crows[m]), "tokens_per_s": _rate(crows[m]), "speedup": sp[m]} for m in methods}
+
+    workers = {}
+    for w in dict.fromkeys(r["worker"] for r in rows):
+        wrows = defaultdict(list)
+        for r in rows:
+            if r["worker"] == w:
+                wrows[r["method"]].append(r)
+        sp = _speedups(wrows, wrows[baseline], methods)
+        workers[w] = {m: {"prompts": len(wrows[m]), "tokens_per_s": _rate(wrows[m]), "speedup": sp[m]} for m in methods}
+
+    return {
+        "baseline": baseline,
+        "methods_order": methods,
+        "prompts_complete": len({k[0] for k in keys}),
+        "runs_complete": len(keys),
+        "runs_incomplete": len(all_keys - keys),
+        "repeats": len(repeats),
+        "methods": out_methods,
+        "categories": categories,
+        "workers": workers,
+        "peer": peer_comparison(out_methods, baseline),
+    }
+
+
+def peer_comparison(methods: dict, baseline: str = BASELINE) -> dict | None:
+    """specray AR vs HF plain generate, and specray's best method vs the best HF mode (None without peer rows)."""
+    ours = {m: v["tokens_per_s"] for m, v in methods.items() if v["kind"] == "specray"}
+    peers = {m: v["tokens_per_s"] for m, v in methods.items() if v["kind"] == "peer"}
+    if not ours or not peers:
+        return None
+    best_ours = max(ours, key=ours.get)
+    best_peer = max(peers, key=peers.get)
+    plain = next((m for m in peers if m.endswith("plain")), None)
+    return {
+        "best_specray": best_ours,
+        "best_peer": best_peer,
+        "best_vs_best": _ratio(ours[best_ours], peers[best_peer]),
+        "plain_peer": plain,
+        "ar_vs_plain": _ratio(ours.get(baseline, 0.0), peers[plain]) if plain else None,
+        "peer_tokens_per_s": peers,
+    }

@@ -1,0 +1,127 @@
+"""Benchmark workloads: Spec-Bench style prompt files.
+
+A prompt file is JSON Lines, one question per line, in Spec-Bench's format::
+
+    {"question_id": 81, "category": "writing", "turns": ["Compose ...", "Rewrite ..."]}
+
+The first turn is the prompt (it gets the model's chat template when it is
+encoded); later turns are ignored. ``select`` keeps the asked categories and the
+first ``limit`` prompts of each, in file order.
+
+>>> ps = parse_prompts(['{"question_id": 1, "category": "qa", "turns": ["Why?"]}', ""], source="q.jsonl")
+>>> ps[0].question_id, ps[0].category, ps[0].prompt
+(1, 'qa', 'Why?')
+>>> parse_prompts(['{"question_id": 1}'], source="q.jsonl")
+Traceback (most recent call last):
+...
+decoding.workloads.WorkloadError: q.jsonl:1: missing field 'category'
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+# data/spec_bench/question.jsonl at the repository root (decoding/ sits at the root)
+DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "spec_bench" / "question.jsonl"
+
+
+class WorkloadError(ValueError):
+    """A bad prompt file or selection; the message names the file (and line) at fault."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    question_id: int | str
+    category: str
+    turns: tuple[str, ...]
+
+    @property
+    def prompt(self) -> str:
+        return self.turns[0]
+
+
+def parse_line(line: str, source: str, lineno: int) -> Prompt:
+    where = f"{source}:{lineno}"
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise WorkloadError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise WorkloadError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    for key in ("question_id", "category", "turns"):
+        if key not in obj:
+            raise WorkloadError(f"{where}: missing field {key!r}")
+    qid, category, turns = obj["question_id"], obj["category"], obj["turns"]
+    if isinstance(qid, bool) or not isinstance(qid, int | str):
+        raise WorkloadError(f"{where}: question_id must be an integer or a string, got {qid!r}")
+    if not isinstance(category, str) or not category:
+        raise WorkloadError(f"{where}: category must be a non-empty string, got {category!r}")
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+        raise WorkloadError(f"{where}: turns must be a non-empty list of strings")
+    if not turns[0].strip():
+        raise WorkloadError(f"{where}: the first turn is empty")
+    return Prompt(qid, category, tuple(turns))
+
+
+def parse_prompts(lines: Iterable[str], source: str = "<prompts>") -> list[Prompt]:
+    """Parse JSON Lines; blank lines are skipped; ids must be unique."""
+    out: list[Prompt] = []
+    seen: dict[int | str, int] = {}
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        p = parse_line(line, source, lineno)
+        if p.question_id in seen:
+            raise WorkloadError(f"{source}:{lineno}: duplicate question_id {p.question_id!r} (first on line {seen[p.question_id]})")
+        seen[p.question_id] = lineno
+        out.append(p)
+    if not out:
+        raise WorkloadError(f"{source}: no prompts in the file")
+    return out
+
+
+def load_prompts(path: str | Path | None = None) -> list[Prompt]:
+    """Read a Spec-Bench style JSONL file (default: the bundled Spec-Bench questions)."""
+    path = Path(path) if path is not None else DEFAULT_PROMPTS
+    if not path.is_file():
+        raise WorkloadError(f"{path}: prompt file does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise WorkloadError(f"{path}: cannot read the prompt file ({e})") from None
+    return parse_prompts(text.splitlines(), source=str(path))
+
+
+def categories(prompts: Iterable[Prompt]) -> list[str]:
+    """Categories in order of first appearance."""
+    return list(dict.fromkeys(p.category for p in prompts))
+
+
+def select(prompts: list[Prompt], wanted: Iterable[str] | None = None, limit: int | None = None, source: str = "prompts") -> list[Prompt]:
+    """Keep the ``wanted`` categories (all when None) and at most ``limit`` prompts of each.
+
+    >>> ps = parse_prompts([f'{{"question_id": {i}, "category": "{c}", "turns": ["t"]}}' for i, c in enumerate("aabbb")])
+    >>> [p.question_id for p in select(ps, ["b"], limit=2)]
+    [2, 3]
+    >>> select(ps, ["z"])
+    Traceback (most recent call last):
+    ...
+    decoding.workloads.WorkloadError: prompts: unknown category 'z'; known categories: a, b
+    """
+    known = categories(prompts)
+    wanted = list(dict.fromkeys(wanted)) if wanted else known
+    for c in wanted:
+        if c not in known:
+            raise WorkloadError(f"{source}: unknown category {c!r}; known categories: {', '.join(known)}")
+    if limit is not None and limit < 1:
+        raise WorkloadError(f"limit must be >= 1, got {limit}")
+    taken = {c: 0 for c in wanted}
+    out = []
+    for p in prompts:
+        if p.category in taken and (limit is None or taken[p.category] < limit):
+            taken[p.category] += 1
+            out.append(p)
+    return out

@@ -1,0 +1,297 @@
+"""`specray bench` on a tiny random-weight Llama: outputs, Parquet layout, plots, bad input, interruption."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from decoding import benchmark as bm
+from jobs import bench
+from jobs.cli import main as cli_main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+CHAT = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECRAY = ["ar", "ngram", "sps", "early-exit"]
+
+
+def build_tiny_model(d: Path) -> Path:
+    """A 4-layer random Llama with a byte-level tokenizer (259 tokens) and a chat template, saved to ``d``."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, eos_token="<|im_end|>", bos_token="<|im_start|>", pad_token="<|endoftext|>", additional_special_tokens=specials
+    )
+    tok.chat_template = CHAT
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def write_prompts(path: Path, n_per_cat=1, cats=("writing", "qa", "summarization")) -> Path:
+    lines, qid = [], 100
+    for c in cats:
+        for i in range(n_per_cat):
+            qid += 1
+            text = f"Topic {c} {i}: repeat the words {c} {c} {c} and then say {c} again."
+            lines.append(json.dumps({"question_id": qid, "category": c, "turns": [text, "a second turn"]}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {"model": str(build_tiny_model(root / "model")), "prompts": str(write_prompts(root / "q.jsonl")), "root": root}
+
+
+def base_argv(tiny, out, *extra):
+    return [
+        "--model", tiny["model"], "--prompts", tiny["prompts"], "--dtype", "float32", "--max-new-tokens", "12", "--threads", "1",
+        "--set", "exit_layer=2", "--set", "draft_layers=2", "--set", "k=3", "--out", str(out), *extra,
+    ]  # fmt: skip
+
+
+def run_quiet(argv, on_prompt_done=None):
+    args = bench.build_parser().parse_args(argv)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code, summary = bench.run_bench(args, on_prompt_done)
+    return code, summary, buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny):
+    out = tiny["root"] / "out"
+    code, summary, stdout = run_quiet(base_argv(tiny, out, "--methods", "ngram,sps,early-exit", "--peer", "hf", "--json"))
+    return {"code": code, "summary": summary, "stdout": stdout, "out": out}
+
+
+# ---- a complete run ---------------------------------------------------------------------------
+
+
+def test_summary_structure_and_rows(full_run):
+    assert full_run["code"] == 0
+    s = full_run["summary"]
+    for key in ("run_id", "model", "dtype", "config", "methods", "methods_order", "categories", "peer", "plots", "traces", "interrupted"):
+        assert key in s, key
+    assert s["interrupted"] is False
+    assert s["specray_methods"] == SPECRAY  # ar first (always included), then in the order asked
+    assert s["methods_order"][:4] == SPECRAY
+    assert set(s["methods_order"][4:]) == {"hf-plain", "hf-prompt-lookup", "hf-assistant", "hf-early-exit"}, s["peer_skipped"]
+    assert s["runs_complete"] == 3 and s["runs_incomplete"] == 0
+    assert list(s["categories"]) == ["writing", "qa", "summarization"]
+    for m, row in s["methods"].items():
+        assert row["prompts"] == 3 and row["new_tokens"] > 0 and row["tokens_per_s"] > 0, m
+        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / s["methods"]["ar"]["tokens_per_s"])
+    assert s["methods"]["ar"]["mean_accepted_tokens"] == pytest.approx(1.0)
+    assert s["methods"]["ar"]["target_forwards_per_token"] == pytest.approx(1.0)
+    for m in ("sps", "early-exit"):  # model drafters always propose k=3 tokens
+        assert len(s["methods"][m]["per_position_acceptance"]) == 3
+        assert s["methods"][m]["draft_ms_per_step"] > 0
+    assert s["peer"]["plain_peer"] == "hf-plain" and s["peer"]["ar_vs_plain"] > 0
+
+
+def test_float32_outputs_match_ar_without_suspicious_divergence(full_run):
+    for m, row in full_run["summary"]["methods"].items():
+        if m == "ar":
+            continue
+        ident = row["identity"]
+        assert ident["compared"] == 3, m
+        assert ident["suspicious"] == 0, (m, ident["divergences"])
+
+
+def test_json_stdout_is_the_summary_file(full_run):
+    on_disk = json.loads((full_run["out"] / "summary.json").read_text())
+    printed = json.loads(full_run["stdout"])
+    assert printed == on_disk
+    assert on_disk["run_id"] == full_run["summary"]["run_id"]
+
+
+def test_parquet_is_partitioned_by_run_and_method(full_run):
+    import pyarrow.parquet as pq
+
+    out, run = full_run["out"], full_run["summary"]["run_id"]
+    trace_dirs = sorted(p.name for p in (out / "traces" / f"run={run}").iterdir())
+    assert trace_dirs == sorted(f"method={m}" for m in SPECRAY)  # peers have no per-step traces
+    gen_dirs = {p.name for p in (out / "generations" / f"run={run}").iterdir()}
+    assert {f"method={m}" for m in full_run["summary"]["methods_order"]} == gen_dirs
+    parts = sorted((out / "traces" / f"run={run}" / "method=ngram").glob("part-*.parquet"))
+    assert len(parts) == 3  # written after each of the 3 prompts
+    t = pq.read_table(parts[0])
+    assert t.column_names == ["prompt_id", "category", "repeat", "worker", "step", "drafted", "accepted", "draft_s", "verify_s", "config"]
+    assert json.loads(t.column("config")[0].as_py())["method"] == "ngram"
+    assert t.column("step").to_pylist() == list(range(t.num_rows))
+    g = pq.read_table(out / "generations" / f"run={run}" / "method=sps")
+    assert g.num_rows == 3 and "identical" in g.column_names and "margin" in g.column_names
+
+
+def test_trace_rows_agree_with_generation_rows(full_run):
+    out, run = full_run["out"], full_run["summary"]["run_id"]
+    gens, steps = bench.read_run(out, run, "generations"), bench.read_run(out, run, "traces")
+    for m in SPECRAY:
+        mine = [r for r in gens if r["method"] == m]
+        assert len(mine) == 3
+        assert sum(r["steps"] for r in mine) == sum(s["method"] == m for s in steps)
+        # every generation: 1 prefill forward + one per step
+        assert all(r["target_forwards"] == r["steps"] + 1 for r in mine)
+        assert all(s["accepted"] <= s["drafted"] for s in steps if s["method"] == m)
+    assert bm.summarize(gens, steps)["methods"]["ngram"]["steps"] == full_run["summary"]["methods"]["ngram"]["steps"]
+
+
+def test_plots_are_written_as_png(full_run):
+    plots = [Path(p) for p in full_run["summary"]["plots"]]
+    assert {p.name for p in plots} == {"speedup_by_category.png", "acceptance_by_position.png"}
+    for p in plots:
+        data = p.read_bytes()
+        assert data[:8] == PNG and len(data) > 2000
+
+
+def test_plain_table_names_every_method(full_run):
+    buf = io.StringIO()
+    bench.render(full_run["summary"], file=buf)
+    text = buf.getvalue()
+    assert "speedup" in text and "tok/s" in text
+    for m in full_run["summary"]["methods_order"]:
+        assert f"\n{m} " in text
+    assert "specray ar vs hf-plain" in text
+
+
+# ---- plots come from the Parquet files ---------------------------------------------------------
+
+
+def test_plots_are_built_from_parquet_files(tmp_path):
+    g = bm.gen_row
+    gens = [
+        g("ar", 1, "A", new_tokens=10, wall_s=1.0, target_forwards=10),
+        g("ngram", 1, "A", new_tokens=10, wall_s=0.5, target_forwards=5),
+    ]
+    steps = [
+        {"method": "ngram", "prompt_id": "1", "category": "A", "repeat": 0, "worker": "local", "step": i,
+         "drafted": 2, "accepted": a, "draft_s": 0.001, "verify_s": 0.002, "config": "{}"}
+        for i, a in enumerate([2, 1, 0])
+    ]  # fmt: skip
+    bench.TraceWriter(tmp_path, "r1").write(gens, steps)
+    paths = bench.make_plots(tmp_path, "r1")
+    assert len(paths) == 2 and all(p.read_bytes()[:8] == PNG for p in paths)
+    assert bench.make_plots(tmp_path, "no-such-run") == []  # nothing on disk, nothing to plot
+    back = bench.read_run(tmp_path, "r1", "traces")
+    assert [r["accepted"] for r in back] == [2, 1, 0] and back[0]["method"] == "ngram"
+
+
+# ---- bad input: one line, exit 2 --------------------------------------------------------------------
+
+
+def _bad(capsys, tiny, tmp_path, *extra):
+    code = cli_main(["bench", *base_argv(tiny, tmp_path / "o"), *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_missing_prompt_file(capsys, tiny, tmp_path):
+    err = _bad(capsys, tiny, tmp_path, "--prompts", str(tmp_path / "nope.jsonl"))
+    assert "nope.jsonl" in err and "does not exist" in err
+
+
+def test_malformed_jsonl_line_names_file_and_line(capsys, tiny, tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(Path(tiny["prompts"]).read_text() + '{"question_id": 9, "category": "qa", "turns": ["x"]\n')
+    err = _bad(capsys, tiny, tmp_path, "--prompts", str(f))
+    assert f"{f}:4: not valid JSON" in err
+
+
+def test_unknown_category_lists_known(capsys, tiny, tmp_path):
+    err = _bad(capsys, tiny, tmp_path, "--categories", "qa,poetry")
+    assert "unknown category 'poetry'" in err and "known categories: writing, qa, summarization" in err
+
+
+def test_bad_method_and_bad_knobs(capsys, tiny, tmp_path):
+    assert "unknown method 'medusa'" in _bad(capsys, tiny, tmp_path, "--methods", "ar,medusa")
+    assert "--repeats" in _bad(capsys, tiny, tmp_path, "--repeats", "0")
+    assert "no_such_field" in _bad(capsys, tiny, tmp_path, "--set", "no_such_field=1")
+    # a knob that only the model can check: exit layer beyond the tiny model's 4 layers
+    assert "exit_layer" in _bad(capsys, tiny, tmp_path, "--methods", "early-exit", "--set", "exit_layer=9")
+    assert not (tmp_path / "o").exists()  # nothing written for a run that never started
+
+
+# ---- interruption keeps what finished ----------------------------------------------------------------
+
+
+def test_interrupt_after_first_prompt_keeps_traces_and_summary(tiny, tmp_path):
+    seen = []
+
+    def stop(index, prompt):
+        seen.append(prompt.question_id)
+        raise KeyboardInterrupt
+
+    out = tmp_path / "out"
+    code, summary, stdout = run_quiet(base_argv(tiny, out, "--methods", "ngram,early-exit", "--warmup", "0"), on_prompt_done=stop)
+    assert code == 130 and seen == [101]
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk["interrupted"] is True
+    assert on_disk["runs_complete"] == 1 and on_disk["prompts_selected"] == 3
+    assert on_disk["methods"]["ngram"]["prompts"] == 1
+    for m in ("ar", "ngram", "early-exit"):
+        parts = list((out / "traces" / f"run={summary['run_id']}" / f"method={m}").glob("part-*.parquet"))
+        assert len(parts) == 1, m
+    assert "INTERRUPTED" in stdout
+    assert all(Path(p).exists() for p in on_disk["plots"]) and len(on_disk["plots"]) == 2
+
+
+def test_repeats_report_a_spread(tiny, tmp_path):
+    code, s, _ = run_quiet(base_argv(tiny, tmp_path / "o", "--methods", "ngram", "--categories", "qa", "--repeats", "3", "--json"))
+    assert code == 0 and s["repeats"] == 3 and s["runs_complete"] == 3 and s["prompts_complete"] == 1
+    spread = s["methods"]["ngram"]["speedup_per_repeat"]
+    assert spread["n"] == 3 and spread["min"] <= spread["median"] <= spread["max"]
+
+
+# ---- on a (local) Ray cluster --------------------------------------------------------------------------
+
+
+def test_on_cluster_fans_prompts_out_over_actors(tiny, tmp_path):
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        argv = base_argv(tiny, tmp_path / "o", "--methods", "ngram", "--on-cluster", "--workers", "2", "--warmup", "0", "--json")
+        code, s, _ = run_quiet(argv)
+    finally:
+        ray.shutdown()
+    assert code == 0 and s["on_cluster"] is True
+    assert s["runs_complete"] == 3
+    assert set(s["workers"]) == {"worker-0", "worker-1"}  # each worker reports its own AR-relative speedup
+    assert sum(w["ar"]["prompts"] for w in s["workers"].values()) == 3
+    assert all(w["ngram"]["speedup"] > 0 for w in s["workers"].values())
+    pids = {info["pid"] for info in s["worker_info"].values()}
+    assert len(pids) == 2  # two actor processes, each with its own model
+    assert s["methods"]["ngram"]["identity"]["suspicious"] == 0
