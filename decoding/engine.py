@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from decoding.adapter import ModelAdapter
@@ -51,6 +53,23 @@ class SpecDecoder:
         self.target = ModelAdapter(self.loaded.model)
         self.drafter = build_drafter(cfg, self.loaded)
         self.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+
+    def fork(self, **changes) -> SpecDecoder:
+        """A decoder for one request: same weights, tokenizer and target adapter, its own drafter and sampling.
+
+        ``changes`` are SpecConfig fields (sampling, draft knobs); the model and
+        dtype cannot change. Drafters keep per-generation state (a draft cache),
+        so concurrent generations each need their own fork.
+        """
+        cfg = self.cfg.replace(**changes)
+        for name in ("model", "dtype", "draft_model"):
+            if getattr(cfg, name) != getattr(self.cfg, name):
+                raise ConfigError(name, "cannot change in a fork; build a new SpecDecoder")
+        twin = copy.copy(self)
+        twin.cfg = cfg
+        twin.drafter = build_drafter(cfg, self.loaded)
+        twin.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+        return twin
 
     # ---- text <-> ids ----------------------------------------------------
     def encode(self, prompt: str, chat: bool = False) -> torch.Tensor:

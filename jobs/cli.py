@@ -9,6 +9,8 @@ COMMANDS = {
     "generate": "jobs.generate",
     "bench": "jobs.bench",
     "registry": "jobs.registry",
+    "serve": "jobs.serve",
+    "tune": "jobs.tune",
 }
 
 
