@@ -281,7 +281,7 @@ def test_repeats_report_a_spread(tiny, tmp_path):
 
 def test_on_cluster_fans_prompts_out_over_actors(tiny, tmp_path):
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         argv = base_argv(tiny, tmp_path / "o", "--methods", "ngram", "--on-cluster", "--workers", "2", "--warmup", "0", "--json")
         code, s, _ = run_quiet(argv)

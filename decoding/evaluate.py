@@ -1,0 +1,118 @@
+"""Run one prompt through several specray configurations back to back and build benchmark rows.
+
+This is the specray half of ``specray bench`` (``jobs/bench.py`` adds the
+Hugging Face peer on top) and the measurement inside a Tune trial
+(``tuning/trainable.py``): one :class:`~decoding.engine.SpecDecoder` per named
+configuration, all sharing one loaded model (``decoding.models`` caches per
+process), the baseline ``ar`` among them. The configurations run in an order
+rotated per prompt (:func:`decoding.benchmark.method_order`) so no one of them
+always runs first, and every greedy output is compared with the baseline's on
+the same prompt (:func:`decoding.benchmark.compare_to_reference`).
+
+Names are free-form labels (the bench uses method names; a trial uses
+``ar`` and ``candidate``); the rows' ``method`` column carries the name.
+
+>>> # runner = PromptRunner({"ar": SpecConfig(), "candidate": SpecConfig(method="ngram", k=6)})
+>>> # runner.warmup(prompts[0])
+>>> # gens, steps = runner.run_prompt(prompts[0], index=0)   # rows for decoding.benchmark.summarize
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from decoding import benchmark as bm
+from decoding.config import SpecConfig
+from decoding.workloads import Prompt
+
+
+class PromptRunner:
+    """One decoder per named config (sharing one loaded model); runs a prompt through all of them."""
+
+    def __init__(self, configs: Mapping[str, SpecConfig], worker: str = "local", baseline: str = bm.BASELINE):
+        from decoding.engine import SpecDecoder  # heavy imports after the cheap checks
+
+        if baseline not in configs:
+            raise ValueError(f"the configs must include the baseline {baseline!r}, got {sorted(configs)}")
+        self.worker, self.baseline = worker, baseline
+        self.decoders = {name: SpecDecoder(cfg) for name, cfg in configs.items()}
+        self.ar = self.decoders[baseline]
+        self.cfg = self.ar.cfg  # max_new_tokens, temperature and dtype of the comparison
+        self.configs = {name: d.cfg.to_json() for name, d in self.decoders.items()}
+        self.chat = bool(getattr(self.ar.tokenizer, "chat_template", None))
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.decoders)
+
+    def encode(self, prompt: Prompt):
+        return self.ar.encode(prompt.prompt, chat=self.chat)
+
+    def warmup(self, prompt: Prompt, n: int = 1) -> None:
+        """Untimed short generations of every config (first-call costs stay out of the figures)."""
+        ids = self.encode(prompt)
+        for _ in range(n):
+            for dec in self.decoders.values():
+                dec.generate_ids(ids, min(8, self.cfg.max_new_tokens))
+
+    def generate(self, name: str, ids) -> tuple[str, list[int], object]:
+        """One timed generation: ("specray", new tokens, the ``Generation``)."""
+        g = self.decoders[name].generate_ids(ids, self.cfg.max_new_tokens)
+        return ("specray", g.token_ids, g)
+
+    def rows(
+        self,
+        prompt: Prompt,
+        ids,
+        results: Mapping[str, tuple],
+        names: Sequence[str],
+        repeat: int = 0,
+        describe_peer: Callable[[str], str] | None = None,
+    ) -> tuple[list[dict], list[dict]]:
+        """Generation and step rows from ``results`` (name -> (kind, tokens, Generation or peer wall seconds)).
+
+        Greedy outputs are compared with the baseline's; AR's logit margins are
+        computed (one forward) only when some output diverged.
+        """
+        ref = results[self.baseline][1]
+        greedy = self.cfg.temperature == 0
+        margins = None
+        gens, steps = [], []
+        for name in names:
+            kind, tokens, res = results[name]
+            fid = {}
+            if greedy and name != self.baseline:
+                if margins is None and bm.first_divergence(tokens, ref) is not None:
+                    margins = bm.reference_margins(self.ar.target, ids, ref)
+                fid = bm.compare_to_reference(tokens, ref, margins or [], self.cfg.dtype)
+            common = dict(repeat=repeat, worker=self.worker, new_tokens=len(tokens), **fid)
+            if kind == "specray":
+                s = res.stats
+                gens.append(
+                    bm.gen_row(
+                        name,
+                        prompt.question_id,
+                        prompt.category,
+                        kind="specray",
+                        wall_s=s.wall_s,
+                        prefill_s=s.prefill_s,
+                        draft_s=s.draft_s,
+                        verify_s=s.verify_s,
+                        target_forwards=s.target_forwards,
+                        steps=len(res.steps),
+                        finish_reason=res.finish_reason,
+                        config=self.configs[name],
+                        **common,
+                    )
+                )
+                steps += bm.step_rows(name, prompt.question_id, prompt.category, res.steps, repeat, self.worker, self.configs[name])
+            else:
+                config = describe_peer(name) if describe_peer else ""
+                gens.append(bm.gen_row(name, prompt.question_id, prompt.category, kind="peer", wall_s=res, config=config, **common))
+        return gens, steps
+
+    def run_prompt(self, prompt: Prompt, index: int, repeat: int = 0) -> tuple[list[dict], list[dict]]:
+        """Every config on one prompt, in the order rotated by ``index``; rows in config order."""
+        ids = self.encode(prompt)
+        results = {name: self.generate(name, ids) for name in bm.method_order(self.names, index)}
+        return self.rows(prompt, ids, results, self.names, repeat)

@@ -1,0 +1,201 @@
+"""The measurement a trial makes, and the Tune function trainable around it.
+
+:func:`measure` is pure of Ray: it runs a candidate ``SpecConfig`` and AR (the
+same model, dtype and threads, one loaded copy) on each prompt back to back, in
+an order alternating per prompt, and after every prompt hands the running
+figures to a callback. The trainable (:func:`trainable`) maps Tune's sample to
+a config with the search space and reports those figures with
+``training_iteration`` = prompts done, which is what ASHA's milestones count.
+
+Figures (all over the prompts done so far):
+
+- ``tokens_per_s`` / ``ar_tokens_per_s``: total new tokens / total wall seconds;
+- ``speedup``: their ratio (AR measured in the same trial, interleaved);
+- ``mean_accepted_tokens``: tokens committed per decoding target forward (tau);
+- fidelity under greedy decoding: ``identical_fraction`` (outputs token-identical
+  to AR's) and ``suspicious`` (divergences at an AR logit margin wider than the
+  dtype's rounding, see ``decoding.benchmark.compare_to_reference``).
+  ``fidelity_ok`` = no suspicious divergence; with sampling it is not checked
+  (``fidelity_checked`` false) and counts as ok.
+- ``score``: the speedup when ``fidelity_ok``, else 0: a config that diverges
+  suspiciously can never win (and :func:`tuning.results.select_best` filters it too).
+
+A config that cannot run (``ConfigError``: e.g. a knob the model rejects) is
+reported once as ``valid = False`` with score 0 and its reason; the trial ends
+normally, so a bad corner of the space never crashes the search.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from decoding import benchmark as bm
+from decoding.config import ConfigError, SpecConfig
+from decoding.workloads import Prompt
+
+CANDIDATE = "candidate"
+METRIC = "score"
+
+# every report carries these keys (None where not measured), so result tables have one schema
+METRIC_KEYS = (
+    "valid",
+    "invalid_reason",
+    "prompts",
+    "prompts_total",
+    "complete",
+    "tokens_per_s",
+    "ar_tokens_per_s",
+    "speedup",
+    "speedup_median",
+    "mean_accepted_tokens",
+    "acceptance_rate",
+    "target_forwards_per_token",
+    "new_tokens",
+    "compared",
+    "identical",
+    "identical_fraction",
+    "suspicious",
+    "fidelity_checked",
+    "fidelity_ok",
+    "score",
+    "threads",
+    "config_json",
+)
+
+
+def figures(gen_rows: Sequence[dict], step_rows: Sequence[dict], prompts_total: int, cfg: SpecConfig, threads: int | None = None) -> dict:
+    """The trial's metrics from benchmark rows of ``ar`` and ``candidate`` (see the module docstring)."""
+    s = bm.summarize(gen_rows, step_rows, order=[bm.BASELINE, CANDIDATE])
+    cand, ar = s["methods"].get(CANDIDATE, {}), s["methods"].get(bm.BASELINE, {})
+    ident = cand.get("identity") or {}
+    compared = ident.get("compared", 0)
+    checked = cfg.temperature == 0
+    suspicious = ident.get("suspicious", 0) if checked else None
+    fidelity_ok = (suspicious == 0) if checked else True
+    speedup = cand.get("speedup")
+    q = cand.get("speedup_per_prompt")
+    return {
+        "valid": True,
+        "invalid_reason": None,
+        "prompts": s["runs_complete"],
+        "prompts_total": prompts_total,
+        "complete": s["runs_complete"] >= prompts_total,
+        "tokens_per_s": cand.get("tokens_per_s"),
+        "ar_tokens_per_s": ar.get("tokens_per_s"),
+        "speedup": speedup,
+        "speedup_median": q["median"] if q else None,
+        "mean_accepted_tokens": cand.get("mean_accepted_tokens"),
+        "acceptance_rate": cand.get("acceptance_rate"),
+        "target_forwards_per_token": cand.get("target_forwards_per_token"),
+        "new_tokens": cand.get("new_tokens"),
+        "compared": compared if checked else None,
+        "identical": ident.get("identical") if checked else None,
+        "identical_fraction": ident.get("fraction") if checked else None,
+        "suspicious": suspicious,
+        "fidelity_checked": checked,
+        "fidelity_ok": fidelity_ok,
+        "score": float(speedup) if (fidelity_ok and speedup is not None) else 0.0,
+        "threads": threads,
+        "config_json": cfg.to_json(),
+    }
+
+
+def invalid(reason: str, prompts_total: int, cfg: SpecConfig | None = None) -> dict:
+    """The one report of a config that cannot run."""
+    out = dict.fromkeys(METRIC_KEYS)
+    out.update(
+        valid=False,
+        invalid_reason=reason,
+        prompts=0,
+        prompts_total=prompts_total,
+        complete=False,
+        fidelity_checked=False,
+        fidelity_ok=False,
+        score=0.0,
+        config_json=cfg.to_json() if cfg else None,
+    )
+    return out
+
+
+def measure(
+    cfg: SpecConfig,
+    prompts: Sequence[Prompt],
+    on_prompt: Callable[[int, dict], None] | None = None,
+    warmup: int = 1,
+    extra: dict[str, SpecConfig] | None = None,
+) -> dict:
+    """Run ``cfg`` and AR on ``prompts``, interleaved; returns the final figures (see :func:`figures`).
+
+    ``on_prompt(n, figures)`` is called after each prompt with the figures over
+    the first ``n`` prompts. ``extra`` adds named configs run in the same rotation
+    (the returned dict then has ``extra`` = name -> their figures); the driver's
+    re-measurement uses it to compare the winner with the untuned defaults.
+    """
+    from decoding.evaluate import PromptRunner
+
+    if not prompts:
+        raise ConfigError("prompts", "no prompts to measure on")
+    configs = {bm.BASELINE: cfg.replace(method=bm.BASELINE), CANDIDATE: cfg, **(extra or {})}
+    runner = PromptRunner(configs)
+    threads = runner.ar.threads
+    if warmup:
+        runner.warmup(prompts[0], warmup)
+    gens, steps = [], []
+    result: dict = {}
+    for i, prompt in enumerate(prompts):
+        g, s = runner.run_prompt(prompt, i)
+        gens += g
+        steps += s
+        result = _with_extra(gens, steps, len(prompts), cfg, threads, extra)
+        if on_prompt is not None:
+            on_prompt(i + 1, result)
+    return result
+
+
+def _with_extra(gens, steps, total, cfg, threads, extra) -> dict:
+    main = [r for r in gens if r["method"] in (bm.BASELINE, CANDIDATE)]
+    out = figures(main, [s for s in steps if s["method"] == CANDIDATE], total, cfg, threads)
+    if extra:
+        out["extra"] = {}
+        for name, ecfg in extra.items():
+            rows = [dict(r, method=CANDIDATE) if r["method"] == name else r for r in gens if r["method"] in (bm.BASELINE, name)]
+            esteps = [dict(s, method=CANDIDATE) for s in steps if s["method"] == name]
+            out["extra"][name] = figures(rows, esteps, total, ecfg, threads)
+    return out
+
+
+# ---- the Tune side -----------------------------------------------------------------------------
+@dataclass
+class TrialSetup:
+    """What every trial shares: the space, the base config, the prompts. Passed with ``tune.with_parameters``."""
+
+    space: object  # tuning.space.SearchSpace
+    base: SpecConfig
+    prompts: list = field(default_factory=list)
+    warmup: int = 1
+    cpus_per_trial: int = 1
+
+
+def trial_config(sample: dict, setup: TrialSetup) -> SpecConfig:
+    """The config a trial runs: the space's mapping, with torch threads = the trial's CPUs unless the user set them."""
+    cfg = setup.space.to_config(sample, setup.base)
+    if cfg.threads is None:
+        cfg = cfg.replace(threads=setup.cpus_per_trial)
+    return cfg
+
+
+def trainable(config: dict, setup: TrialSetup) -> None:
+    """Tune function trainable: one report per prompt (``training_iteration`` = prompts done)."""
+    from ray import tune
+
+    total = len(setup.prompts)
+    try:
+        cfg = trial_config(config, setup)
+    except ConfigError as e:
+        tune.report(invalid(str(e), total))
+        return
+    try:
+        measure(cfg, setup.prompts, on_prompt=lambda n, m: tune.report(m), warmup=setup.warmup)
+    except ConfigError as e:  # a knob only the loaded model can check (build_drafter)
+        tune.report(invalid(str(e), total, cfg))
