@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 METHODS = ("ar", "sps", "ngram", "early-exit", "pearl")
 DTYPES = ("float32", "bfloat16")
 PLACEMENTS = ("local", "actors")
+ACTOR_TRANSPORTS = ("calls", "compiled")
 
 
 class ConfigError(ValueError):
@@ -62,6 +63,15 @@ class SpecConfig:
     seed: seed of the ``torch.Generator`` that drives every random draw.
     placement: ``local`` (one process) or ``actors`` (draft and target in
         separate Ray actors; ``pearl`` always uses actors).
+    draft_threads / target_threads: torch threads (and Ray CPUs) of the draft
+        and target workers; unset = half the node's CPUs each on one node.
+    num_gpus_per_model: GPUs per worker; unset = 1 with two or more GPUs in the
+        cluster, 0.5 with one, 0 without.
+    rpc_timeout_s: the longest wait for a worker's answer before the
+        generation fails (a dead worker fails at once).
+    placement_timeout_s: the longest wait for the placement group's resources.
+    actor_transport: ``calls`` (plain actor calls) or ``compiled`` (Ray
+        compiled graphs) between the driver and the workers.
     """
 
     method: str = "ar"
@@ -82,6 +92,13 @@ class SpecConfig:
     threads: int | None = None
     placement: str = "local"
     extra: dict = field(default_factory=dict, compare=False, hash=False)
+    # placement=actors (and pearl): see cluster/placement.py; None = chosen from the cluster's resources
+    draft_threads: int | None = None
+    target_threads: int | None = None
+    num_gpus_per_model: float | None = None
+    rpc_timeout_s: float = 120.0
+    placement_timeout_s: float = 30.0
+    actor_transport: str = "calls"
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, "method", f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
@@ -99,6 +116,20 @@ class SpecConfig:
         _check(self.top_k >= 0, "top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
         _check(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         _check(self.threads is None or self.threads >= 1, "threads", f"must be >= 1, got {self.threads}")
+        _check(self.draft_threads is None or self.draft_threads >= 1, "draft_threads", f"must be >= 1, got {self.draft_threads}")
+        _check(self.target_threads is None or self.target_threads >= 1, "target_threads", f"must be >= 1, got {self.target_threads}")
+        _check(
+            self.num_gpus_per_model is None or self.num_gpus_per_model >= 0,
+            "num_gpus_per_model",
+            f"must be >= 0, got {self.num_gpus_per_model}",
+        )
+        _check(self.rpc_timeout_s > 0, "rpc_timeout_s", f"must be > 0, got {self.rpc_timeout_s}")
+        _check(self.placement_timeout_s > 0, "placement_timeout_s", f"must be > 0, got {self.placement_timeout_s}")
+        _check(
+            self.actor_transport in ACTOR_TRANSPORTS,
+            "actor_transport",
+            f"unknown transport {self.actor_transport!r}; choose from {', '.join(ACTOR_TRANSPORTS)}",
+        )
 
     # ---- serialisation -------------------------------------------------
     def to_dict(self) -> dict:

@@ -7,6 +7,7 @@ import sys
 
 COMMANDS = {
     "generate": "jobs.generate",
+    "pipeline": "jobs.pipeline",
     "bench": "jobs.bench",
     "registry": "jobs.registry",
     "serve": "jobs.serve",

@@ -23,6 +23,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     src.add_argument("--prompt-file", help="file whose whole content is the prompt")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument(
+        "--address",
+        help="Ray cluster to join for --method pearl / --set placement=actors (default: RAY_ADDRESS, else an embedded local Ray)",
+    )
     return p
 
 
@@ -47,10 +51,14 @@ def read_prompt(args) -> str:
 def main_with_args(args) -> int:
     cfg = config_from_args(args)
     prompt = read_prompt(args)
-    from decoding.engine import SpecDecoder  # heavy imports after the cheap checks
+    if cfg.method == "pearl" or cfg.placement == "actors":
+        out = _generate_on_actors(cfg.replace(placement="actors"), prompt, args)
+    else:
+        from decoding.engine import SpecDecoder  # heavy imports after the cheap checks
 
-    decoder = SpecDecoder(cfg)
-    out = decoder.generate_text(prompt, chat=args.chat)
+        decoder = SpecDecoder(cfg)
+        out = decoder.generate_text(prompt, chat=args.chat)
+        out["stats"]["placement"] = {"mode": "local", "threads": decoder.threads}
     if args.json:
         print(json.dumps(out))
     else:
@@ -62,6 +70,25 @@ def main_with_args(args) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _generate_on_actors(cfg, prompt: str, args) -> dict:
+    """PEARL, or SpS split over a draft worker and a target worker placed on the Ray cluster."""
+    from actors.driver import WorkerError
+    from cluster.placement import build_actor_decoder
+    from cluster.runtime import shutdown_if_started_here
+
+    try:
+        decoder = build_actor_decoder(cfg, address=args.address)
+        try:
+            return decoder.generate_text(prompt, chat=args.chat)
+        finally:
+            decoder.close()
+    except WorkerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    finally:
+        shutdown_if_started_here()
 
 
 def main(argv=None) -> int:

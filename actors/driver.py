@@ -1,0 +1,214 @@
+"""Drive a two-sided schedule (``decoding.pearl``) over a target worker and a draft worker.
+
+``ActorExecutor`` turns a schedule's requests into actor calls:
+
+- PEARL (parallel): submit ``target.verify`` and ``draft.draft`` together,
+  then wait for both: one driver round trip per round;
+- SpS (sequential): submit ``draft.draft``, then ``target.verify`` with the
+  draft's ObjectRef as an argument, so Ray hands the drafts from worker to
+  worker; the driver waits once.
+
+``transport="compiled"`` runs the same two shapes as Ray compiled graphs
+(``experimental_compile``): shared-memory channels set up once, no per-call
+task submission.
+
+Every wait has a timeout; a worker that dies or stops answering raises
+``WorkerDied`` / ``WorkerTimeout`` naming the worker and the token reached,
+never a hang.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from decoding.config import ConfigError, SpecConfig
+from decoding.loop import ContextTooLong
+from decoding.pearl import DraftRequest, TargetRequest, TwoSidedGeneration, generate_two_sided, round_summary
+from decoding.sampling import SamplingParams
+
+TRANSPORTS = ("calls", "compiled")
+
+
+class WorkerError(RuntimeError):
+    """A model worker failed during a generation."""
+
+
+class WorkerDied(WorkerError):
+    pass
+
+
+class WorkerTimeout(WorkerError):
+    pass
+
+
+def schedule_for(cfg: SpecConfig) -> str:
+    if cfg.method == "pearl":
+        return "pearl"
+    if cfg.method == "sps":
+        return "sps"
+    raise ConfigError("placement", f"placement=actors runs sps and pearl only, not {cfg.method!r}")
+
+
+class ActorExecutor:
+    """Runs schedule requests on two ``ModelWorker`` handles with timeouts and clear failures."""
+
+    def __init__(self, target, draft, timeout_s: float = 120.0, transport: str = "calls", parallel: bool = True):
+        if transport not in TRANSPORTS:
+            raise ConfigError("actor_transport", f"unknown transport {transport!r}; choose from {', '.join(TRANSPORTS)}")
+        self.target, self.draft = target, draft
+        self.timeout_s = timeout_s
+        self.transport = transport
+        self.position = 0  # tokens committed so far, for error messages
+        self._dag = self._compile(parallel) if transport == "compiled" else None
+
+    # ---- compiled graphs ------------------------------------------------------------------------
+    def _compile(self, parallel: bool):
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as inp:
+            if parallel:
+                dag = MultiOutputNode([self.target.verify.bind(inp[0]), self.draft.draft.bind(inp[1])])
+            else:
+                dag = self.target.verify.bind(inp[0], self.draft.draft.bind(inp[1]))
+        return dag.experimental_compile()
+
+    def teardown(self) -> None:
+        if self._dag is not None:
+            try:
+                self._dag.teardown()
+            except Exception:  # noqa: BLE001 - a dead worker can make teardown raise; nothing left to free
+                pass
+            self._dag = None
+
+    # ---- waiting with a deadline ----------------------------------------------------------------
+    def _role_of(self, err: RayActorError) -> str:
+        actor_id = getattr(err, "actor_id", None)
+        for role, handle in (("target", self.target), ("draft", self.draft)):
+            if actor_id and actor_id == handle._actor_id.hex():
+                return f"{role} worker"
+        return "a model worker"
+
+    def _get(self, refs, what: str):
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except (GetTimeoutError, ray.exceptions.RayChannelTimeoutError):
+            raise WorkerTimeout(
+                f"no answer from the {what} within {self.timeout_s:.0f}s (rpc_timeout_s) after {self.position} generated tokens"
+            ) from None
+        except RayActorError as e:
+            raise WorkerDied(f"the {self._role_of(e)} died during generation after {self.position} generated tokens: {e}") from e
+        except ray.exceptions.RayChannelError as e:  # compiled graph whose worker died
+            raise WorkerDied(f"a model worker died during generation after {self.position} generated tokens: {e}") from e
+
+    # ---- the executor interface of generate_two_sided ------------------------------------------
+    def prefill(self, prompt: list[int], max_len: int, seed: int, sampling=None) -> int:
+        self.position = 0
+        refs = [self.target.prefill.remote(prompt, max_len, seed, sampling), self.draft.prefill.remote(prompt, max_len, seed + 1, sampling)]
+        first, _ = self._get(refs, "workers' prefill")[0]
+        return first
+
+    def step(self, treq: TargetRequest, dreq: DraftRequest, parallel: bool):
+        if self._dag is not None:
+            out = self._get(self._dag.execute(treq, dreq), "compiled graph")
+            result = (out[0], out[1]) if parallel else (out, None)
+        elif parallel:
+            t, d = self._get([self.target.verify.remote(treq), self.draft.draft.remote(dreq)], "target and draft workers")
+            result = (t, d)
+        else:
+            ref = self.target.verify.remote(treq, self.draft.draft.remote(dreq))
+            result = (self._get(ref, "draft -> target chain"), None)
+        self.position += len(result[0].tokens)
+        return result
+
+
+class ActorDecoder:
+    """SpecDecoder's interface (``generate_ids``, ``generate_text``) over a placed target and draft worker."""
+
+    def __init__(self, cfg: SpecConfig, target, draft, placement: dict | None = None, on_close=None):
+        self.cfg = cfg
+        self.schedule = schedule_for(cfg)
+        self.target, self.draft = target, draft
+        self.placement = dict(placement or {})
+        self.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+        self._on_close = on_close
+        self.executor = ActorExecutor(target, draft, cfg.rpc_timeout_s, cfg.actor_transport, parallel=(self.schedule == "pearl"))
+        facts = self.executor._get(target.model_facts.remote(), "target worker")
+        self.eos_token_ids, self.max_context = facts["eos_token_ids"], facts["max_context"]
+        if cfg.draft_model:
+            tv, dv = self.executor._get([target.vocab.remote(), draft.vocab.remote()], "workers")
+            if tv != dv:
+                raise ConfigError("draft_model", f"{cfg.draft_model!r} does not share the target's tokenizer")
+        self.placement["transport"] = cfg.actor_transport
+
+    # ---- text <-> ids (the target worker holds the tokenizer) --------------------------------------
+    def encode(self, prompt: str, chat: bool = False) -> torch.Tensor:
+        if not prompt or not prompt.strip():
+            raise ConfigError("prompt", "is empty")
+        return self.executor._get(self.target.encode.remote(prompt, chat), "target worker")
+
+    def decode(self, ids: list[int]) -> str:
+        return self.executor._get(self.target.decode.remote(ids), "target worker")
+
+    # ---- generation --------------------------------------------------------------------------------
+    def generate_ids(self, prompt_ids, max_new_tokens: int | None = None, seed: int | None = None, on_step=None) -> TwoSidedGeneration:
+        try:
+            return generate_two_sided(
+                self.executor,
+                prompt_ids,
+                schedule=self.schedule,
+                k=self.cfg.k,
+                sampling=self.sampling,
+                max_new_tokens=max_new_tokens or self.cfg.max_new_tokens,
+                eos_token_ids=self.eos_token_ids,
+                seed=self.cfg.seed if seed is None else seed,
+                max_context=self.max_context,
+                on_step=on_step,
+            )
+        except ContextTooLong as e:
+            raise ConfigError("max_new_tokens", str(e)) from None
+
+    def stats_of(self, out: TwoSidedGeneration) -> dict:
+        stats = out.stats.to_dict()
+        stats["placement"] = self.placement
+        stats["rpc"] = round_summary(out.rounds)
+        if out.schedule_counts:
+            stats["pearl"] = dict(out.schedule_counts, gamma=self.cfg.k)
+        return stats
+
+    def generate_text(self, prompt: str, chat: bool = False, max_new_tokens: int | None = None, seed: int | None = None) -> dict:
+        out = self.generate_ids(self.encode(prompt, chat), max_new_tokens, seed)
+        return {
+            "method": self.cfg.method,
+            "text": self.decode(out.token_ids),
+            "token_ids": out.token_ids,
+            "finish_reason": out.finish_reason,
+            "stats": self.stats_of(out),
+        }
+
+    def rpc_probe(self, n: int = 50) -> dict:
+        """Round-trip cost without compute: an empty call to one worker, and to both at once (PEARL's shape)."""
+        self.executor._get([self.target.ping.remote(), self.draft.ping.remote()], "workers")  # warm up
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self.executor._get(self.target.ping.remote(), "target worker")
+        one = (time.perf_counter() - t0) / n
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self.executor._get([self.target.ping.remote(), self.draft.ping.remote()], "workers")
+        both = (time.perf_counter() - t0) / n
+        return {"one_call_ms": 1e3 * one, "two_parallel_calls_ms": 1e3 * both}
+
+    def close(self) -> None:
+        self.executor.teardown()
+        for handle in (self.target, self.draft):
+            try:
+                ray.kill(handle)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        if self._on_close:
+            self._on_close()
+            self._on_close = None

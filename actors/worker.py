@@ -1,0 +1,116 @@
+"""A Ray actor hosting one model (draft or target) with its KV cache: a thin RPC face over ``decoding.pearl``'s sides.
+
+The worker loads its model on the device it was placed on (``cuda`` when Ray
+gave it a GPU, else CPU with its own ``torch.set_num_threads``) and forwards
+each call to a ``TargetSide`` or ``DraftSide``; all decoding logic stays in
+``decoding/``.
+
+What crosses the wire, per round:
+
+- greedy: token ids only. The draft returns its drafted ids; the target gets
+  ``[pending, drafts]`` and returns the accepted count and the committed ids.
+- sampling: the target must see q(.) where a draft may be rejected, because the
+  residual max(0, p - q) needs the whole row. We send the draft's q rows for
+  the drafted positions only (k rows of V float32, draft -> target; in two-actor
+  SpS they go straight from the draft actor to the target actor as a chained
+  ObjectRef, not through the driver), and the target's p never leaves the
+  target, except in PEARL when every draft of a round was accepted: then the
+  one row p after the last draft comes back to check the first token the
+  draft made meanwhile. The alternative, sending only q(x_i) scalars and
+  fetching a q row after a rejection, costs a second round trip on every
+  rejection, which with a shallow draft is most rounds.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import ray
+import torch
+
+from decoding.adapter import ModelAdapter
+from decoding.config import ConfigError
+from decoding.engine import SpecDecoder
+from decoding.models import load_model, set_threads
+from decoding.pearl import DraftRequest, DraftResult, DraftSide, TargetRequest, TargetResult, TargetSide
+from decoding.sampling import SamplingParams
+
+ROLES = ("draft", "target")
+
+
+@ray.remote(max_restarts=0, max_task_retries=0)
+class ModelWorker:
+    """One model and its cache. ``role``: "target" (full model) or "draft" (``draft_model`` or the first ``draft_layers``)."""
+
+    # SpecDecoder's text <-> ids helpers only need ``self.tokenizer``; the target worker tokenises for the driver
+    encode = SpecDecoder.encode
+    decode = SpecDecoder.decode
+
+    def __init__(self, role: str, cfg_json: str, threads: int | None = None):
+        from decoding.config import SpecConfig
+
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        cfg = SpecConfig.from_json(cfg_json)
+        self.role = role
+        self.threads = set_threads(threads)
+        gpu_ids = ray.get_gpu_ids()
+        self.device = "cuda" if gpu_ids and torch.cuda.is_available() else "cpu"
+        t0 = time.perf_counter()
+        name = cfg.draft_model if role == "draft" and cfg.draft_model else cfg.model
+        loaded = load_model(name, cfg.dtype)
+        if self.device != "cpu":
+            loaded.model.to(self.device)
+        self.tokenizer = loaded.tokenizer
+        self.eos = loaded.eos_token_ids
+        depth = len(loaded.model.model.layers)
+        layers = None
+        if role == "draft" and not cfg.draft_model:
+            if cfg.draft_layers >= depth:
+                raise ConfigError("draft_layers", f"must be below the model's {depth} layers, got {cfg.draft_layers}")
+            layers = cfg.draft_layers
+        self.adapter = ModelAdapter(loaded.model, num_layers=layers)
+        sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+        if role == "target":
+            self.side = TargetSide(self.adapter, sampling)
+        else:
+            self.side = DraftSide(self.adapter, sampling, cfg.confidence_threshold)
+        self.load_s = time.perf_counter() - t0
+        self._vocab = self.tokenizer.get_vocab() if role == "draft" and cfg.draft_model else None
+
+    # ---- facts for the driver and the stats --------------------------------------------------
+    def info(self) -> dict:
+        ctx = ray.get_runtime_context()
+        return {
+            "role": self.role,
+            "node_id": ctx.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "device": self.device,
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "threads": self.threads,
+            "layers": self.adapter.num_layers,
+            "load_s": round(self.load_s, 3),
+        }
+
+    def model_facts(self) -> dict:
+        return {"eos_token_ids": self.eos, "max_context": self.adapter.max_context}
+
+    def vocab(self) -> dict | None:
+        return self._vocab if self._vocab is not None else self.tokenizer.get_vocab()
+
+    def ping(self, payload=None):
+        """An empty round trip (or an echo of ``payload``) to measure the RPC cost."""
+        return payload
+
+    # ---- the decoding operations --------------------------------------------------------------
+    def prefill(self, prompt: list[int], max_len: int, seed: int = 0, sampling: SamplingParams | None = None):
+        """Start a generation: fill the cache, seed this worker's generator, take the generation's sampling params."""
+        return self.side.prefill(prompt, max_len, seed, sampling)
+
+    def verify(self, req: TargetRequest, chained: DraftResult | None = None) -> TargetResult:
+        return self.side.verify(req, chained)
+
+    def draft(self, req: DraftRequest) -> DraftResult:
+        return self.side.draft(req)

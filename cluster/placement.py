@@ -1,0 +1,194 @@
+"""Place a target worker and a draft worker with a Ray placement group.
+
+The plan depends on what the cluster has (``plan_placement`` is pure, so it is
+tested without a cluster):
+
+- two or more nodes that can each hold a worker: ``STRICT_SPREAD``, the draft
+  and the target on different nodes;
+- one node: ``STRICT_PACK``; with GPUs each worker asks for its own GPU (or
+  half of the only one), without GPUs the node's CPUs are split between them
+  (2 CPUs: one each) and each worker sets ``torch.set_num_threads`` to its share.
+
+A request the cluster can never satisfy (more GPUs or CPUs than any node has)
+fails at once with ``PlacementError``, naming what was wanted and what the
+cluster has; a request that fits but whose resources are busy waits at most
+``placement_timeout_s`` for the placement group, then fails the same way.
+
+>>> one_node = [{"Alive": True, "NodeID": "n1", "Resources": {"CPU": 2.0}}]
+>>> plan = plan_placement(SpecConfig(method="pearl"), one_node)
+>>> plan.strategy, plan.bundles
+('STRICT_PACK', [{'CPU': 1.0}, {'CPU': 1.0}])
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from decoding.config import ConfigError, SpecConfig
+
+ROLES = ("target", "draft")  # bundle 0 is the target, bundle 1 the draft
+
+
+class PlacementError(ConfigError):
+    """The cluster cannot hold the requested workers; the message says what was wanted and what there is."""
+
+
+@dataclass
+class PlacementPlan:
+    strategy: str  # STRICT_SPREAD | STRICT_PACK
+    bundles: list[dict]  # [target bundle, draft bundle]
+    threads: dict  # {"target": n, "draft": n}
+    gpus_per_model: float
+    reason: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _fits(bundle: dict, resources: dict) -> bool:
+    return all(resources.get(k, 0.0) >= v for k, v in bundle.items() if v > 0)
+
+
+def _sum(*bundles: dict) -> dict:
+    out: dict = {}
+    for b in bundles:
+        for k, v in b.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def plan_placement(cfg: SpecConfig, nodes: list[dict]) -> PlacementPlan:
+    """Choose bundles and a strategy for ``nodes`` (``ray.nodes()`` rows); raise PlacementError if impossible."""
+    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
+    if not alive:
+        raise PlacementError("placement", "the Ray cluster has no live nodes")
+    total_gpus = sum(r.get("GPU", 0.0) for r in alive)
+    gpus = cfg.num_gpus_per_model
+    if gpus is None:
+        gpus = 1.0 if total_gpus >= 2 else (0.5 if total_gpus >= 1 else 0.0)
+    cpus = sorted((r.get("CPU", 0.0) for r in alive), reverse=True)
+    multi = len([c for c in cpus if c >= 1]) >= 2
+    if gpus > 0:
+        auto = 1
+    elif multi:
+        auto = max(1, int(cpus[1]))  # a whole node each (the smaller of the two largest)
+    else:
+        auto = max(1, int(cpus[0]) // 2)  # split the one node's cores
+    threads = {"target": cfg.target_threads or auto, "draft": cfg.draft_threads or auto}
+    bundles = []
+    for role in ROLES:
+        b = {"CPU": float(threads[role])}
+        if gpus > 0:
+            b["GPU"] = float(gpus)
+        bundles.append(b)
+    have = _sum(*alive)
+    wanted = f"target {bundles[0]} + draft {bundles[1]}"
+    for role, b in zip(ROLES, bundles, strict=True):
+        if not any(_fits(b, r) for r in alive):
+            field = "num_gpus_per_model" if b.get("GPU", 0) > max((r.get("GPU", 0.0) for r in alive), default=0) else f"{role}_threads"
+            raise PlacementError(
+                field,
+                f"cannot place the {role} worker: wanted {b} per worker ({wanted}); "
+                f"the cluster has {_fmt(have)} over {len(alive)} node(s), largest node {_fmt(_largest(alive))}",
+            )
+    spread_nodes = [r for r in alive if any(_fits(b, r) for b in bundles)]
+    if len(spread_nodes) >= 2 and _can_spread(bundles, alive):
+        return PlacementPlan("STRICT_SPREAD", bundles, threads, gpus, f"{len(alive)} nodes: draft and target on different nodes")
+    if not any(_fits(_sum(*bundles), r) for r in alive):
+        raise PlacementError(
+            "placement",
+            f"cannot place both workers: wanted {wanted} on one node (no two nodes can hold one each); "
+            f"the cluster has {_fmt(have)} over {len(alive)} node(s), largest node {_fmt(_largest(alive))}",
+        )
+    if gpus >= 1:
+        reason = "one node: a GPU each"
+    elif gpus > 0:
+        reason = f"one node: {gpus:g} of a GPU each"
+    else:
+        reason = f"one CPU node: {threads['target']} + {threads['draft']} of its {int(cpus[0])} cores"
+    return PlacementPlan("STRICT_PACK", bundles, threads, gpus, reason)
+
+
+def _can_spread(bundles: list[dict], nodes: list[dict]) -> bool:
+    for i, a in enumerate(nodes):
+        for j, b in enumerate(nodes):
+            if i != j and _fits(bundles[0], a) and _fits(bundles[1], b):
+                return True
+    return False
+
+
+def _largest(nodes: list[dict]) -> dict:
+    return max(nodes, key=lambda r: (r.get("GPU", 0.0), r.get("CPU", 0.0)))
+
+
+def _fmt(res: dict) -> dict:
+    return {k: res[k] for k in ("CPU", "GPU") if k in res} or {"CPU": 0.0}
+
+
+# ---- with a live cluster ----------------------------------------------------------------------
+
+
+def place_workers(cfg: SpecConfig):
+    """Create the placement group and the two workers; returns (target, draft, placement dict, cleanup)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from actors.worker import ModelWorker
+
+    plan = plan_placement(cfg, ray.nodes())
+    available = ray.available_resources()
+    pg = placement_group(plan.bundles, strategy=plan.strategy, name="")
+    try:
+        ray.get(pg.ready(), timeout=cfg.placement_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise PlacementError(
+            "placement_timeout_s",
+            f"the placement group {plan.bundles} ({plan.strategy}) was not ready within {cfg.placement_timeout_s:g}s; "
+            f"free now: {_fmt(available)} of {_fmt(ray.cluster_resources())}",
+        ) from None
+    workers = {}
+    cfg_json = cfg.to_json()
+    for i, role in enumerate(ROLES):
+        workers[role] = ModelWorker.options(
+            num_cpus=plan.bundles[i]["CPU"],
+            num_gpus=plan.bundles[i].get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i),
+        ).remote(role, cfg_json, plan.threads[role])
+
+    def cleanup():
+        for h in workers.values():
+            try:
+                ray.kill(h)
+            except Exception:  # noqa: S110 - already gone
+                pass
+        remove_placement_group(pg)
+
+    try:
+        infos = ray.get([workers[r].info.remote() for r in ROLES], timeout=max(cfg.rpc_timeout_s, 300.0))
+    except ray.exceptions.RayActorError as e:
+        cleanup()
+        raise PlacementError("placement", f"a model worker failed to start: {e}") from None
+    except ray.exceptions.GetTimeoutError:
+        cleanup()
+        raise PlacementError("placement", "the model workers did not start within the timeout") from None
+    placement = {"mode": "actors", **plan.to_dict(), **dict(zip(ROLES, infos, strict=True))}
+    placement["same_node"] = infos[0]["node_id"] == infos[1]["node_id"]
+    return workers["target"], workers["draft"], placement, cleanup
+
+
+def build_actor_decoder(cfg: SpecConfig, address: str | None = None):
+    """Connect to (or start) Ray, place both workers, and return an ``actors.driver.ActorDecoder``."""
+    from actors.driver import ActorDecoder, schedule_for
+    from cluster.runtime import connect
+
+    schedule_for(cfg)  # fail on a method the actors cannot run before starting anything
+    ray_info = connect(address)
+    target, draft, placement, cleanup = place_workers(cfg)
+    placement["ray"] = ray_info
+    try:
+        return ActorDecoder(cfg, target, draft, placement, on_close=cleanup)
+    except BaseException:
+        cleanup()
+        raise

@@ -1,0 +1,512 @@
+"""Two-sided speculative decoding: PEARL and sequential SpS as pure schedules over a target side and a draft side.
+
+The draft model and the target model each live behind a *side* that owns the
+model's KV cache and answers one request at a time (``TargetSide.verify``,
+``DraftSide.draft``). A *schedule* is a pure state machine: it says what each
+side must do next (``requests()``) and folds both answers into committed
+tokens (``join()``). Nothing here knows whether a side is a local object or a
+Ray actor; ``actors/`` runs the same schedules with each side in its own
+worker, and ``generate_two_sided`` with ``LocalExecutor`` runs them in process
+(one action after the other), which is how the tests drive them.
+
+Invariant (the one of ``decoding/loop.py``): the target cache holds every
+committed token but the last one ("pending").
+
+PEARL (Liu et al. 2024, "Parallel Speculative Decoding with Adaptive Draft
+Length"), as scheduled here. ``D`` is the list of drafted tokens that follow
+``pending`` and have not been verified yet; the mode is ``pre-verify`` when
+``D`` is empty and ``post-verify`` otherwise. Every round both sides work at
+the same time:
+
+- target: one forward over ``[pending, D]`` and the verdict on ``D``
+  (pre-verify: just ``[pending]``, which yields the distribution that checks
+  the first new draft);
+- draft: extends ``committed + D`` by ``gamma`` new drafts ``X``, assuming all
+  of ``D`` is accepted.
+
+Join: if a token of ``D`` is rejected, commit the accepted prefix plus the
+target's correction and throw ``X`` away (the draft rolls back; next round is
+pre-verify). If all of ``D`` is accepted, the target's distribution after
+``D`` checks ``X[0]`` (greedy: equal to the argmax; sampling: the
+speculative-sampling rule with one draft). Accepted: commit ``D + [X[0]]`` and
+``X[1:]`` becomes the next ``D`` (post-verify: the draft keeps drafting while
+the target verifies). Rejected: commit ``D`` and the target's token; next
+round is pre-verify.
+
+So a draft run lasts as long as its tokens keep being accepted (PEARL's
+adaptive draft length: segments of ``gamma`` are chained while the target
+agrees, and cut at the first rejection), and a rejected first draft costs a
+one-token target forward that ran in parallel with the drafting.
+
+Worked example (greedy, gamma=3, target continues a b c d e f ...):
+
+>>> t = _ScriptedTarget("abcdefgh")
+>>> d = _ScriptedDraft(["bcx", "zzz", "efg"])   # what the draft proposes at each call
+>>> out = generate_two_sided(LocalExecutor(t, d), [[0]], schedule="pearl", k=3, max_new_tokens=8)
+>>> "".join(map(chr, out.token_ids))   # 'a' comes from the prefill
+'abcdefgh'
+>>> [r.mode for r in out.rounds]   # b accepted -> c ok, x rejected (zzz dropped) -> e ok -> f g ok
+['pre-verify', 'post-verify', 'pre-verify', 'post-verify']
+
+The sequential schedule (``schedule="sps"``) is ordinary SpS split over the
+same two sides: the draft drafts k tokens, then the target verifies them; the
+Ray executor chains the two calls so the drafts go straight from the draft
+worker to the target worker.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from decoding.adapter import KVCache, ModelAdapter
+from decoding.drafters import DecodeState, DraftModelDrafter, Proposal
+from decoding.loop import ContextTooLong, Generation, verify
+from decoding.metrics import StepRecord, summarize
+from decoding.sampling import SamplingParams, warp
+from decoding.verify import verify_speculative
+
+GREEDY = SamplingParams()
+SCHEDULES = ("pearl", "sps")
+
+
+# ---- the messages between a schedule and the two sides --------------------------------------
+
+
+@dataclass
+class TargetRequest:
+    start: int  # cache slot of the pending token (committed length - 1)
+    ids: list[int]  # [pending, d_1 .. d_j]
+    probs: torch.Tensor | None = None  # [1, j, V] q rows of d_1..d_j (sampling with a model draft only)
+    want_p: bool = False  # return the warped p after d_j when all j are accepted (PEARL sampling)
+
+
+@dataclass
+class TargetResult:
+    num_accepted: int  # m of the j drafts in the request (plus any chained from a DraftResult)
+    tokens: list[int]  # the m + 1 tokens the verdict commits: accepted drafts, then the target's token
+    drafted: int  # j
+    p_last: torch.Tensor | None = None  # [1, V] warped target distribution after d_j (only all-accepted + want_p)
+    compute_s: float = 0.0
+    draft_compute_s: float = 0.0  # when the drafts came chained from the draft side (sequential schedule)
+
+
+@dataclass
+class DraftRequest:
+    keep: int  # how many tokens of the draft side's sequence are still valid
+    append: list[int]  # tokens that follow them (committed by the last verdict)
+    k: int  # drafts to propose after keep + append (0 = only sync)
+
+
+@dataclass
+class DraftResult:
+    tokens: list[int]  # x_1 .. x_j, j <= k
+    probs: torch.Tensor | None = None  # [1, j, V] q rows (sampling only)
+    compute_s: float = 0.0
+
+
+# ---- the two sides: thin owners of a model adapter and its cache ---------------------------
+
+
+class TargetSide:
+    """The target model and its cache; verifies with the loop's own rule (``decoding.loop.verify``)."""
+
+    def __init__(self, adapter: ModelAdapter, sampling: SamplingParams = GREEDY):
+        self.adapter = adapter
+        self.sampling = sampling
+        self.cache: KVCache | None = None
+        self.generator = torch.Generator(device=adapter.device)
+
+    def prefill(self, prompt: list[int], max_len: int, seed: int = 0, sampling: SamplingParams | None = None) -> tuple[int, float]:
+        """Fill the cache with the prompt; return (first new token, compute seconds). Starts a generation."""
+        t0 = time.perf_counter()
+        a = self.adapter
+        self.generator.manual_seed(seed)
+        self.sampling = sampling or self.sampling
+        ids = torch.tensor([prompt], dtype=torch.long, device=a.device)
+        self.cache = a.new_cache(1, max_len)
+        h = a.forward(self.cache, 0, input_ids=ids)
+        first = verify(Proposal.empty(1, a.device), a.logits(h[:, -1:]), self.sampling, self.generator)
+        self.cache.rollback(len(prompt))
+        return int(first.tokens[0, 0]), time.perf_counter() - t0
+
+    def verify(self, req: TargetRequest, chained: DraftResult | None = None) -> TargetResult:
+        """One forward over [pending, drafts] at ``req.start``; the cache keeps pending + accepted drafts.
+
+        ``chained``: drafts handed over directly by the draft side (sequential
+        schedule); they are appended to ``req.ids`` and their q rows used.
+        """
+        t0 = time.perf_counter()
+        a, dev = self.adapter, self.adapter.device
+        ids, probs = list(req.ids), req.probs
+        if chained is not None and chained.tokens:
+            ids += chained.tokens
+            probs = chained.probs
+        input_ids = torch.tensor([ids], dtype=torch.long, device=dev)  # [1, j+1]
+        logits = a.logits(a.forward(self.cache, req.start, input_ids=input_ids))  # [1, j+1, V]
+        proposal = Proposal(tokens=input_ids[:, 1:], probs=None if probs is None else probs.to(dev))
+        verdict = verify(proposal, logits, self.sampling, self.generator)
+        j, m = len(ids) - 1, int(verdict.num_accepted[0])
+        self.cache.rollback(req.start + 1 + m)
+        p_last = None
+        if req.want_p and m == j and not self.sampling.greedy:
+            p_last = warp(logits[:, -1], self.sampling).cpu()
+        return TargetResult(
+            num_accepted=m,
+            tokens=verdict.tokens[0, : m + 1].tolist(),
+            drafted=j,
+            p_last=p_last,
+            compute_s=time.perf_counter() - t0,
+            draft_compute_s=chained.compute_s if chained is not None else 0.0,
+        )
+
+
+class DraftSide:
+    """The draft model behind ``DraftModelDrafter``; remembers the token sequence its cache was built from.
+
+    Drafts are kept provisionally (the cache keeps every fed draft) so that a
+    chained draft run (PEARL post-verify) continues without refeeding; a
+    request's ``keep`` then cuts the sequence back to what the verdict kept.
+    """
+
+    def __init__(self, adapter: ModelAdapter, sampling: SamplingParams = GREEDY, confidence_threshold: float = 0.0):
+        self.adapter = adapter
+        self.drafter = DraftModelDrafter(adapter, confidence_threshold)
+        self.state: DecodeState | None = None
+        self.tokens: list[int] = []  # the sequence behind the cache: committed + provisional drafts
+        self.generator = torch.Generator(device=adapter.device)
+        self.sampling = sampling
+
+    def prefill(self, prompt: list[int], max_len: int, seed: int = 0, sampling: SamplingParams | None = None) -> float:
+        t0 = time.perf_counter()
+        a = self.adapter
+        self.generator.manual_seed(seed)
+        self.sampling = sampling or self.sampling
+        ids = torch.tensor([prompt], dtype=torch.long, device=a.device)
+        self.state = DecodeState(ids, None, None, self.sampling, self.generator, max_len)
+        self.drafter.start(self.state)
+        a.forward(self.drafter.cache, 0, input_ids=ids)
+        self.drafter.cache.rollback(len(prompt))
+        self.tokens = list(prompt)
+        return time.perf_counter() - t0
+
+    def draft(self, req: DraftRequest) -> DraftResult:
+        t0 = time.perf_counter()
+        if req.keep > len(self.tokens):
+            raise ValueError(f"keep={req.keep} beyond the draft sequence of {len(self.tokens)} tokens")
+        seq = self.tokens[: req.keep] + list(req.append)
+        cache = self.drafter.cache
+        # KV past `keep` belongs to rejected drafts; at least the last token must be (re)fed to get logits
+        cache.rollback(min(cache.length, req.keep, len(seq) - 1))
+        self.tokens = seq
+        if req.k <= 0:
+            return DraftResult(tokens=[], compute_s=time.perf_counter() - t0)
+        self.state.tokens = torch.tensor([seq], dtype=torch.long, device=self.adapter.device)
+        proposal = self.drafter.propose(self.state, req.k)
+        j = proposal.tokens.shape[1]
+        self.drafter.update(self.state, j)  # keep every fed draft; the next request's `keep` cuts back
+        drafts = proposal.tokens[0].tolist()
+        self.tokens = seq + drafts
+        probs = None if proposal.probs is None else proposal.probs.cpu()
+        return DraftResult(tokens=drafts, probs=probs, compute_s=time.perf_counter() - t0)
+
+
+# ---- schedules: pure state machines ---------------------------------------------------------
+
+
+@dataclass
+class RoundRecord:
+    """Timing of one round as the driver saw it (``wall_s``) and as each side measured its compute."""
+
+    mode: str  # "pre-verify" | "post-verify" | "sequential"
+    wall_s: float
+    target_s: float
+    draft_s: float
+    parallel: bool
+
+    @property
+    def overhead_s(self) -> float:
+        """Driver round trip minus compute: what the transport (RPC, serialisation) costs."""
+        compute = max(self.target_s, self.draft_s) if self.parallel else self.target_s + self.draft_s
+        return max(0.0, self.wall_s - compute)
+
+
+class _Schedule:
+    """Committed-token bookkeeping shared by both schedules: EOS, max_new_tokens, step records."""
+
+    parallel = False
+
+    def __init__(self, prompt_len: int, first_token: int, k: int, max_new_tokens: int, eos=(), sampling=GREEDY, generator=None):
+        self.k = k
+        self.max_new_tokens = max_new_tokens
+        self.eos = {int(e) for e in eos}
+        self.sampling = sampling
+        self.generator = generator
+        self.n = prompt_len + 1  # committed length; token n-1 is pending
+        self.pending = first_token
+        self.new = [first_token]
+        self.finished = first_token in self.eos or max_new_tokens <= 1
+        self.stopped_by_eos = first_token in self.eos
+        self.draft_keep, self.draft_append = prompt_len, [first_token]  # the draft side's next sync
+        self.steps: list[StepRecord] = []
+        self.rounds: list[RoundRecord] = []
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.new)
+
+    def _commit(self, tokens: list[int]) -> list[int]:
+        """Append tokens, cut at the first EOS and at max_new_tokens; returns what was committed."""
+        out = []
+        for tok in tokens[: self.remaining]:
+            out.append(tok)
+            if tok in self.eos:
+                self.finished = self.stopped_by_eos = True
+                break
+        self.new.extend(out)
+        self.n += len(out)
+        if out:
+            self.pending = out[-1]
+        if self.remaining <= 0:
+            self.finished = True
+        return out
+
+
+class SequentialSchedule(_Schedule):
+    """SpS over two sides: draft k, then verify them (the draft result is chained into the target request)."""
+
+    mode = "sequential"
+
+    def requests(self) -> tuple[TargetRequest, DraftRequest]:
+        kk = max(0, min(self.k, self.remaining - 1))  # never draft more than can be committed
+        dreq = DraftRequest(keep=self.draft_keep, append=self.draft_append, k=kk)
+        return TargetRequest(start=self.n - 1, ids=[self.pending]), dreq
+
+    def join(self, t: TargetResult, d: DraftResult | None = None) -> list[int]:
+        m, n_before = t.num_accepted, self.n
+        self.steps.append(StepRecord(drafted=t.drafted, accepted=m, draft_s=t.draft_compute_s, verify_s=t.compute_s))
+        # the draft sequence was committed + drafts; its first n_before + m tokens survive the verdict
+        self.draft_keep, self.draft_append = n_before + m, [t.tokens[m]]
+        return self._commit(t.tokens)
+
+
+class PearlSchedule(_Schedule):
+    """PEARL's pre-verify / post-verify schedule (see the module docstring); ``k`` is PEARL's gamma."""
+
+    parallel = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.unverified: list[int] = []  # D
+        self.unverified_q: torch.Tensor | None = None  # [1, |D|, V] (sampling)
+        self.counts = {"pre_verify_rounds": 0, "post_verify_rounds": 0, "first_draft_checks": 0, "first_draft_accepted": 0}
+
+    @property
+    def mode(self) -> str:
+        return "post-verify" if self.unverified else "pre-verify"
+
+    def requests(self) -> tuple[TargetRequest, DraftRequest]:
+        j = len(self.unverified)
+        # this round commits at most j + 1 tokens; drafts past what can ever be committed are wasted work
+        gamma = max(0, min(self.k, self.remaining - j - 1))
+        treq = TargetRequest(
+            start=self.n - 1,
+            ids=[self.pending, *self.unverified],
+            probs=self.unverified_q,
+            want_p=not self.sampling.greedy and gamma > 0,
+        )
+        return treq, DraftRequest(keep=self.draft_keep, append=self.draft_append, k=gamma)
+
+    def join(self, t: TargetResult, d: DraftResult) -> list[int]:
+        D, j, m, n_before = self.unverified, len(self.unverified), t.num_accepted, self.n
+        self.counts["post_verify_rounds" if j else "pre_verify_rounds"] += 1
+        self.steps.append(StepRecord(drafted=j, accepted=m, draft_s=d.compute_s, verify_s=t.compute_s))
+        X = d.tokens
+        self.unverified, self.unverified_q = [], None
+        if m < j or not X:
+            # a draft in D was rejected (or nothing new was drafted): the verdict stands, X is discarded
+            self.draft_keep, self.draft_append = n_before + m, [t.tokens[m]]
+            return self._commit(t.tokens)
+        # all of D accepted: the target's distribution after D checks the first new draft X[0]
+        self.counts["first_draft_checks"] += 1
+        ok, token = self._check_first(X[0], t, d)
+        if ok:
+            self.counts["first_draft_accepted"] += 1
+            self.unverified = X[1:]
+            self.unverified_q = None if d.probs is None else d.probs[:, 1:]
+            self.draft_keep, self.draft_append = n_before + j + len(X), []
+        else:
+            self.draft_keep, self.draft_append = n_before + j, [token]
+        committed = self._commit([*D, token])
+        if self.finished:
+            self.unverified, self.unverified_q = [], None
+        return committed
+
+    def _check_first(self, x1: int, t: TargetResult, d: DraftResult) -> tuple[bool, int]:
+        """Verify one draft against the target's distribution after D: (accepted, token to commit)."""
+        if self.sampling.greedy:
+            target_token = t.tokens[-1]  # the argmax after D
+            return x1 == target_token, target_token
+        p = t.p_last.unsqueeze(1)  # [1, 1, V]
+        q = None if d.probs is None else d.probs[:, :1]  # [1, 1, V]
+        u_accept = torch.rand(1, 1, generator=self.generator)
+        u_sample = torch.rand(1, generator=self.generator)
+        # the rule wants k+1 target rows; the row after x1 is never used (no bonus draw after x1 here)
+        verdict = verify_speculative(torch.tensor([[x1]]), q, torch.cat([p, p], 1), u_accept, u_sample)
+        accepted = int(verdict.num_accepted[0]) == 1
+        return accepted, x1 if accepted else int(verdict.tokens[0, 0])
+
+
+# ---- executors and the driver loop ------------------------------------------------------------
+
+
+@dataclass
+class TwoSidedGeneration(Generation):
+    rounds: list[RoundRecord] = field(default_factory=list)
+    schedule_counts: dict = field(default_factory=dict)  # PEARL: rounds per mode, first-draft checks
+
+
+class LocalExecutor:
+    """Runs both sides in this process, one action after the other (tests, and the reference for the actors)."""
+
+    def __init__(self, target, draft):
+        self.target, self.draft = target, draft
+
+    def prefill(self, prompt: list[int], max_len: int, seed: int, sampling: SamplingParams = GREEDY) -> int:
+        self.draft.prefill(prompt, max_len, seed + 1, sampling)
+        return self.target.prefill(prompt, max_len, seed, sampling)[0]
+
+    def step(self, treq: TargetRequest, dreq: DraftRequest, parallel: bool) -> tuple[TargetResult, DraftResult | None]:
+        if parallel:
+            return self.target.verify(treq), self.draft.draft(dreq)
+        return self.target.verify(treq, self.draft.draft(dreq)), None
+
+
+def make_schedule(name: str, *args, **kwargs) -> _Schedule:
+    if name == "pearl":
+        return PearlSchedule(*args, **kwargs)
+    if name == "sps":
+        return SequentialSchedule(*args, **kwargs)
+    raise ValueError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
+
+
+def generate_two_sided(
+    executor,
+    prompt_ids,  # [1, T] tensor or nested list
+    *,
+    schedule: str = "pearl",
+    k: int = 4,
+    sampling: SamplingParams = GREEDY,
+    max_new_tokens: int = 128,
+    eos_token_ids=(),
+    seed: int = 0,
+    max_context: int | None = None,
+    on_step: Callable[[list[int]], None] | None = None,
+) -> Generation:
+    """Generate with a two-sided schedule; ``executor`` runs the requests (``LocalExecutor`` or an actor executor).
+
+    Seeds: target side ``seed``, draft side ``seed + 1``, the schedule's own
+    draws (PEARL's first-draft check) ``seed + 2``.
+    """
+    prompt = torch.as_tensor(prompt_ids).tolist()
+    if len(prompt) != 1:
+        raise ValueError(f"two-sided schedules run batch size 1 for now, got {len(prompt)}")
+    prompt = prompt[0]
+    if not prompt:
+        raise ValueError("empty prompt")
+    if max_context is not None and len(prompt) + max_new_tokens > max_context:
+        raise ContextTooLong(
+            f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of {max_context}"
+        )
+    max_len = len(prompt) + max_new_tokens + 2 * k + 2  # PEARL's draft runs up to 2k past the committed tokens
+    t_start = time.perf_counter()
+    first = executor.prefill(prompt, max_len, seed, sampling)
+    prefill_s = time.perf_counter() - t_start
+    gen = torch.Generator().manual_seed(seed + 2)
+    sched = make_schedule(schedule, len(prompt), first, k, max_new_tokens, eos_token_ids, sampling, gen)
+    if on_step:
+        on_step([first])
+    while not sched.finished:
+        mode = sched.mode
+        treq, dreq = sched.requests()
+        t0 = time.perf_counter()
+        t, d = executor.step(treq, dreq, sched.parallel)
+        wall = time.perf_counter() - t0
+        committed = sched.join(t, d)
+        draft_s = d.compute_s if d is not None else t.draft_compute_s
+        sched.rounds.append(RoundRecord(mode, wall, t.compute_s, draft_s, sched.parallel))
+        if on_step and committed:
+            on_step(committed)
+    wall = time.perf_counter() - t_start
+    stats = summarize(len(sched.new), wall, prefill_s, sched.steps)
+    return TwoSidedGeneration(
+        token_ids=sched.new,
+        finish_reason="stop" if sched.stopped_by_eos else "length",
+        stats=stats,
+        steps=sched.steps,
+        rounds=sched.rounds,
+        schedule_counts=dict(getattr(sched, "counts", {})),
+    )
+
+
+def round_summary(rounds: list[RoundRecord]) -> dict:
+    """Mean per-round figures in milliseconds: driver round trip, each side's compute, transport overhead."""
+    if not rounds:
+        return {"rounds": 0}
+    n = len(rounds)
+    return {
+        "rounds": n,
+        "round_ms": 1e3 * sum(r.wall_s for r in rounds) / n,
+        "target_compute_ms": 1e3 * sum(r.target_s for r in rounds) / n,
+        "draft_compute_ms": 1e3 * sum(r.draft_s for r in rounds) / n,
+        "overhead_ms": 1e3 * sum(r.overhead_s for r in rounds) / n,
+    }
+
+
+# ---- scripted sides for the doctest and unit tests --------------------------------------------
+
+
+@dataclass
+class _ScriptedTarget:
+    """A target whose greedy continuation is a fixed string (token = ord(char)); verifies by comparison."""
+
+    text: str
+    calls: list = field(default_factory=list)
+    prompt_len: int = 0
+
+    def _at(self, i: int) -> int:  # the target's token at generated position i
+        return ord(self.text[i]) if i < len(self.text) else ord("$")
+
+    def prefill(self, prompt, max_len, seed=0, sampling=None):
+        self.prompt_len = len(prompt)
+        return self._at(0), 0.0
+
+    def verify(self, req: TargetRequest, chained: DraftResult | None = None) -> TargetResult:
+        ids = list(req.ids) + (chained.tokens if chained else [])
+        self.calls.append(ids)
+        pos = req.start + 1 - self.prompt_len  # generated index of the first draft
+        drafts, m = ids[1:], 0
+        while m < len(drafts) and drafts[m] == self._at(pos + m):
+            m += 1
+        return TargetResult(num_accepted=m, tokens=drafts[:m] + [self._at(pos + m)], drafted=len(drafts))
+
+
+@dataclass
+class _ScriptedDraft:
+    """A draft that returns scripted strings, one per call that asks for drafts; records its requests."""
+
+    script: list
+    calls: list = field(default_factory=list)
+
+    def prefill(self, prompt, max_len, seed=0, sampling=None):
+        return 0.0
+
+    def draft(self, req: DraftRequest) -> DraftResult:
+        self.calls.append(req)
+        if req.k <= 0:
+            return DraftResult(tokens=[])
+        text = self.script.pop(0) if self.script else ""
+        return DraftResult(tokens=[ord(c) for c in text[: req.k]])
