@@ -8,64 +8,14 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny_models import build_tiny_model, write_prompts
 
 from decoding import benchmark as bm
 from jobs import bench
 from jobs.cli import main as cli_main
 
 PNG = b"\x89PNG\r\n\x1a\n"
-CHAT = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 SPECRAY = ["ar", "ngram", "sps", "early-exit"]
-
-
-def build_tiny_model(d: Path) -> Path:
-    """A 4-layer random Llama with a byte-level tokenizer (259 tokens) and a chat template, saved to ``d``."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk, eos_token="<|im_end|>", bos_token="<|im_start|>", pad_token="<|endoftext|>", additional_special_tokens=specials
-    )
-    tok.chat_template = CHAT
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(vocab),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=True,
-    )
-    model = LlamaForCausalLM(cfg)
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
-
-
-def write_prompts(path: Path, n_per_cat=1, cats=("writing", "qa", "summarization")) -> Path:
-    lines, qid = [], 100
-    for c in cats:
-        for i in range(n_per_cat):
-            qid += 1
-            text = f"Topic {c} {i}: repeat the words {c} {c} {c} and then say {c} again."
-            lines.append(json.dumps({"question_id": qid, "category": c, "turns": [text, "a second turn"]}))
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 @pytest.fixture(scope="module")
