@@ -47,6 +47,45 @@ def verify(proposal: Proposal, logits: torch.Tensor, sampling: SamplingParams, g
     return verify_speculative(proposal.tokens, proposal.probs, target_probs, u_accept, u_sample)
 
 
+@dataclass
+class StepResult:
+    proposal: Proposal
+    num_accepted: int  # m
+    committed: list[int]  # the m accepted drafts and the target's token (batch row 0)
+    logits: torch.Tensor  # [B, j+1, V] the target's logits that judged the proposal
+    record: StepRecord
+
+
+def speculative_step(state: DecodeState, drafter: Drafter, k: int) -> StepResult:
+    """One step of the loop: propose up to k drafts, run the target on [pending, drafts], verify, commit.
+
+    Mutates ``state`` (tokens grow by m+1, the target cache covers pending and
+    the m accepted drafts) and tells the drafter the verdict. It is the whole
+    body of ``generate``, and a drafter that speculates itself (TriForce's
+    middle level) calls it on its own state with its own inner drafter.
+    """
+    target, cache, tokens = state.target, state.target_cache, state.tokens
+    bsz = tokens.shape[0]
+    t0 = time.perf_counter()
+    proposal = drafter.propose(state, k) if k > 0 else Proposal.empty(bsz, tokens.device)
+    t1 = time.perf_counter()
+    n = tokens.shape[1]
+    if proposal.hidden is not None:
+        h = target.forward(cache, n - 1, hidden=proposal.hidden, first=proposal.layer)
+    else:
+        h = target.forward(cache, n - 1, input_ids=torch.cat([tokens[:, -1:], proposal.tokens], dim=1))
+    logits = target.logits(h)
+    verdict = verify(proposal, logits, state.sampling, state.generator)
+    m = int(verdict.num_accepted[0])
+    committed = verdict.tokens[0, : m + 1].tolist()
+    state.tokens = torch.cat([tokens, torch.tensor([committed], dtype=tokens.dtype, device=tokens.device)], dim=1)
+    cache.rollback(n + m)
+    drafter.update(state, m)
+    t2 = time.perf_counter()
+    record = StepRecord(drafted=proposal.tokens.shape[1], accepted=m, draft_s=t1 - t0, verify_s=t2 - t1)
+    return StepResult(proposal, m, committed, logits, record)
+
+
 def generate(
     target: ModelAdapter,
     prompt_ids: torch.Tensor,  # [B, T]
@@ -93,29 +132,14 @@ def generate(
     finished = new[0] in eos
     while not finished and len(new) < max_new_tokens:
         # never draft more than can be committed: m + 1 <= remaining
-        kk = min(k, max_new_tokens - len(new) - 1)
-        t0 = time.perf_counter()
-        proposal = drafter.propose(state, kk) if kk > 0 else Proposal.empty(bsz, tokens.device)
-        t1 = time.perf_counter()
-        n = tokens.shape[1]
-        if proposal.hidden is not None:
-            h = target.forward(cache, n - 1, hidden=proposal.hidden, first=proposal.layer)
-        else:
-            h = target.forward(cache, n - 1, input_ids=torch.cat([tokens[:, -1:], proposal.tokens], dim=1))
-        verdict = verify(proposal, target.logits(h), sampling, generator)
-        m = int(verdict.num_accepted[0])
-        committed = verdict.tokens[0, : m + 1].tolist()
+        step = speculative_step(state, drafter, min(k, max_new_tokens - len(new) - 1))
+        committed = step.committed
         for i, tok in enumerate(committed):
             if tok in eos:
                 committed, finished = committed[: i + 1], True
                 break
-        tokens = torch.cat([tokens, torch.tensor([committed], dtype=tokens.dtype, device=tokens.device)], dim=1)
-        cache.rollback(n + m)
-        state.tokens = tokens
-        drafter.update(state, m)
         new.extend(committed)
-        t2 = time.perf_counter()
-        steps.append(StepRecord(drafted=proposal.tokens.shape[1], accepted=m, draft_s=t1 - t0, verify_s=t2 - t1))
+        steps.append(step.record)
         if on_step:
             on_step(committed)
 
