@@ -128,32 +128,51 @@ def _fmt(res: dict) -> dict:
 # ---- with a live cluster ----------------------------------------------------------------------
 
 
-def place_workers(cfg: SpecConfig):
-    """Create the placement group and the two workers; returns (target, draft, placement dict, cleanup)."""
+def place_workers(cfg: SpecConfig, placement_group=None, caller_holds_first: bool = False):
+    """Place the two workers; returns (target, draft, placement dict, cleanup).
+
+    Without ``placement_group`` a new one is made from :func:`plan_placement`
+    (and removed by ``cleanup``). With one (a Tune trial's own group), the
+    target goes into bundle 0 and the draft into bundle 1, each with as many
+    torch threads as its bundle has CPUs, and ``cleanup`` leaves the group to
+    its owner. ``caller_holds_first``: the caller itself occupies bundle 0 (a
+    Tune trial runs in its group's first bundle), so the target asks no CPUs of
+    its own there; the caller only waits while the target computes.
+    """
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import placement_group as make_group
+    from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from actors.worker import ModelWorker
 
-    plan = plan_placement(cfg, ray.nodes())
-    available = ray.available_resources()
-    pg = placement_group(plan.bundles, strategy=plan.strategy, name="")
-    try:
-        ray.get(pg.ready(), timeout=cfg.placement_timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(pg)
-        raise PlacementError(
-            "placement_timeout_s",
-            f"the placement group {plan.bundles} ({plan.strategy}) was not ready within {cfg.placement_timeout_s:g}s; "
-            f"free now: {_fmt(available)} of {_fmt(ray.cluster_resources())}",
-        ) from None
+    if placement_group is None:
+        plan = plan_placement(cfg, ray.nodes())
+        available = ray.available_resources()
+        pg, own = make_group(plan.bundles, strategy=plan.strategy, name=""), True
+        try:
+            ray.get(pg.ready(), timeout=cfg.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(pg)
+            raise PlacementError(
+                "placement_timeout_s",
+                f"the placement group {plan.bundles} ({plan.strategy}) was not ready within {cfg.placement_timeout_s:g}s; "
+                f"free now: {_fmt(available)} of {_fmt(ray.cluster_resources())}",
+            ) from None
+    else:
+        pg, own = placement_group, False
+        specs = pg.bundle_specs[: len(ROLES)]
+        if len(specs) < len(ROLES):
+            raise PlacementError("placement", f"the given placement group has {len(specs)} bundle(s); the workers need {len(ROLES)}")
+        threads = {role: max(1, int(spec.get("CPU", 1))) for role, spec in zip(ROLES, specs, strict=True)}
+        plan = PlacementPlan("given", [dict(b) for b in specs], threads, float(specs[0].get("GPU", 0.0)), "the caller's placement group")
     workers = {}
     cfg_json = cfg.to_json()
     for i, role in enumerate(ROLES):
+        shares = caller_holds_first and i == 0
         workers[role] = ModelWorker.options(
-            num_cpus=plan.bundles[i]["CPU"],
-            num_gpus=plan.bundles[i].get("GPU", 0),
+            num_cpus=0 if shares else plan.bundles[i]["CPU"],
+            num_gpus=0 if shares else plan.bundles[i].get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i),
         ).remote(role, cfg_json, plan.threads[role])
 
@@ -163,7 +182,8 @@ def place_workers(cfg: SpecConfig):
                 ray.kill(h)
             except Exception:  # noqa: S110 - already gone
                 pass
-        remove_placement_group(pg)
+        if own:
+            remove_placement_group(pg)
 
     try:
         infos = ray.get([workers[r].info.remote() for r in ROLES], timeout=max(cfg.rpc_timeout_s, 300.0))
@@ -178,14 +198,17 @@ def place_workers(cfg: SpecConfig):
     return workers["target"], workers["draft"], placement, cleanup
 
 
-def build_actor_decoder(cfg: SpecConfig, address: str | None = None):
-    """Connect to (or start) Ray, place both workers, and return an ``actors.driver.ActorDecoder``."""
+def build_actor_decoder(cfg: SpecConfig, address: str | None = None, placement_group=None, caller_holds_first: bool = False):
+    """Connect to (or start) Ray, place both workers, and return an ``actors.driver.ActorDecoder``.
+
+    ``placement_group`` / ``caller_holds_first``: place the workers in an existing group (see :func:`place_workers`).
+    """
     from actors.driver import ActorDecoder, schedule_for
     from cluster.runtime import connect
 
     schedule_for(cfg)  # fail on a method the actors cannot run before starting anything
     ray_info = connect(address)
-    target, draft, placement, cleanup = place_workers(cfg)
+    target, draft, placement, cleanup = place_workers(cfg, placement_group, caller_holds_first)
     placement["ray"] = ray_info
     try:
         return ActorDecoder(cfg, target, draft, placement, on_close=cleanup)

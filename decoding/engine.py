@@ -43,7 +43,13 @@ def build_drafter(cfg: SpecConfig, target: LoadedModel) -> Drafter | None:
 
 
 class SpecDecoder:
-    """A loaded target, a drafter and sampling settings: the in-process way to generate."""
+    """A loaded target, a drafter and sampling settings: the in-process way to generate.
+
+    ``pearl`` in one process runs its draft model with the sequential schedule
+    (draft, then verify): the same tokens, without the overlap that needs two
+    workers (``cluster.placement.build_actor_decoder``); ``generate_text`` says so
+    in ``stats["placement"]``.
+    """
 
     def __init__(self, cfg: SpecConfig):
         self.cfg = cfg
@@ -112,10 +118,14 @@ class SpecDecoder:
     def generate_text(self, prompt: str, chat: bool = False, max_new_tokens: int | None = None, seed: int | None = None) -> dict:
         """The CLI's JSON shape: method, text, token_ids, stats (+ finish_reason)."""
         out = self.generate_ids(self.encode(prompt, chat), max_new_tokens, seed)
+        stats = out.stats.to_dict()
+        stats["placement"] = {"mode": "local", "threads": self.threads, "schedule": "sequential"}
+        if self.cfg.method == "pearl":  # the overlap needs two workers (placement=actors); the output is the same
+            stats["placement"]["note"] = "pearl ran in one process: drafting and verifying took turns (the sps schedule)"
         return {
             "method": self.cfg.method,
             "text": self.decode(out.token_ids),
             "token_ids": out.token_ids,
             "finish_reason": out.finish_reason,
-            "stats": out.stats.to_dict(),
+            "stats": stats,
         }

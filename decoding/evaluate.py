@@ -29,17 +29,40 @@ from decoding.workloads import Prompt
 class PromptRunner:
     """One decoder per named config (sharing one loaded model); runs a prompt through all of them."""
 
-    def __init__(self, configs: Mapping[str, SpecConfig], worker: str = "local", baseline: str = bm.BASELINE):
+    def __init__(
+        self,
+        configs: Mapping[str, SpecConfig],
+        worker: str = "local",
+        baseline: str = bm.BASELINE,
+        build: Callable[[SpecConfig], object] | None = None,
+    ):
+        """``build(cfg)`` makes each decoder (default: an in-process ``SpecDecoder``); an outer layer passes one
+        that places draft and target in actors for ``pearl`` / ``placement=actors``. The baseline is always in
+        process (its model also scores divergences)."""
         from decoding.engine import SpecDecoder  # heavy imports after the cheap checks
 
         if baseline not in configs:
             raise ValueError(f"the configs must include the baseline {baseline!r}, got {sorted(configs)}")
         self.worker, self.baseline = worker, baseline
-        self.decoders = {name: SpecDecoder(cfg) for name, cfg in configs.items()}
+        build = build or SpecDecoder
+        self.decoders = {}
+        try:
+            for name, cfg in configs.items():
+                self.decoders[name] = SpecDecoder(cfg) if name == baseline else build(cfg)
+        except BaseException:
+            self.close()
+            raise
         self.ar = self.decoders[baseline]
         self.cfg = self.ar.cfg  # max_new_tokens, temperature and dtype of the comparison
         self.configs = {name: d.cfg.to_json() for name, d in self.decoders.items()}
         self.chat = bool(getattr(self.ar.tokenizer, "chat_template", None))
+
+    def close(self) -> None:
+        """Release decoders that hold resources (actor workers); in-process decoders have nothing to release."""
+        for dec in self.decoders.values():
+            close = getattr(dec, "close", None)
+            if close is not None:
+                close()
 
     @property
     def names(self) -> list[str]:

@@ -58,7 +58,6 @@ def main_with_args(args) -> int:
 
         decoder = SpecDecoder(cfg)
         out = decoder.generate_text(prompt, chat=args.chat)
-        out["stats"]["placement"] = {"mode": "local", "threads": decoder.threads}
     if args.json:
         print(json.dumps(out))
     else:

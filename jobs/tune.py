@@ -305,13 +305,17 @@ def run(args, callbacks=None) -> tuple[int, dict]:
 
 def verify(winner: SpecConfig, space, base: SpecConfig, prompts, warmup: int) -> dict:
     """The winner vs AR, and the untuned defaults of its method vs AR, measured again here (interleaved per prompt)."""
-    from tuning.trainable import measure
+    from tuning.resources import hosts_actors
+    from tuning.trainable import decoder_for, measure
 
     default = next(p for p in space.default_points(base) if p["method"] == winner.method)
     default_cfg = space.to_config(default, base).replace(threads=winner.threads)
     extra = {"defaults": default_cfg} if default_cfg != winner else {}
+    if extra and hosts_actors(winner.to_dict()) and not _room_for_two_pairs(winner):
+        print("the cluster holds one draft/target worker pair at a time: the defaults are not re-measured", file=sys.stderr)
+        extra = {}
     print(f"verifying the winner outside Tune on {len(prompts)} prompts...", file=sys.stderr)
-    m = measure(winner, prompts, warmup=warmup, extra=extra)
+    m = measure(winner, prompts, warmup=warmup, extra=extra, build=decoder_for)
     d = m.get("extra", {}).get("defaults", m)
     keys = ("speedup", "tokens_per_s", "ar_tokens_per_s", "mean_accepted_tokens", "identical_fraction", "suspicious", "fidelity_ok")
     return {
@@ -320,6 +324,19 @@ def verify(winner: SpecConfig, space, base: SpecConfig, prompts, warmup: int) ->
         "winner_is_defaults": not extra,
         "winner_over_defaults": (m["speedup"] / d["speedup"]) if m.get("speedup") and d.get("speedup") else None,
     }
+
+
+def _room_for_two_pairs(cfg: SpecConfig) -> bool:
+    import ray
+
+    from cluster.placement import PlacementError, plan_placement
+
+    try:
+        plan = plan_placement(cfg, ray.nodes())
+    except PlacementError:
+        return False
+    need = sum(b.get("CPU", 0.0) for b in plan.bundles)
+    return ray.available_resources().get("CPU", 0.0) >= 2 * need
 
 
 def do_publish(

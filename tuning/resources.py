@@ -4,14 +4,16 @@ A trial whose config runs in one process (``placement=local``: ar, ngram,
 early-exit, sps) reserves one bundle of ``cpus_per_trial`` CPUs (and
 ``gpus_per_trial`` GPUs); torch in the trial uses that many threads. A config
 hosting its draft and target in two actors (``placement=actors``, ``pearl``)
-reserves a placement group: a small bundle for the trial's driver loop plus a
-target and a draft bundle shaped like ``cluster.placement.plan_placement``'s
-(packed on one node), so concurrent trials never fight over the same cores.
+reserves a placement group of two bundles of ``cpus_per_trial`` each (packed
+on one node), so concurrent trials never fight over the same cores: the trial
+itself and the target worker share the first bundle (the trial only waits
+while the target computes, and the AR baseline it measures in process runs
+while both workers are idle), the draft worker has the second.
 
 >>> bundles_for({"method": "ngram"}, cpus_per_trial=2)
 [{'CPU': 2.0}]
 >>> bundles_for({"method": "pearl"}, cpus_per_trial=2)
-[{'CPU': 0.5}, {'CPU': 2.0}, {'CPU': 2.0}]
+[{'CPU': 2.0}, {'CPU': 2.0}]
 >>> max_concurrent({"CPU": 8.0}, cpus_per_trial=2), max_concurrent({"CPU": 1.0}, cpus_per_trial=2)
 (4, 1)
 """
@@ -19,8 +21,6 @@ target and a draft bundle shaped like ``cluster.placement.plan_placement``'s
 from __future__ import annotations
 
 from collections.abc import Mapping
-
-DRIVER_CPU = 0.5  # the trial's own loop when the models live in actors
 
 
 def hosts_actors(sample: Mapping) -> bool:
@@ -35,7 +35,7 @@ def bundles_for(sample: Mapping, cpus_per_trial: int = 1, gpus_per_trial: float 
     if gpus_per_trial:
         worker["GPU"] = float(gpus_per_trial)
     if hosts_actors(sample):
-        return [{"CPU": DRIVER_CPU}, dict(worker), dict(worker)]  # driver loop, target, draft
+        return [worker, dict(worker)]  # the trial and the target worker, the draft worker
     return [worker]
 
 

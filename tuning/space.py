@@ -108,12 +108,12 @@ METHOD_KNOBS: dict[str, tuple[Knob, ...]] = {
     "ngram": (_K, Knob("ngram_max", "int", 1, 5), Knob("ngram_min", "int", 1, 3)),
     "early-exit": (_K, Knob("exit_layer", "int", 1, DEPTH), _CONFIDENCE),
     "sps": (_K, Knob("draft_layers", "int", 1, DEPTH), _CONFIDENCE),
-    # "pearl": its draft and target run as two Ray actors; a trial needs cluster.placement to place them in the
-    # trial's own placement group first (see tuning.resources). Knobs then: k, draft_layers, confidence_threshold.
+    # draft and target in two Ray actors inside the trial's own placement group (tuning.resources, trainable.decoder_for)
+    "pearl": (_K, Knob("draft_layers", "int", 1, DEPTH), _CONFIDENCE),
 }
 
 # Methods that need a model layer below the top one to draft from (dropped when the model has one layer).
-NEEDS_LAYERS = {"early-exit": "exit_layer", "sps": "draft_layers"}
+NEEDS_LAYERS = {"early-exit": "exit_layer", "sps": "draft_layers", "pearl": "draft_layers"}
 
 
 def _resolve_ngram(values: dict, depth: int) -> dict:
@@ -225,14 +225,13 @@ class SearchSpace:
         knobs, notes, kept = {}, [], []
         for m in methods:
             if m not in METHOD_KNOBS:
-                hint = " (draft and target actors inside a trial are not wired yet)" if m == "pearl" else ""
-                raise ConfigError("methods", f"method {m!r} cannot be tuned{hint}; choose from {', '.join(searchable_methods())}")
-            if m in NEEDS_LAYERS and not (m == "sps" and draft_model) and depth < 2:
+                raise ConfigError("methods", f"method {m!r} cannot be tuned; choose from {', '.join(searchable_methods())}")
+            if m in NEEDS_LAYERS and not (m in ("sps", "pearl") and draft_model) and depth < 2:
                 notes.append(f"{m} dropped: the model has {depth} layer(s), none below the top to draft from")
                 continue
             mk = []
             for knob in METHOD_KNOBS[m]:
-                if m == "sps" and knob.field == "draft_layers" and draft_model:
+                if m in ("sps", "pearl") and knob.field == "draft_layers" and draft_model:
                     continue  # a separate draft model: draft_layers is not read
                 if knob.field in fixed:
                     continue
@@ -304,7 +303,8 @@ class SearchSpace:
     def check_base(self, base: SpecConfig) -> None:
         """A knob the user fixed (--set) that no trial could run with fails here, before any trial starts."""
         for m, name in NEEDS_LAYERS.items():
-            if m in self.methods and name in self.fixed and getattr(base, name) >= self.depth and not (m == "sps" and base.draft_model):
+            separate_draft = m in ("sps", "pearl") and base.draft_model
+            if m in self.methods and name in self.fixed and getattr(base, name) >= self.depth and not separate_draft:
                 raise ConfigError(name, f"must be below the model's {self.depth} layers, got {getattr(base, name)}")
 
     def describe(self) -> list[str]:

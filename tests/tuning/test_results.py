@@ -125,7 +125,7 @@ def test_plot_with_no_measured_trial_still_writes_a_png(tmp_path):
 def test_trial_resources_and_concurrency():
     assert bundles_for({"method": "early-exit"}, cpus_per_trial=1) == [{"CPU": 1.0}]
     assert bundles_for({"method": "ngram"}, 2, gpus_per_trial=0.5) == [{"CPU": 2.0, "GPU": 0.5}]
-    assert len(bundles_for({"method": "pearl"}, 1)) == 3  # the trial's loop, the target actor, the draft actor
+    assert bundles_for({"method": "pearl"}, 1) == [{"CPU": 1.0}, {"CPU": 1.0}]  # trial + target worker, draft worker
     assert max_concurrent({"CPU": 2.0}, 1) == 2 and max_concurrent({"CPU": 16.0, "GPU": 2.0}, 2, 1.0) == 2
 
 

@@ -99,8 +99,6 @@ def test_default_points_are_the_untuned_defaults_clamped():
 
 
 def test_bad_spaces_fail_with_the_field_named():
-    with pytest.raises(ConfigError, match="pearl"):
-        SearchSpace.build(["pearl"], depth=4)
     with pytest.raises(ConfigError, match="medusa"):
         SearchSpace.build(["medusa"], depth=4)
     with pytest.raises(ConfigError, match="exit_layer"):
@@ -131,6 +129,15 @@ def test_trial_threads_follow_the_trial_cpus_unless_set():
     sample = {"method": "ngram", "ngram": {"k": 3}}
     assert trial_config(sample, TrialSetup(space, SpecConfig(), [], cpus_per_trial=2)).threads == 2
     assert trial_config(sample, TrialSetup(space, SpecConfig(threads=1), [], cpus_per_trial=2)).threads == 1
+
+
+def test_pearl_searches_its_draft_and_drops_on_a_one_layer_model():
+    space = SearchSpace.build(["pearl"], depth=4)
+    cfg = space.to_config(space.default_points(SpecConfig())[0], SpecConfig())
+    assert cfg.method == "pearl" and cfg.draft_layers < 4
+    with pytest.raises(ConfigError, match="pearl dropped"):
+        SearchSpace.build(["pearl"], depth=1)  # no layer below the top to draft from
+    assert SearchSpace.build(["pearl"], depth=1, draft_model="other").methods == ("pearl",)
 
 
 def test_knob_fields_cover_every_method():

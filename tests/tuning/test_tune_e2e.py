@@ -7,6 +7,7 @@ import io
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,25 @@ def test_bad_input_is_one_line_exit_2(tiny_tune, tmp_path, capsys):
     assert "unknown category" in bad("--categories", "poetry")
     assert "not a specray tune experiment" in bad("--resume", str(tmp_path / "nothing-here"))
     assert not (tmp_path / "o").exists()
+
+
+def test_pearl_trials_place_their_workers_in_the_trial_group(tiny_tune, local_ray, tmp_path):
+    """A pearl trial reserves [driver, target, draft] bundles and its two workers run inside them; the winner is
+    re-measured outside Tune with workers in a group of its own, and both are lossless in float32."""
+    out = tmp_path / "out"
+    args = argv(tiny_tune, out, "--name", "pearl", "--methods", "pearl", "--num-samples", "2", "--set", "draft_layers=2", "--verify-best")
+    code, stdout, stderr = run_cli(args)
+    assert code == 0, stderr[-3000:]
+    rows = parquet_rows(out / "pearl" / "trials.parquet")
+    assert len(rows) == 2 and all(r["method"] == "pearl" for r in rows)
+    for r in rows:
+        assert r["valid"], r["invalid_reason"]
+        assert r["speedup"] > 0 and r["mean_accepted_tokens"] >= 1.0
+        assert r["fidelity_ok"] and r["compared"] == r["prompts"] >= 1  # ASHA may stop the weaker trial after one prompt
+    doc = json.loads((out / "pearl" / "best.json").read_text())
+    assert doc["verify"]["winner"]["speedup"] > 0 and doc["verify"]["winner"]["fidelity_ok"]
+    # every worker was released (ray.kill and group removal are asynchronous): the 2-CPU cluster is whole again
+    deadline = time.monotonic() + 60
+    while ray.available_resources().get("CPU", 0.0) < 2.0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU") == pytest.approx(2.0)
