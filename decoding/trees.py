@@ -256,7 +256,7 @@ def sequoia_paths(acceptance: Sequence[float], budget: int, max_depth: int) -> l
     """
     if budget < 1 or max_depth < 1:
         raise TreeError(f"budget and max_depth must be >= 1, got {budget}, {max_depth}")
-    acc = list(acceptance)[: budget]
+    acc = list(acceptance)[:budget]
     K, N = len(acc), budget + 1
     c = [[1.0] * (N + 1) for _ in range(max_depth + 1)]  # c[0][n] = 1: the root alone
     choice: dict = {}  # (d, r, n) -> m nodes given to child r (0 = stop)
