@@ -133,7 +133,20 @@ def _path_to(mask_rows: torch.Tensor, best: torch.Tensor, depth: torch.Tensor):
     return torch.where(keep, order, 0), m
 
 
-def verify_tree_greedy(node_tokens, parents, mask, depth, target_logits: torch.Tensor, accept=greedy_tree_accept) -> Verdict:
+def _tree_accept_for(t: torch.Tensor):
+    """On CUDA the Triton kernel (``kernels.tree_verify``, imported lazily: the only outward reference, and
+    optional), else the torch reference."""
+    if t.is_cuda:
+        try:
+            from kernels.tree_verify import greedy_tree_accept as dispatched
+
+            return dispatched
+        except ImportError:
+            pass
+    return greedy_tree_accept
+
+
+def verify_tree_greedy(node_tokens, parents, mask, depth, target_logits: torch.Tensor, accept=None) -> Verdict:
     """Greedy rule on a tree: commit the longest root-to-node path matching the target's argmax, then the argmax there.
 
     node_tokens [B, T], parents [T], mask [T, T], depth [T], target_logits [B, T, V].
@@ -148,7 +161,7 @@ def verify_tree_greedy(node_tokens, parents, mask, depth, target_logits: torch.T
     ([2], [[0, 2, 3]], [[5, 6, 1]])
     """
     g = target_logits.argmax(-1)  # [B, T]
-    best = accept(node_tokens, parents, mask, depth, g)
+    best = (accept or _tree_accept_for(node_tokens))(node_tokens, parents, mask, depth, g)
     path, m = _path_to(mask.expand(g.shape[0], *mask.shape[-2:]), best, depth)
     tokens = torch.cat([node_tokens.gather(1, path[:, 1:]), g.new_zeros(g.shape[0], 1)], dim=1)  # [B, D+1]
     rows = torch.arange(g.shape[0], device=g.device)

@@ -1,8 +1,6 @@
 """Token trees: construction, tree attention over a cached prefix, compaction, the tree rules (greedy and
 lossless sampling, pure and end to end on a tiny model), Sequoia's programme and the tree drafters."""
 
-import itertools
-
 import pytest
 import torch
 
