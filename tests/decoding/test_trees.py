@@ -363,3 +363,17 @@ def test_wrong_tree_rule_is_caught_end_to_end(tiny_model, monkeypatch):
     monkeypatch.setattr(loop_module, "verify_tree_speculative", draw_from_p)
     counts = sample_counts(tiny_model, tree_drafters(tiny_model)["sps-static"], SAMPLING)
     assert chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING)) < 1e-6
+
+
+def test_tune_space_searches_tree_shape_and_budget():
+    from tuning.space import SearchSpace
+
+    space = SearchSpace.build(["sps", "early-exit", "ngram"], depth=30)
+    for method in space.methods:
+        fields = {k.field: k for k in space.knobs[method]}
+        assert fields["tree"].choices == ("chain", "sequoia", "dyspec") and (fields["tree_budget"].low, fields["tree_budget"].high) == (
+            4,
+            32,
+        )
+    cfg = space.to_config({"method": "sps", "sps": {"k": 3, "tree": "sequoia", "tree_budget": 12}}, SpecConfig())
+    assert (cfg.tree, cfg.tree_budget, cfg.k) == ("sequoia", 12, 3)
