@@ -48,6 +48,18 @@ class KVCache:
         self.v[layer_idx][:, :, self.cursor : end] = value
         return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
 
+    def compact(self, start: int, slots: torch.Tensor) -> None:
+        """Move the KV at ``slots`` ([m] ascending, >= start) to the contiguous slots start..start+m, every layer.
+
+        After a tree verification the accepted branch sits at scattered tree slots; this makes it the
+        committed prefix again (one gather + copy per layer; a no-op when the branch is already in place).
+        """
+        m = slots.shape[0]
+        if m == 0 or bool((slots == torch.arange(start, start + m, device=slots.device)).all()):
+            return
+        for buf in (*self.k, *self.v):
+            buf[:, :, start : start + m] = buf.index_select(2, slots.to(buf.device))
+
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.max_len:
             raise IndexError(f"rollback to {length} outside 0..{self.max_len}")
@@ -106,11 +118,14 @@ class ModelAdapter:
         first: int = 0,
         last: int | None = None,
         positions: torch.Tensor | None = None,  # [batch, T] rotary positions; default start + arange(T)
-        tree_mask: torch.Tensor | None = None,  # [T, T] bool, True = may attend (ancestor or self)
+        tree_mask: torch.Tensor | None = None,  # [T, W] (or [B, T, W]) bool over the last W <= start+T slots, True = may attend
     ) -> torch.Tensor:
         """Run layers [first, last) on T new tokens written at cache slots start..start+T.
 
-        Returns the hidden state after layer ``last - 1``: [batch, T, hidden].
+        Returns the hidden state after layer ``last - 1``: [batch, T, hidden]. A token tree passes
+        ``tree_mask`` (the ancestor-or-self mask; W > T when earlier tree nodes already sit in the cache
+        before ``start``: the W columns are the slots start+T-W .. start+T) and ``positions`` (root position
+        + node depth); every slot before those W is the committed prefix and visible to all.
         """
         last = self.num_layers if last is None else last
         if hidden is None:
@@ -140,9 +155,11 @@ class ModelAdapter:
         """None where SDPA's own rule is exact (one query, or causal from slot 0)."""
         if tree_mask is None and (t == 1 or start == 0):
             return None
-        block = tree_mask if tree_mask is not None else torch.ones(t, t, dtype=torch.bool, device=device).tril_()
-        prefix = torch.ones(t, start, dtype=torch.bool, device=device)
-        return torch.cat([prefix, block.to(device)], dim=1)[None, None]  # [1, 1, T, start+T]
+        block = tree_mask.to(device) if tree_mask is not None else torch.ones(t, t, dtype=torch.bool, device=device).tril_()
+        if block.dim() == 2:
+            block = block[None]  # [1 or B, T, W]
+        prefix = torch.ones(*block.shape[:2], start + t - block.shape[-1], dtype=torch.bool, device=device)
+        return torch.cat([prefix, block], dim=-1)[:, None]  # [1 or B, 1, T, start+T]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

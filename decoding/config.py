@@ -24,6 +24,7 @@ METHODS = ("ar", "sps", "ngram", "early-exit", "pearl")
 DTYPES = ("float32", "bfloat16")
 PLACEMENTS = ("local", "actors")
 ACTOR_TRANSPORTS = ("calls", "compiled")
+TREE_SHAPES = ("chain", "static", "sequoia", "dyspec")  # decoding.trees.TREE_SHAPES (kept torch-free here)
 
 
 class ConfigError(ValueError):
@@ -72,6 +73,15 @@ class SpecConfig:
     placement_timeout_s: the longest wait for the placement group's resources.
     actor_transport: ``calls`` (plain actor calls) or ``compiled`` (Ray
         compiled graphs) between the driver and the workers.
+    tree: the shape drafts take (``sps``, ``early-exit``, ``ngram``): ``chain``
+        (k drafts in a row), ``static`` (the rank paths in ``tree_paths``),
+        ``sequoia`` (the tree of ``tree_budget`` nodes and depth <= k maximising
+        the expected accepted length under ``tree_acceptance``, a per-rank
+        acceptance vector; unset = a default profile measured with the shallow
+        SmolLM2 draft, ``jobs.bench_trees --calibrate`` measures yours) or
+        ``dyspec`` (grown per step best-first by draft probability, up to
+        ``tree_budget`` nodes, depth <= k). ``ngram`` merges several earlier
+        matches into a trie of as many nodes as the shape has.
     """
 
     method: str = "ar"
@@ -99,6 +109,11 @@ class SpecConfig:
     rpc_timeout_s: float = 120.0
     placement_timeout_s: float = 30.0
     actor_transport: str = "calls"
+    # token trees (decoding/trees.py): chain (default) | static | sequoia | dyspec
+    tree: str = "chain"
+    tree_paths: str = ""  # static: JSON list of rank paths, e.g. [[0],[1],[0,0]]
+    tree_budget: int = 16  # sequoia / dyspec / n-gram tries: draft nodes per step
+    tree_acceptance: str = ""  # sequoia: per-rank acceptance, e.g. [0.6,0.1,0.05]; empty = trees.DEFAULT_ACCEPTANCE
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, "method", f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
@@ -130,6 +145,24 @@ class SpecConfig:
             "actor_transport",
             f"unknown transport {self.actor_transport!r}; choose from {', '.join(ACTOR_TRANSPORTS)}",
         )
+        self._check_tree()
+
+    def _check_tree(self) -> None:
+        """Tree fields (see the class docstring); torch is imported only when a tree is configured."""
+        _check(self.tree in TREE_SHAPES, "tree", f"unknown tree {self.tree!r}; choose from {', '.join(TREE_SHAPES)}")
+        _check(self.tree_budget >= 1, "tree_budget", f"must be >= 1, got {self.tree_budget}")
+        _check(self.tree == "chain" or self.method != "pearl", "tree", "pearl drafts chains only")
+        _check(self.tree != "static" or bool(self.tree_paths), "tree_paths", "tree=static needs tree_paths, e.g. [[0],[1],[0,0]]")
+        if self.tree == "chain" and not self.tree_paths and not self.tree_acceptance:
+            return
+        from decoding.trees import TreeError, parse_acceptance, parse_paths
+
+        for name, parse in (("tree_paths", parse_paths), ("tree_acceptance", parse_acceptance)):
+            if getattr(self, name):
+                try:
+                    parse(getattr(self, name))
+                except TreeError as e:
+                    raise ConfigError(name, str(e)) from None
 
     # ---- serialisation -------------------------------------------------
     def to_dict(self) -> dict:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from decoding.adapter import KVCache, ModelAdapter
-from decoding.sampling import SamplingParams, choose
+from decoding.sampling import SamplingParams, choose, warp
+from decoding.trees import Dynamic, Tree
 
 
 @dataclass
@@ -29,6 +30,7 @@ class DecodeState:
     sampling: SamplingParams
     generator: torch.Generator | None
     max_len: int  # cache capacity a drafter should allocate
+    accepted_path: list[int] | None = None  # trees: node indices of the last step's accepted path (root 0 first)
 
 
 @dataclass
@@ -37,6 +39,7 @@ class Proposal:
     probs: torch.Tensor | None = None  # [B, j, V] warped draft distributions; None = deterministic drafts
     hidden: torch.Tensor | None = None  # [B, j+1, H] target hidden after `layer` layers for [pending, drafts]
     layer: int = 0
+    tree: Tree | None = None  # the drafts are nodes 1..j of this tree (node 0 = pending); None = a chain
 
     @staticmethod
     def empty(batch: int, device=None) -> Proposal:
@@ -56,6 +59,10 @@ class Drafter:
 
     def update(self, state: DecodeState, num_accepted: int) -> None:
         pass
+
+    def max_nodes(self, k: int) -> int:
+        """The most drafts one proposal may hold (the loop sizes the caches with it)."""
+        return k
 
 
 def _draft_chain(step, first_logits, k, state, threshold, feed_last):
@@ -86,6 +93,132 @@ def _draft_chain(step, first_logits, k, state, threshold, feed_last):
     return out, (torch.stack(probs, 1) if probs else None), fed
 
 
+def _candidates(logits: torch.Tensor, n: int, state: DecodeState, stochastic: bool):
+    """The n candidate children of a node from its draft logits [B, V].
+
+    Greedy: the top-n tokens (deterministic). Sampling with ``stochastic``: n draws without replacement from the
+    warped q, in draw order (Gumbel top-n, which is successive sampling without replacement). Sampling otherwise:
+    the top-n tokens of q (deterministic; verified with one-hot q).
+    Returns (tokens [B, n], q [B, V] or None, score [n] = q of each candidate in row 0, valid [n] bool).
+    """
+    if state.sampling.greedy:
+        q = logits.float().softmax(-1)
+        score, tok = q.topk(n, dim=-1)
+        return tok, None, score[0], score[0] >= 0
+    q = warp(logits, state.sampling)
+    if stochastic:
+        u = torch.rand(q.shape, generator=state.generator, device=q.device).clamp_(min=1e-20)
+        tok = (q.log() - (-u.log()).log()).topk(n, dim=-1).indices  # log q + Gumbel noise
+    else:
+        tok = q.topk(n, dim=-1).indices
+    score = q.gather(-1, tok)[0]
+    return tok, (q if stochastic else None), score, score > 0
+
+
+def _draft_tree(step, root_logits: torch.Tensor, shape: Tree | Dynamic, k: int, state: DecodeState, feed_last: bool):
+    """Grow a token tree of drafts; shared by every model-based tree drafter (the tree analogue of ``_draft_chain``).
+
+    ``step(tokens [B, t], lo, hi, tree) -> logits [B, t, V]`` feeds nodes lo..hi-1 of ``tree`` (a contiguous
+    block after every node already fed) and returns their next-token logits. Node 0 is the pending token whose
+    logits are ``root_logits`` [B, V]. The tree's depth is at most k.
+
+    * ``Tree`` (static, Sequoia): one draft forward per depth level over all nodes of that level; a node of rank
+      r is its parent's r-th candidate (``_candidates``); candidates of probability 0 are pruned with their subtree.
+      Under sampling the candidates are drawn without replacement, so the verifier must update q.
+    * ``Dynamic`` (DySpec): best-first expansion by path probability (product of the draft's candidate
+      probabilities from the root) up to ``budget`` nodes. A child of a node not yet fed cannot score more than
+      that node's path probability, so candidates are popped while they beat every unfed node; then all unfed
+      nodes go through one forward. The tree equals sequential best-first expansion. Its shape depends on the
+      candidates' own probabilities, so the candidates are deterministic (top ranks; one-hot q in verification),
+      which keeps sampling lossless.
+
+    With ``feed_last`` every node is fed (early exit needs all their hidden states), else the deepest ones are not.
+    Returns (tokens [B, j], probs [B, j, V] or None, tree over j+1 nodes, fed: nodes 1..fed were fed).
+    """
+    parents, toks, probs = [-1], [], []
+    fed = 0
+
+    def feed(lo, hi):
+        nonlocal fed
+        tree = Tree.from_parents(parents)
+        logits = step(torch.stack(toks[lo - 1 : hi - 1], 1), lo, hi, tree)  # [B, hi-lo, V]
+        fed = hi - 1
+        return {lo + i: logits[:, i] for i in range(hi - lo)}
+
+    def add(parent, tok, q):
+        parents.append(parent)
+        toks.append(tok)
+        if q is not None:
+            probs.append(q)
+        return len(parents) - 1
+
+    if isinstance(shape, Tree):
+        shape = shape.prune(k)
+        sp, srank, sdepth = shape.parents.tolist(), shape.rank.tolist(), shape.depth.tolist()
+        nchild = [0] * shape.size
+        for par in sp[1:]:
+            nchild[par] += 1
+        node_of, logits_of, cands = {0: 0}, {0: root_logits}, {}
+        for d in range(1, shape.max_depth + 1):
+            lo = len(parents)
+            for s in (i for i in range(shape.size) if sdepth[i] == d):
+                a = node_of.get(sp[s])
+                if a is None or a not in logits_of:
+                    continue
+                if a not in cands:
+                    cands[a] = _candidates(logits_of[a], nchild[sp[s]], state, stochastic=True)
+                tok, q, _, valid = cands[a]
+                if bool(valid[srank[s]]):
+                    node_of[s] = add(a, tok[:, srank[s]], q)
+            hi = len(parents)
+            if hi == lo:
+                break
+            grows = any(node_of.get(sp[c], -1) >= lo for c in range(shape.size) if sdepth[c] == d + 1)
+            if grows or feed_last:
+                logits_of.update(feed(lo, hi))
+    else:
+        import heapq
+
+        budget, depth, path_p = (shape.budget if k > 0 else 0), [0], [1.0]
+        heap: list = []  # (-score, node, rank, tokens [B, n], score [n])
+
+        def offer(node, logits):
+            if depth[node] < k:
+                tok, _, score, valid = _candidates(logits, min(shape.max_rank, budget), state, stochastic=False)
+                n = int(valid.sum())
+                if n:
+                    heapq.heappush(heap, (-path_p[node] * float(score[0]), node, 0, tok[:, :n], score[:n]))
+
+        offer(0, root_logits)
+        while len(parents) - 1 < budget:
+            unfed = [i for i in range(fed + 1, len(parents)) if depth[i] < k]
+            bound = max((path_p[i] for i in unfed), default=0.0)
+            if not heap or -heap[0][0] < bound:
+                if not unfed:
+                    break
+                for node, logits in feed(fed + 1, len(parents)).items():
+                    offer(node, logits)
+                continue
+            neg, a, r, tok, score = heapq.heappop(heap)
+            node = add(a, tok[:, r], None)
+            depth.append(depth[a] + 1)
+            path_p.append(-neg)
+            if r + 1 < tok.shape[1]:
+                heapq.heappush(heap, (-path_p[a] * float(score[r + 1]), a, r + 1, tok, score))
+        if feed_last and fed < len(parents) - 1:
+            feed(fed + 1, len(parents))
+    bsz = root_logits.shape[0]
+    out = torch.stack(toks, 1) if toks else torch.zeros(bsz, 0, dtype=torch.long, device=root_logits.device)
+    return out, (torch.stack(probs, 1) if probs else None), Tree.from_parents(parents), fed
+
+
+def _tree_forward(adapter: ModelAdapter, cache: KVCache, root_slot: int, tree: Tree, lo: int, hi: int, **kw) -> torch.Tensor:
+    """Run ``adapter`` on tree nodes lo..hi-1 (their KV at slots root_slot+lo..) with the tree's mask and positions."""
+    bsz = (kw.get("input_ids") if kw.get("input_ids") is not None else kw["hidden"]).shape[0]
+    positions = tree.positions(root_slot)[lo:hi].to(adapter.device).unsqueeze(0).expand(bsz, -1)
+    return adapter.forward(cache, root_slot + lo, positions=positions, tree_mask=tree.mask[lo:hi, :hi], **kw)
+
+
 class DraftModelDrafter(Drafter):
     """SpS: a separate (smaller) model with its own cache drafts k tokens.
 
@@ -95,12 +228,16 @@ class DraftModelDrafter(Drafter):
 
     name = "sps"
 
-    def __init__(self, adapter: ModelAdapter, confidence_threshold: float = 0.0):
+    def __init__(self, adapter: ModelAdapter, confidence_threshold: float = 0.0, tree: Tree | Dynamic | None = None):
         self.adapter = adapter
         self.threshold = confidence_threshold
+        self.tree = tree  # None: draft a chain; else the shape of the tree to draft
         self.cache: KVCache | None = None
         self._base = 0  # committed length when drafting started
-        self._fed = 0  # drafts fed into the draft cache
+        self._fed = 0  # drafts fed into the draft cache (trees: nodes 1.._fed)
+
+    def max_nodes(self, k: int) -> int:
+        return max_nodes_of(self.tree, k)
 
     def start(self, state: DecodeState) -> None:
         self.cache = self.adapter.new_cache(state.tokens.shape[0], state.max_len)
@@ -111,6 +248,14 @@ class DraftModelDrafter(Drafter):
         h = a.forward(cache, cache.length, input_ids=state.tokens[:, cache.length : n])
         self._base = n
 
+        if self.tree is not None:
+
+            def tree_step(toks, lo, hi, tree):
+                return a.logits(_tree_forward(a, cache, n - 1, tree, lo, hi, input_ids=toks))
+
+            tokens, probs, tree, self._fed = _draft_tree(tree_step, a.logits(h[:, -1:])[:, -1], self.tree, k, state, feed_last=False)
+            return Proposal(tokens=tokens, probs=probs, tree=tree)
+
         def step(tok, i, need_logits):
             return a.logits(a.forward(cache, n + i, input_ids=tok[:, None]))[:, -1]
 
@@ -118,8 +263,22 @@ class DraftModelDrafter(Drafter):
         return Proposal(tokens=tokens, probs=probs)
 
     def update(self, state: DecodeState, num_accepted: int) -> None:
+        if self.tree is not None and state.accepted_path is not None:
+            # the accepted nodes that were fed sit at tree slots: move them behind the committed prefix
+            fed = [i for i in state.accepted_path[1:] if i <= self._fed]
+            self.cache.compact(self._base, torch.tensor(fed, dtype=torch.long) + self._base - 1)
+            self.cache.rollback(self._base + len(fed))
+            return
         # valid draft KV: the committed prefix plus the fed drafts that were accepted
         self.cache.rollback(self._base + min(num_accepted, self._fed))
+
+
+def max_nodes_of(shape: Tree | Dynamic | None, k: int) -> int:
+    if isinstance(shape, Tree):
+        return shape.size - 1
+    if isinstance(shape, Dynamic):
+        return shape.budget
+    return k
 
 
 class EarlyExitDrafter(Drafter):
@@ -131,14 +290,26 @@ class EarlyExitDrafter(Drafter):
 
     name = "early-exit"
 
-    def __init__(self, exit_layer: int, confidence_threshold: float = 0.0):
+    def __init__(self, exit_layer: int, confidence_threshold: float = 0.0, tree: Tree | Dynamic | None = None):
         self.exit_layer = exit_layer
         self.threshold = confidence_threshold
+        self.tree = tree
+
+    def max_nodes(self, k: int) -> int:
+        return max_nodes_of(self.tree, k)
 
     def propose(self, state: DecodeState, k: int) -> Proposal:
         t, cache, L = state.target, state.target_cache, self.exit_layer
         n = state.tokens.shape[1]
         hiddens = [t.forward(cache, n - 1, input_ids=state.tokens[:, -1:], last=L)]
+        if self.tree is not None:  # the shallow layers write the nodes' KV at tree slots of the target cache
+
+            def tree_step(toks, lo, hi, tree):
+                hiddens.append(_tree_forward(t, cache, n - 1, tree, lo, hi, input_ids=toks, last=L))
+                return t.logits(hiddens[-1])
+
+            tokens, probs, tree, _ = _draft_tree(tree_step, t.logits(hiddens[0])[:, -1], self.tree, k, state, feed_last=True)
+            return Proposal(tokens=tokens, probs=probs, hidden=torch.cat(hiddens, 1), layer=L, tree=tree)
 
         def step(tok, i, need_logits):
             hiddens.append(t.forward(cache, n + i, input_ids=tok[:, None], last=L))
@@ -162,8 +333,38 @@ class NgramDrafter(Drafter):
 
     name = "ngram"
 
-    def __init__(self, ngram_max: int = 3, ngram_min: int = 1):
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 1, tree_budget: int | None = None):
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
+        self.tree_budget = tree_budget  # None: one continuation (a chain); else a trie of up to this many nodes
+
+    def max_nodes(self, k: int) -> int:
+        return k if self.tree_budget is None else self.tree_budget
+
+    def lookup_tree(self, seq: torch.Tensor, k: int, budget: int) -> tuple[list[int], list[int]]:
+        """Several continuations (up to k tokens each) merged into a trie of at most ``budget`` nodes.
+
+        Continuations of longer suffix matches come first, then the more recent ones. Returns (tokens, parents)
+        of the nodes in insertion order; parents index [pending, nodes...] (0 = the pending token).
+
+        >>> d = NgramDrafter(ngram_max=1, ngram_min=1)
+        >>> d.lookup_tree(torch.tensor([5, 6, 7, 5, 8, 9, 5]), k=2, budget=4)   # after 5: "8 9" (latest) and "6 7"
+        ([8, 9, 6, 7], [0, 1, 0, 3])
+        """
+        n = seq.shape[0]
+        tokens, parents, child = [], [], {}  # child[(node, token)] = node
+        for size in range(min(self.ngram_max, n - 1), self.ngram_min - 1, -1):
+            windows = seq[: n - 1].unfold(0, size, 1)
+            for hit in (windows == seq[n - size :]).all(-1).nonzero().flatten().flip(0).tolist():
+                node = 0
+                for tok in seq[hit + size : hit + size + k].tolist():
+                    if (node, tok) not in child:
+                        if len(tokens) >= budget:
+                            return tokens, parents
+                        tokens.append(tok)
+                        parents.append(node)
+                        child[(node, tok)] = len(tokens)
+                    node = child[(node, tok)]
+        return tokens, parents
 
     def lookup(self, seq: torch.Tensor, k: int) -> torch.Tensor:  # seq [n] -> [j]
         n = seq.shape[0]
@@ -177,6 +378,12 @@ class NgramDrafter(Drafter):
         return seq[:0]
 
     def propose(self, state: DecodeState, k: int) -> Proposal:
+        if self.tree_budget is not None and k > 0:
+            if state.tokens.shape[0] != 1:
+                raise ValueError("n-gram trees run batch size 1")
+            tokens, parents = self.lookup_tree(state.tokens[0], k, self.tree_budget)
+            ids = torch.tensor([tokens], dtype=torch.long, device=state.tokens.device)
+            return Proposal(tokens=ids, tree=Tree.from_parents([-1] + parents))
         rows = [self.lookup(row, k) for row in state.tokens]
         j = min(r.shape[0] for r in rows)
         return Proposal(tokens=torch.stack([r[:j] for r in rows]))

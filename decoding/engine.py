@@ -13,32 +13,45 @@ import torch
 
 from decoding.adapter import ModelAdapter
 from decoding.config import ConfigError, SpecConfig
-from decoding.drafters import Drafter, DraftModelDrafter, EarlyExitDrafter, NgramDrafter
+from decoding.drafters import Drafter, DraftModelDrafter, EarlyExitDrafter, NgramDrafter, max_nodes_of
 from decoding.loop import ContextTooLong, Generation, generate
 from decoding.models import LoadedModel, load_model, set_threads
 from decoding.sampling import SamplingParams
+from decoding.trees import build_shape
+
+
+def tree_shape(cfg: SpecConfig):
+    """The tree shape of a config: ``trees.Tree`` (static, sequoia), ``trees.Dynamic`` (dyspec) or None (chain)."""
+    return build_shape(cfg.tree, cfg.k, cfg.tree_paths, cfg.tree_budget, cfg.tree_acceptance)
+
+
+def draft_depth(cfg: SpecConfig) -> int:
+    """The per-step draft length the loop gets: k, or a static tree's own depth."""
+    shape = tree_shape(cfg)
+    return shape.max_depth if cfg.tree == "static" else cfg.k
 
 
 def build_drafter(cfg: SpecConfig, target: LoadedModel) -> Drafter | None:
     """The drafter a method uses; checks knobs that depend on the model (exit layer vs depth)."""
     depth = len(ModelAdapter(target.model).layers)
+    shape = tree_shape(cfg)
     if cfg.method == "ar":
         return None
     if cfg.method == "ngram":
-        return NgramDrafter(cfg.ngram_max, cfg.ngram_min)
+        return NgramDrafter(cfg.ngram_max, cfg.ngram_min, tree_budget=None if shape is None else max_nodes_of(shape, cfg.k))
     if cfg.method == "early-exit":
         if cfg.exit_layer >= depth:
             raise ConfigError("exit_layer", f"must be below the model's {depth} layers, got {cfg.exit_layer}")
-        return EarlyExitDrafter(cfg.exit_layer, cfg.confidence_threshold)
+        return EarlyExitDrafter(cfg.exit_layer, cfg.confidence_threshold, tree=shape)
     if cfg.method in ("sps", "pearl"):
         if cfg.draft_model:
             draft = load_model(cfg.draft_model, cfg.dtype)
             if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
                 raise ConfigError("draft_model", f"{cfg.draft_model!r} does not share the target's tokenizer")
-            return DraftModelDrafter(ModelAdapter(draft.model), cfg.confidence_threshold)
+            return DraftModelDrafter(ModelAdapter(draft.model), cfg.confidence_threshold, tree=shape)
         if cfg.draft_layers >= depth:
             raise ConfigError("draft_layers", f"must be below the model's {depth} layers, got {cfg.draft_layers}")
-        return DraftModelDrafter(ModelAdapter(target.model, num_layers=cfg.draft_layers), cfg.confidence_threshold)
+        return DraftModelDrafter(ModelAdapter(target.model, num_layers=cfg.draft_layers), cfg.confidence_threshold, tree=shape)
     raise ConfigError("method", f"unknown method {cfg.method!r}")  # unreachable: SpecConfig checks it
 
 
@@ -105,7 +118,7 @@ class SpecDecoder:
                 self.target,
                 prompt_ids,
                 drafter=self.drafter,
-                k=self.cfg.k,
+                k=draft_depth(self.cfg),
                 sampling=self.sampling,
                 max_new_tokens=max_new,
                 eos_token_ids=self.loaded.eos_token_ids,

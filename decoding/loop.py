@@ -19,7 +19,7 @@ from decoding.adapter import ModelAdapter
 from decoding.drafters import DecodeState, Drafter, Proposal
 from decoding.metrics import GenerationStats, StepRecord, summarize
 from decoding.sampling import SamplingParams, warp
-from decoding.verify import Verdict, verify_greedy, verify_speculative
+from decoding.verify import Verdict, verify_greedy, verify_speculative, verify_tree_greedy, verify_tree_speculative
 
 GREEDY = SamplingParams()
 
@@ -47,6 +47,20 @@ def verify(proposal: Proposal, logits: torch.Tensor, sampling: SamplingParams, g
     return verify_speculative(proposal.tokens, proposal.probs, target_probs, u_accept, u_sample)
 
 
+def verify_tree(proposal: Proposal, logits: torch.Tensor, sampling: SamplingParams, generator, pending: torch.Tensor) -> Verdict:
+    """The tree rules: greedy (longest matching path) or recursive rejection sampling. logits: [B, T, V], pending [B, 1]."""
+    tree = proposal.tree
+    nodes = torch.cat([pending, proposal.tokens], dim=1)  # [B, T]
+    if sampling.greedy:
+        dev = logits.device
+        return verify_tree_greedy(nodes, tree.parents.to(dev), tree.mask.to(dev), tree.depth.to(dev), logits)
+    bsz, t = nodes.shape
+    q = None if proposal.probs is None else torch.cat([proposal.probs[:, :1], proposal.probs], dim=1)  # [B, T, V], row 0 unused
+    u_accept = torch.rand(bsz, t, generator=generator, device=logits.device)
+    u_sample = torch.rand(bsz, generator=generator, device=logits.device)
+    return verify_tree_speculative(nodes, tree.parents, q, warp(logits, sampling), u_accept, u_sample)
+
+
 @dataclass
 class StepResult:
     proposal: Proposal
@@ -70,15 +84,27 @@ def speculative_step(state: DecodeState, drafter: Drafter, k: int) -> StepResult
     proposal = drafter.propose(state, k) if k > 0 else Proposal.empty(bsz, tokens.device)
     t1 = time.perf_counter()
     n = tokens.shape[1]
+    tree = {}
+    if proposal.tree is not None:  # one forward over [pending, nodes] with the tree mask; positions = n-1 + depth
+        positions = proposal.tree.positions(n - 1).to(target.device).unsqueeze(0).expand(bsz, -1)
+        tree = dict(positions=positions, tree_mask=proposal.tree.mask)
     if proposal.hidden is not None:
-        h = target.forward(cache, n - 1, hidden=proposal.hidden, first=proposal.layer)
+        h = target.forward(cache, n - 1, hidden=proposal.hidden, first=proposal.layer, **tree)
     else:
-        h = target.forward(cache, n - 1, input_ids=torch.cat([tokens[:, -1:], proposal.tokens], dim=1))
+        h = target.forward(cache, n - 1, input_ids=torch.cat([tokens[:, -1:], proposal.tokens], dim=1), **tree)
     logits = target.logits(h)
-    verdict = verify(proposal, logits, state.sampling, state.generator)
+    if proposal.tree is not None:
+        verdict = verify_tree(proposal, logits, state.sampling, state.generator, tokens[:, -1:])
+    else:
+        verdict = verify(proposal, logits, state.sampling, state.generator)
     m = int(verdict.num_accepted[0])
     committed = verdict.tokens[0, : m + 1].tolist()
     state.tokens = torch.cat([tokens, torch.tensor([committed], dtype=tokens.dtype, device=tokens.device)], dim=1)
+    state.accepted_path = None
+    if proposal.tree is not None:  # the accepted branch becomes the committed prefix: slots n-1+path -> n-1..n-1+m
+        path = verdict.path[0, : m + 1]
+        cache.compact(n - 1, path + (n - 1))
+        state.accepted_path = path.tolist()
     cache.rollback(n + m)
     drafter.update(state, m)
     t2 = time.perf_counter()
@@ -113,7 +139,7 @@ def generate(
         )
     drafter = drafter or Drafter()
     eos = set(int(e) for e in eos_token_ids)
-    max_len = prompt_len + max_new_tokens + k + 1
+    max_len = prompt_len + max_new_tokens + getattr(drafter, "max_nodes", lambda k: k)(k) + 1
     t_start = time.perf_counter()
 
     cache = target.new_cache(bsz, max_len)

@@ -112,6 +112,12 @@ METHOD_KNOBS: dict[str, tuple[Knob, ...]] = {
     "pearl": (_K, Knob("draft_layers", "int", 1, DEPTH), _CONFIDENCE),
 }
 
+# Token trees (decoding/trees.py): the drafters that grow trees also search the shape and the node budget
+# (static trees need user paths, so they are not searched; sequoia uses the config's tree_acceptance).
+_TREE_KNOBS = (Knob("tree", "choice", choices=("chain", "sequoia", "dyspec")), Knob("tree_budget", "int", 4, 32))
+for _method in ("sps", "early-exit", "ngram"):
+    METHOD_KNOBS[_method] = METHOD_KNOBS[_method] + _TREE_KNOBS
+
 # Methods that need a model layer below the top one to draft from (dropped when the model has one layer).
 NEEDS_LAYERS = {"early-exit": "exit_layer", "sps": "draft_layers", "pearl": "draft_layers"}
 

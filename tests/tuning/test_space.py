@@ -43,7 +43,7 @@ def test_a_one_layer_model_drops_the_layer_methods():
         SearchSpace.build(["early-exit"], depth=1)
     # with a separate draft model sps needs no layer of the target, and draft_layers is not searched
     sps = SearchSpace.build(["sps"], depth=1, draft_model="/some/draft")
-    assert [k.field for k in sps.knobs["sps"]] == ["k", "confidence_threshold"]
+    assert [k.field for k in sps.knobs["sps"]] == ["k", "confidence_threshold", "tree", "tree_budget"]
 
 
 def test_ngram_min_above_max_is_resolved_not_an_error():
@@ -92,7 +92,14 @@ def test_tune_random_space_samples_map_to_configs():
 def test_default_points_are_the_untuned_defaults_clamped():
     space = SearchSpace.build(["ngram", "early-exit"], depth=4)
     points = space.default_points(SpecConfig())
-    assert points[0] == {"method": "ngram", "ngram/k": 4, "ngram/ngram_max": 3, "ngram/ngram_min": 1}
+    assert points[0] == {
+        "method": "ngram",
+        "ngram/k": 4,
+        "ngram/ngram_max": 3,
+        "ngram/ngram_min": 1,
+        "ngram/tree": "chain",
+        "ngram/tree_budget": 16,
+    }
     assert points[1]["early-exit/exit_layer"] == 3  # SpecConfig's 24 clamped below the 4-layer model
     cfgs = [space.to_config(p, SpecConfig()) for p in points]
     assert [c.method for c in cfgs] == ["ngram", "early-exit"]
@@ -141,4 +148,5 @@ def test_pearl_searches_its_draft_and_drops_on_a_one_layer_model():
 
 
 def test_knob_fields_cover_every_method():
-    assert {"k", "exit_layer", "confidence_threshold", "ngram_max", "ngram_min", "draft_layers"} == set(knob_fields())
+    fields = {"k", "exit_layer", "confidence_threshold", "ngram_max", "ngram_min", "draft_layers", "tree", "tree_budget"}
+    assert fields == set(knob_fields())

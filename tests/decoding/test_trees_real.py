@@ -1,0 +1,39 @@
+"""Greedy equality against AR with token trees, real SmolLM2 in float32 on Spec-Bench prompts (3 prompts x 40 tokens)."""
+
+import pytest
+from tests_support import spec_bench_prompts
+
+from decoding.config import SpecConfig
+from decoding.engine import SpecDecoder
+
+PROMPTS = spec_bench_prompts(per_category=1, categories=["summarization", "coding", "math_reasoning"])
+STATIC = "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]"
+METHODS = {
+    "sps-static": dict(method="sps", draft_layers=8, tree="static", tree_paths=STATIC),
+    "sps-sequoia": dict(method="sps", draft_layers=8, k=4, tree="sequoia", tree_budget=12),
+    "early-exit-dyspec": dict(method="early-exit", exit_layer=20, k=4, tree="dyspec", tree_budget=10),
+    "ngram-trie": dict(method="ngram", k=4, tree="dyspec", tree_budget=12),
+}
+BASE = SpecConfig(dtype="float32", max_new_tokens=40)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ar_outputs():
+    dec = SpecDecoder(BASE)
+    return {q["question_id"]: dec.generate_ids(dec.encode(q["turns"][0], chat=True)).token_ids for q in PROMPTS}
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_tree_method_is_token_identical_to_ar(name, ar_outputs):
+    dec = SpecDecoder(BASE.replace(**METHODS[name]))
+    mismatched, forwards, tokens = [], 0, 0
+    for q in PROMPTS:
+        out = dec.generate_ids(dec.encode(q["turns"][0], chat=True))
+        if out.token_ids != ar_outputs[q["question_id"]]:
+            mismatched.append(q["question_id"])
+        forwards += out.stats.target_forwards
+        tokens += out.stats.new_tokens
+    assert not mismatched, f"{name} diverged from AR on questions {mismatched}"
+    assert tokens / forwards > 1.2, f"{name}: the tree accepted too little to prove anything ({tokens / forwards:.2f} tokens/forward)"
