@@ -20,10 +20,11 @@ import json
 import typing
 from dataclasses import dataclass, field
 
-METHODS = ("ar", "sps", "ngram", "early-exit", "pearl")
+METHODS = ("ar", "sps", "ngram", "early-exit", "pearl", "triforce")
 DTYPES = ("float32", "bfloat16")
 PLACEMENTS = ("local", "actors")
 ACTOR_TRANSPORTS = ("calls", "compiled")
+TRIFORCE_BOTTOMS = ("layers", "ngram", "model")
 
 
 class ConfigError(ValueError):
@@ -72,6 +73,15 @@ class SpecConfig:
     placement_timeout_s: the longest wait for the placement group's resources.
     actor_transport: ``calls`` (plain actor calls) or ``compiled`` (Ray
         compiled graphs) between the driver and the workers.
+    triforce_*: for ``triforce`` (decoding/triforce.py), whose top level drafts
+        ``k`` tokens per full-target forward with the target over a retrieval
+        cache of ``triforce_budget`` prompt tokens in chunks of
+        ``triforce_chunk_size``; that middle level is drafted for by
+        ``triforce_bottom``: ``layers`` (the target's first ``draft_layers``
+        layers), ``model`` (``draft_model``) or ``ngram`` (``ngram_max`` /
+        ``ngram_min``), which proposes ``triforce_gamma`` tokens per middle
+        forward; the model bottoms keep a StreamingLLM cache of
+        ``triforce_sinks`` first positions plus the latest ``triforce_window``.
     """
 
     method: str = "ar"
@@ -99,6 +109,13 @@ class SpecConfig:
     rpc_timeout_s: float = 120.0
     placement_timeout_s: float = 30.0
     actor_transport: str = "calls"
+    # method=triforce: see decoding/triforce.py
+    triforce_budget: int = 1024
+    triforce_chunk_size: int = 16
+    triforce_gamma: int = 4
+    triforce_sinks: int = 4
+    triforce_window: int = 252
+    triforce_bottom: str = "layers"
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, "method", f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
@@ -129,6 +146,29 @@ class SpecConfig:
             self.actor_transport in ACTOR_TRANSPORTS,
             "actor_transport",
             f"unknown transport {self.actor_transport!r}; choose from {', '.join(ACTOR_TRANSPORTS)}",
+        )
+        self._check_triforce()
+
+    def _check_triforce(self) -> None:
+        _check(self.triforce_chunk_size >= 1, "triforce_chunk_size", f"must be >= 1, got {self.triforce_chunk_size}")
+        _check(
+            self.triforce_budget >= self.triforce_chunk_size,
+            "triforce_budget",
+            f"must hold at least one chunk (triforce_chunk_size={self.triforce_chunk_size}), got {self.triforce_budget}",
+        )
+        _check(self.triforce_sinks >= 0, "triforce_sinks", f"must be >= 0, got {self.triforce_sinks}")
+        _check(self.triforce_window >= 1, "triforce_window", f"must be >= 1, got {self.triforce_window}")
+        _check(
+            self.triforce_budget >= self.triforce_sinks + self.triforce_window,
+            "triforce_budget",
+            f"must be at least triforce_sinks + triforce_window ({self.triforce_sinks + self.triforce_window}): the middle level "
+            f"must see at least as much context as the bottom, got {self.triforce_budget}",
+        )
+        _check(self.triforce_gamma >= 1, "triforce_gamma", f"must be >= 1, got {self.triforce_gamma}")
+        _check(
+            self.triforce_bottom in TRIFORCE_BOTTOMS,
+            "triforce_bottom",
+            f"unknown bottom drafter {self.triforce_bottom!r}; choose from {', '.join(TRIFORCE_BOTTOMS)}",
         )
 
     # ---- serialisation -------------------------------------------------

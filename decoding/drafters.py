@@ -57,6 +57,12 @@ class Drafter:
     def update(self, state: DecodeState, num_accepted: int) -> None:
         pass
 
+    def truncate(self, length: int) -> None:
+        """An outer level cut the committed tokens back to their first ``length``: forget state beyond them.
+
+        Only drafters used inside another drafter's speculative steps (TriForce's bottom level) see this.
+        """
+
 
 def _draft_chain(step, first_logits, k, state, threshold, feed_last):
     """Draft up to k tokens autoregressively; shared by every model-based drafter.
@@ -120,6 +126,10 @@ class DraftModelDrafter(Drafter):
     def update(self, state: DecodeState, num_accepted: int) -> None:
         # valid draft KV: the committed prefix plus the fed drafts that were accepted
         self.cache.rollback(self._base + min(num_accepted, self._fed))
+
+    def truncate(self, length: int) -> None:
+        if self.cache is not None and self.cache.length > length:
+            self.cache.rollback(length)
 
 
 class EarlyExitDrafter(Drafter):
