@@ -134,4 +134,20 @@ def test_trial_threads_follow_the_trial_cpus_unless_set():
 
 
 def test_knob_fields_cover_every_method():
-    assert {"k", "exit_layer", "confidence_threshold", "ngram_max", "ngram_min", "draft_layers"} == set(knob_fields())
+    assert {"k", "exit_layer", "confidence_threshold", "ngram_max", "ngram_min", "draft_layers"} | {
+        "triforce_gamma",
+        "triforce_bottom",
+        "triforce_budget",
+        "triforce_chunk_size",
+        "triforce_window",
+    } == set(knob_fields())
+
+
+def test_triforce_samples_are_valid_configs():
+    space = SearchSpace.build(["triforce"], depth=30)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(30):
+        trial = study.ask()
+        space(trial)
+        cfg = space.to_config(trial.params, SpecConfig())
+        assert cfg.method == "triforce" and cfg.triforce_budget >= cfg.triforce_sinks + cfg.triforce_window
