@@ -15,12 +15,7 @@ from tests.decoding.test_loop import N_TOKENS, PROMPT, SAMPLING, WARPED, exact_j
 LONG = torch.tensor([[3, 7, 3, 7, 3, 1, 2, 5, 6, 3, 7, 9, 4, 4, 8, 3, 7, 3]])  # 18 tokens: 4 chunks of 4 + a partial chunk
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def triforce(model, bottom="layers", budget=3, chunk_size=1, gamma=2, sinks=1, window=2):
