@@ -82,6 +82,9 @@ class SpecConfig:
         ``ngram_min``), which proposes ``triforce_gamma`` tokens per middle
         forward; the model bottoms keep a StreamingLLM cache of
         ``triforce_sinks`` first positions plus the latest ``triforce_window``.
+        The default bottom is ``ngram``: on SmolLM2-135M the first 8 layers
+        (plus norm and head, which alone cost a fifth of a full forward) had
+        their drafts accepted by the middle level 2% of the time, n-gram 12-40%.
     """
 
     method: str = "ar"
@@ -115,7 +118,7 @@ class SpecConfig:
     triforce_gamma: int = 4
     triforce_sinks: int = 4
     triforce_window: int = 252
-    triforce_bottom: str = "layers"
+    triforce_bottom: str = "ngram"
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, "method", f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")

@@ -199,4 +199,4 @@ def test_model_bottom_needs_a_draft_model(smollm2_fp32):
     with pytest.raises(ConfigError, match="draft_model"):
         build_drafter(SpecConfig(method="triforce", triforce_bottom="model"), smollm2_fp32)
     with pytest.raises(ConfigError, match="draft_layers"):
-        build_drafter(SpecConfig(method="triforce", draft_layers=30), smollm2_fp32)
+        build_drafter(SpecConfig(method="triforce", triforce_bottom="layers", draft_layers=30), smollm2_fp32)
