@@ -53,6 +53,7 @@ class SparseKVCache:
         self.length = tail_start
         self.cursor = 0  # set by the adapter to the compact start; writes use the true start from begin()
         self._start = tail_start
+        self.kept_positions: tuple[int, ...] = ()  # what the kept slots hold, when it is the same for every layer and head
 
     def _window_start(self, start: int) -> int:
         return self.tail_start if self.window is None else max(self.tail_start, start - self.window)
@@ -90,14 +91,10 @@ class SparseKVCache:
             dst[:, :, a:b] = src[:, :, begin:end]
 
     def positions(self, start: int | None = None) -> list[int]:
-        """The true positions a forward at ``start`` (default ``length``) attends to besides itself, kept slots first.
-
-        Only the tail part is computed here; ``kept_positions`` (set by the builders) names the kept slots.
-        """
+        """The true positions a forward at ``start`` (default ``length``) attends to besides itself: ``kept_positions``
+        (the sinks of a streaming cache; a retrieval cache's differ per layer and head, see ``RetrievalCache.chunks``), then the tail."""
         start = self.length if start is None else start
         return list(self.kept_positions) + list(range(self._window_start(start), start))
-
-    kept_positions: tuple[int, ...] = ()
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
