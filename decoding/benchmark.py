@@ -54,6 +54,8 @@ GEN_COLUMNS = (
     "suspicious",  # the divergence sits on a margin wider than the dtype's rounding
     "finish_reason",
     "config",  # SpecConfig JSON (or the peer's generate kwargs)
+    "peak_rss_mb",  # the process's peak resident set during this generation (Linux; None elsewhere)
+    "levels",  # JSON: KV bytes per level ({"top", "middle", "bottom"}) and a hierarchical drafter's middle-level steps
 )
 
 # step rows: one per decoding step of a specray method
@@ -335,3 +337,124 @@ def peer_comparison(methods: dict, baseline: str = BASELINE) -> dict | None:
         "ar_vs_plain": _ratio(ours.get(baseline, 0.0), peers[plain]) if plain else None,
         "peer_tokens_per_s": peers,
     }
+
+
+# ---- long contexts: memory, and where a decoding step's time goes ------------------------------------------
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark of this process (Linux >= 4.0: ``5`` to /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mb() -> float | None:
+    """VmHWM of this process in MiB (the peak since the last ``reset_peak_rss``), None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def kv_bytes_per_token(target: ModelAdapter) -> int:
+    """Bytes of keys + values one token occupies in the target's full cache (every layer)."""
+    return 2 * target.num_layers * target.kv_heads * target.head_dim * torch.tensor([], dtype=target.dtype).element_size()
+
+
+@torch.inference_mode()
+def decode_forward_seconds(target: ModelAdapter, context: int, repeats: int = 5) -> float:
+    """Median wall time of one single-token target forward with ``context`` tokens already cached.
+
+    The cache holds zeros: the time of a forward does not depend on the values in it.
+    """
+    import time
+
+    cache = target.new_cache(1, context + 1)
+    token = torch.zeros(1, 1, dtype=torch.long)
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        target.logits(target.forward(cache, context, input_ids=token))
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def attention_share(long_s: float, short_s: float) -> float:
+    """Share of a decoding forward at a long context spent on the context (attention over the cache), against a short one.
+
+    The weights cost the same at any context, so (t_long - t_short) / t_long is what the cache adds.
+
+    >>> round(attention_share(0.04, 0.03), 6)
+    0.25
+    """
+    return max(0.0, (long_s - short_s) / long_s) if long_s > 0 else 0.0
+
+
+def context_summary(
+    gen_rows: Sequence[dict], step_rows: Sequence[dict], forward_s: dict, short_context: int, baseline: str = BASELINE
+) -> dict:
+    """Per context length (category ``ctx-N``): speedups (whole generation and decoding only), acceptance at each
+    level (top: the full target's verdicts; middle: a hierarchical drafter's inner steps), peak RSS and KV bytes
+    per level, and the attention share of a decoding forward (``forward_s``: N -> seconds, with
+    ``short_context`` as the weights-only reference).
+
+    >>> rows = [gen_row("ar", 1, "ctx-8", new_tokens=10, wall_s=2.0, prefill_s=1.0, peak_rss_mb=500.0, levels='{"kv_bytes": {"top": 8}}'),
+    ...         gen_row("triforce", 1, "ctx-8", new_tokens=10, wall_s=1.5, prefill_s=1.0, peak_rss_mb=510.0,
+    ...                 levels='{"kv_bytes": {"top": 8, "middle": 4, "bottom": 2}, "middle_drafted": 8, "middle_accepted": 6}')]
+    >>> s = context_summary(rows, [], {8: 0.04, 1: 0.03}, 1)["ctx-8"]
+    >>> round(s["attention_share"], 6), s["methods"]["triforce"]["decode_speedup"], s["methods"]["triforce"]["middle_acceptance"]
+    (0.25, 2.0, 0.75)
+    """
+    import json
+
+    out = {}
+    keys = complete_keys(gen_rows, list(dict.fromkeys(r["method"] for r in gen_rows)))
+    for cat in dict.fromkeys(r["category"] for r in gen_rows):
+        if not str(cat).startswith("ctx-"):
+            continue
+        n = int(str(cat).removeprefix("ctx-"))
+        rows = [r for r in gen_rows if r["category"] == cat and _key(r) in keys]
+        by = defaultdict(list)
+        for r in rows:
+            by[r["method"]].append(r)
+
+        def decode_rate(rs):
+            secs = sum(r["wall_s"] - (r["prefill_s"] or 0.0) for r in rs)
+            return sum(r["new_tokens"] - 1 for r in rs) / secs if secs > 0 else 0.0  # the first token comes from prefill
+
+        base = by.get(baseline, [])
+        methods = {}
+        for m, rs in by.items():
+            levels = [json.loads(r["levels"]) for r in rs if r.get("levels")]
+            drafted = sum(lv.get("middle_drafted", 0) for lv in levels)
+            kv = defaultdict(int)
+            for lv in levels:
+                for level, b in lv.get("kv_bytes", {}).items():
+                    kv[level] = max(kv[level], b)
+            rss = [r["peak_rss_mb"] for r in rs if r.get("peak_rss_mb") is not None]
+            steps = [x for x in step_rows if x["method"] == m and x["category"] == cat and _key(x) in keys]
+            top_drafted = sum(x["drafted"] for x in steps)
+            methods[m] = {
+                "prompts": len(rs),
+                "speedup": _ratio(_rate(rs), _rate(base)),
+                "decode_speedup": _ratio(decode_rate(rs), decode_rate(base)),
+                "top_acceptance": sum(x["accepted"] for x in steps) / top_drafted if top_drafted else None,
+                "middle_acceptance": sum(lv.get("middle_accepted", 0) for lv in levels) / drafted if drafted else None,
+                "peak_rss_mb": max(rss) if rss else None,
+                "kv_mb": {level: b / 2**20 for level, b in kv.items()},
+            }
+        long_s, short_s = forward_s.get(n), forward_s.get(short_context)
+        out[cat] = {
+            "context_tokens": n,
+            "forward_ms": 1e3 * long_s if long_s else None,
+            "short_forward_ms": 1e3 * short_s if short_s else None,
+            "attention_share": attention_share(long_s, short_s) if long_s and short_s else None,
+            "methods": methods,
+        }
+    return out

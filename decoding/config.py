@@ -20,11 +20,12 @@ import json
 import typing
 from dataclasses import dataclass, field
 
-METHODS = ("ar", "sps", "ngram", "early-exit", "pearl")
+METHODS = ("ar", "sps", "ngram", "early-exit", "pearl", "triforce")
 DTYPES = ("float32", "bfloat16")
 PLACEMENTS = ("local", "actors")
 ACTOR_TRANSPORTS = ("calls", "compiled")
 TREE_SHAPES = ("chain", "static", "sequoia", "dyspec")  # decoding.trees.TREE_SHAPES (kept torch-free here)
+TRIFORCE_BOTTOMS = ("layers", "ngram", "model")
 
 
 class ConfigError(ValueError):
@@ -82,6 +83,18 @@ class SpecConfig:
         ``dyspec`` (grown per step best-first by draft probability, up to
         ``tree_budget`` nodes, depth <= k). ``ngram`` merges several earlier
         matches into a trie of as many nodes as the shape has.
+    triforce_*: for ``triforce`` (decoding/triforce.py), whose top level drafts
+        ``k`` tokens per full-target forward with the target over a retrieval
+        cache of ``triforce_budget`` prompt tokens in chunks of
+        ``triforce_chunk_size``; that middle level is drafted for by
+        ``triforce_bottom``: ``layers`` (the target's first ``draft_layers``
+        layers), ``model`` (``draft_model``) or ``ngram`` (``ngram_max`` /
+        ``ngram_min``), which proposes ``triforce_gamma`` tokens per middle
+        forward; the model bottoms keep a StreamingLLM cache of
+        ``triforce_sinks`` first positions plus the latest ``triforce_window``.
+        The default bottom is ``ngram``: on SmolLM2-135M the first 8 layers
+        (plus norm and head, which alone cost a fifth of a full forward) had
+        their drafts accepted by the middle level 2% of the time, n-gram 12-40%.
     """
 
     method: str = "ar"
@@ -114,6 +127,13 @@ class SpecConfig:
     tree_paths: str = ""  # static: JSON list of rank paths, e.g. [[0],[1],[0,0]]
     tree_budget: int = 16  # sequoia / dyspec / n-gram tries: draft nodes per step
     tree_acceptance: str = ""  # sequoia: per-rank acceptance, e.g. [0.6,0.1,0.05]; empty = trees.DEFAULT_ACCEPTANCE
+    # method=triforce: see decoding/triforce.py
+    triforce_budget: int = 1024
+    triforce_chunk_size: int = 16
+    triforce_gamma: int = 4
+    triforce_sinks: int = 4
+    triforce_window: int = 252
+    triforce_bottom: str = "ngram"
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, "method", f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
@@ -163,6 +183,29 @@ class SpecConfig:
                     parse(getattr(self, name))
                 except TreeError as e:
                     raise ConfigError(name, str(e)) from None
+        self._check_triforce()
+
+    def _check_triforce(self) -> None:
+        _check(self.triforce_chunk_size >= 1, "triforce_chunk_size", f"must be >= 1, got {self.triforce_chunk_size}")
+        _check(
+            self.triforce_budget >= self.triforce_chunk_size,
+            "triforce_budget",
+            f"must hold at least one chunk (triforce_chunk_size={self.triforce_chunk_size}), got {self.triforce_budget}",
+        )
+        _check(self.triforce_sinks >= 0, "triforce_sinks", f"must be >= 0, got {self.triforce_sinks}")
+        _check(self.triforce_window >= 1, "triforce_window", f"must be >= 1, got {self.triforce_window}")
+        _check(
+            self.triforce_budget >= self.triforce_sinks + self.triforce_window,
+            "triforce_budget",
+            f"must be at least triforce_sinks + triforce_window ({self.triforce_sinks + self.triforce_window}): the middle level "
+            f"must see at least as much context as the bottom, got {self.triforce_budget}",
+        )
+        _check(self.triforce_gamma >= 1, "triforce_gamma", f"must be >= 1, got {self.triforce_gamma}")
+        _check(
+            self.triforce_bottom in TRIFORCE_BOTTOMS,
+            "triforce_bottom",
+            f"unknown bottom drafter {self.triforce_bottom!r}; choose from {', '.join(TRIFORCE_BOTTOMS)}",
+        )
 
     # ---- serialisation -------------------------------------------------
     def to_dict(self) -> dict:

@@ -64,6 +64,12 @@ class Drafter:
         """The most drafts one proposal may hold (the loop sizes the caches with it)."""
         return k
 
+    def truncate(self, length: int) -> None:
+        """An outer level cut the committed tokens back to their first ``length``: forget state beyond them.
+
+        Only drafters used inside another drafter's speculative steps (TriForce's bottom level) see this.
+        """
+
 
 def _draft_chain(step, first_logits, k, state, threshold, feed_last):
     """Draft up to k tokens autoregressively; shared by every model-based drafter.
@@ -271,6 +277,10 @@ class DraftModelDrafter(Drafter):
             return
         # valid draft KV: the committed prefix plus the fed drafts that were accepted
         self.cache.rollback(self._base + min(num_accepted, self._fed))
+
+    def truncate(self, length: int) -> None:
+        if self.cache is not None and self.cache.length > length:
+            self.cache.rollback(length)
 
 
 def max_nodes_of(shape: Tree | Dynamic | None, k: int) -> int:

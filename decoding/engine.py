@@ -52,7 +52,38 @@ def build_drafter(cfg: SpecConfig, target: LoadedModel) -> Drafter | None:
         if cfg.draft_layers >= depth:
             raise ConfigError("draft_layers", f"must be below the model's {depth} layers, got {cfg.draft_layers}")
         return DraftModelDrafter(ModelAdapter(target.model, num_layers=cfg.draft_layers), cfg.confidence_threshold, tree=shape)
+        return DraftModelDrafter(ModelAdapter(target.model, num_layers=cfg.draft_layers), cfg.confidence_threshold)
+    if cfg.method == "triforce":
+        return _triforce_drafter(cfg, target, depth)
     raise ConfigError("method", f"unknown method {cfg.method!r}")  # unreachable: SpecConfig checks it
+
+
+def _triforce_drafter(cfg: SpecConfig, target: LoadedModel, depth: int) -> Drafter:
+    from decoding.triforce import TriForceDrafter
+
+    bottom = None
+    if cfg.triforce_bottom == "model":
+        if not cfg.draft_model:
+            raise ConfigError("draft_model", "triforce_bottom=model needs a draft_model (a local model directory)")
+        draft = load_model(cfg.draft_model, cfg.dtype)
+        if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+            raise ConfigError("draft_model", f"{cfg.draft_model!r} does not share the target's tokenizer")
+        bottom = ModelAdapter(draft.model)
+    elif cfg.triforce_bottom == "layers":
+        if cfg.draft_layers >= depth:
+            raise ConfigError("draft_layers", f"must be below the model's {depth} layers, got {cfg.draft_layers}")
+        bottom = ModelAdapter(target.model, num_layers=cfg.draft_layers)
+    return TriForceDrafter(
+        cfg.triforce_bottom,
+        budget=cfg.triforce_budget,
+        chunk_size=cfg.triforce_chunk_size,
+        gamma=cfg.triforce_gamma,
+        sinks=cfg.triforce_sinks,
+        window=cfg.triforce_window,
+        bottom_adapter=bottom,
+        ngram=(cfg.ngram_max, cfg.ngram_min),
+        confidence_threshold=cfg.confidence_threshold,
+    )
 
 
 class SpecDecoder:

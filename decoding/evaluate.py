@@ -19,6 +19,7 @@ Names are free-form labels (the bench uses method names; a trial uses
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 
 from decoding import benchmark as bm
@@ -56,6 +57,7 @@ class PromptRunner:
         self.cfg = self.ar.cfg  # max_new_tokens, temperature and dtype of the comparison
         self.configs = {name: d.cfg.to_json() for name, d in self.decoders.items()}
         self.chat = bool(getattr(self.ar.tokenizer, "chat_template", None))
+        self.extras: dict[str, dict] = {}  # name -> peak_rss_mb and levels of its latest generation
 
     def close(self) -> None:
         """Release decoders that hold resources (actor workers); in-process decoders have nothing to release."""
@@ -79,8 +81,11 @@ class PromptRunner:
                 dec.generate_ids(ids, min(8, self.cfg.max_new_tokens))
 
     def generate(self, name: str, ids) -> tuple[str, list[int], object]:
-        """One timed generation: ("specray", new tokens, the ``Generation``)."""
-        g = self.decoders[name].generate_ids(ids, self.cfg.max_new_tokens)
+        """One timed generation: ("specray", new tokens, the ``Generation``); its peak RSS and levels go to ``extras``."""
+        dec = self.decoders[name]
+        bm.reset_peak_rss()
+        g = dec.generate_ids(ids, self.cfg.max_new_tokens)
+        self.extras[name] = {"peak_rss_mb": bm.peak_rss_mb(), "levels": json.dumps(levels(dec, ids.shape[1] + self.cfg.max_new_tokens))}
         return ("specray", g.token_ids, g)
 
     def rows(
@@ -125,6 +130,7 @@ class PromptRunner:
                         steps=len(res.steps),
                         finish_reason=res.finish_reason,
                         config=self.configs[name],
+                        **self.extras.get(name, {}),
                         **common,
                     )
                 )
@@ -139,3 +145,16 @@ class PromptRunner:
         ids = self.encode(prompt)
         results = {name: self.generate(name, ids) for name in bm.method_order(self.names, index)}
         return self.rows(prompt, ids, results, self.names, repeat)
+
+
+def levels(decoder, length: int) -> dict:
+    """KV bytes per level of a decoder's latest generation (``length`` tokens in the target's full cache) and, for a
+    hierarchical drafter (TriForce), its middle level's steps: bottom drafts proposed and accepted by the middle."""
+    out = {"kv_bytes": {"top": bm.kv_bytes_per_token(decoder.target) * (length + decoder.cfg.k + 1)}}
+    drafter = decoder.drafter
+    if hasattr(drafter, "inner_steps"):
+        out["kv_bytes"].update(drafter.cache_bytes())
+        out["middle_steps"] = len(drafter.inner_steps)
+        out["middle_drafted"] = sum(s.drafted for s in drafter.inner_steps)
+        out["middle_accepted"] = sum(s.accepted for s in drafter.inner_steps)
+    return out

@@ -125,3 +125,64 @@ def select(prompts: list[Prompt], wanted: Iterable[str] | None = None, limit: in
             taken[p.category] += 1
             out.append(p)
     return out
+
+
+# ---- long contexts (TriForce) ---------------------------------------------------------------------------
+LONG_CONTEXT_SOURCES = ("summarization", "rag")
+
+
+def split_document(p: Prompt) -> tuple[str, str | None]:
+    """(document, question) of a Spec-Bench summarization or RAG prompt.
+
+    >>> split_document(Prompt(1, "summarization", ("Summarize: The cat sat.",)))
+    ('The cat sat.', None)
+    >>> split_document(Prompt(2, "rag", ("Cats sit. Dogs run.\\nWhat do cats do?",)))
+    ('Cats sit. Dogs run.', 'What do cats do?')
+    """
+    text = p.prompt.strip()
+    if p.category == "summarization":
+        return text.removeprefix("Summarize:").strip(), None
+    doc, _, question = text.rpartition("\n")
+    return (doc.strip(), question.strip()) if doc.strip() else (text, None)
+
+
+def long_context_prompt(prompts: list[Prompt], tokens: int, count_tokens, index: int = 0) -> Prompt:
+    """A prompt of at most ``tokens`` tokens (as ``count_tokens(text)`` counts them, chat template included):
+    Spec-Bench summarization and RAG documents concatenated, then a question about the first one.
+
+    Prompt ``index`` starts at the index-th document, alternating the two categories; the
+    question is the first RAG document's own question, so the answer sits at the far end
+    of the context. The last document is cut (at a word boundary) to fill the budget.
+
+    >>> ps = [Prompt(1, "rag", ("Cats sit. " * 5 + "\\nWhat do cats do?",)), Prompt(2, "summarization", ("Summarize: Dogs run. " * 9,))]
+    >>> p = long_context_prompt(ps, 40, lambda text: len(text.split()))
+    >>> p.category, len(p.prompt.split()) <= 40, p.prompt.endswith("What do cats do?")
+    ('ctx-40', True, True)
+    """
+    docs = {c: [split_document(p) for p in prompts if p.category == c] for c in LONG_CONTEXT_SOURCES}
+    if not docs["rag"] or not docs["summarization"]:
+        raise WorkloadError("long-context prompts need summarization and rag prompts in the prompt file")
+    n = max(len(d) for d in docs.values())
+    order = [docs[c][(index + i) % len(docs[c])] for i in range(n) for c in ("rag", "summarization")]
+    question = order[0][1]
+
+    def text(parts: list[str]) -> str:
+        body = "\n\n".join(f"Document {i + 1}:\n{d}" for i, d in enumerate(parts))
+        return f"{body}\n\nUsing the documents above, answer: {question}"
+
+    parts: list[str] = []
+    for doc, _ in order * (1 + tokens // 200):  # enough repetitions for any budget
+        if count_tokens(text(parts + [doc])) <= tokens:
+            parts.append(doc)
+            continue
+        words = doc.split(" ")
+        lo, hi = 0, len(words)  # the longest prefix of the document that still fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if count_tokens(text(parts + [" ".join(words[:mid])])) <= tokens else (lo, mid - 1)
+        if lo:
+            parts.append(" ".join(words[:lo]))
+        break
+    if not parts:
+        raise WorkloadError(f"a long-context prompt of {tokens} tokens has no room for a document")
+    return Prompt(f"ctx{tokens}-{index}", f"ctx-{tokens}", (text(parts),))

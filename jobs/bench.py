@@ -38,9 +38,10 @@ from pathlib import Path
 
 from decoding import benchmark as bm
 from decoding.config import METHODS, SpecConfig
-from decoding.workloads import DEFAULT_PROMPTS, Prompt, WorkloadError, load_prompts, select
+from decoding.workloads import DEFAULT_PROMPTS, Prompt, WorkloadError, load_prompts, long_context_prompt, select
 from jobs.common import Parser, add_config_args, config_from_args, fail, run_cli
 
+SHORT_CONTEXT = 16  # the reference context of a decoding forward whose time is (almost) all weights
 PEER_MODES = ("hf-plain", "hf-prompt-lookup", "hf-assistant", "hf-early-exit")
 
 
@@ -50,7 +51,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     add_config_args(p, method=False)
     p.add_argument("--prompts", help=f"Spec-Bench style JSONL (question_id, category, turns); default {DEFAULT_PROMPTS}")
     p.add_argument("--categories", help="comma list of categories to run (default: all in the file)")
-    p.add_argument("--limit", type=int, help="at most N prompts per category")
+    p.add_argument("--limit", type=int, help="at most N prompts per category (with --context-tokens: prompts per length, default 1)")
+    p.add_argument(
+        "--context-tokens",
+        help="comma list of prompt lengths, e.g. 2048,4096,8192: long prompts built from the summarization and RAG prompts "
+        "(documents concatenated, then a question), capped at the model's context minus --max-new-tokens",
+    )
     p.add_argument("--repeats", type=int, default=1, help="run the whole prompt set R times and report the spread")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per method before measuring (default 1)")
     p.add_argument("--peer", choices=["hf"], help="also run Hugging Face generate() (plain and assisted) on the same model")
@@ -226,6 +232,8 @@ def _schemas():
             ("suspicious", b),
             ("finish_reason", s),
             ("config", s),
+            ("peak_rss_mb", f),
+            ("levels", s),
         ]
     )
     step = pa.schema(
@@ -402,6 +410,7 @@ def render(summary: dict, file=None) -> None:
         + (" (INTERRUPTED)" if summary["interrupted"] else "")
     )
     notes = _notes(summary)
+    ctx_head, ctx_rows = context_rows(summary)
     if file.isatty():
         from rich.console import Console
         from rich.table import Table
@@ -411,6 +420,7 @@ def render(summary: dict, file=None) -> None:
             (title, head, rows),
             ("speedup over ar by category", cat_head, cat_rows),
             ("speedup over ar by worker", ["worker"] + methods, worker_rows),
+            ("long contexts", ctx_head, ctx_rows),
         ):
             if not rs:
                 continue
@@ -424,7 +434,7 @@ def render(summary: dict, file=None) -> None:
             console.print(n, highlight=False)
         return
     print(title, file=file)
-    for h, rs in ((head, rows), (cat_head, cat_rows), (["worker"] + methods, worker_rows)):
+    for h, rs in ((head, rows), (cat_head, cat_rows), (["worker"] + methods, worker_rows), (ctx_head, ctx_rows)):
         if not rs:
             continue
         widths = [max(len(str(x)) for x in col) for col in zip(h, *rs, strict=False)]
@@ -437,6 +447,29 @@ def render(summary: dict, file=None) -> None:
     print("", file=file)
     for n in notes:
         print(n, file=file)
+
+
+def context_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    """One row per (context length, method): speedups, acceptance at each level, memory, the attention share."""
+    head = ["context", "method", "speedup", "decode speedup", "top acc", "middle acc", "peak RSS MB", "KV MB top/mid/bottom", "attn share"]
+    rows = []
+    for cat, c in summary.get("contexts", {}).items():
+        for m, v in c["methods"].items():
+            kv = v["kv_mb"]
+            rows.append(
+                [
+                    cat,
+                    m,
+                    _f(v["speedup"]),
+                    _f(v["decode_speedup"]),
+                    _f(v["top_acceptance"]),
+                    _f(v["middle_acceptance"]),
+                    _f(v["peak_rss_mb"], "{:.0f}"),
+                    "/".join(_f(kv.get(level), "{:.1f}") for level in ("top", "middle", "bottom")),
+                    _f(c["attention_share"]),
+                ]
+            )
+    return head, rows
 
 
 def _notes(summary: dict) -> list[str]:
@@ -474,13 +507,48 @@ def parse_methods(text: str) -> list[str]:
     return list(dict.fromkeys([bm.BASELINE] + methods))
 
 
-def load_workload(args) -> list[Prompt]:
+def parse_context_tokens(text: str | None) -> list[int]:
+    if not text:
+        return []
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        fail(f"--context-tokens: expected a comma list of integers, got {text!r}")
+    if not lengths or min(lengths) < 64:
+        fail(f"--context-tokens: lengths must be >= 64 tokens, got {text!r}")
+    return list(dict.fromkeys(lengths))
+
+
+def load_workload(args, cfg: SpecConfig | None = None) -> list[Prompt]:
     source = args.prompts or DEFAULT_PROMPTS
     wanted = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    lengths = parse_context_tokens(getattr(args, "context_tokens", None))
     try:
+        if lengths:
+            if wanted:
+                fail("--categories and --context-tokens exclude each other (long prompts are built from summarization and rag)")
+            if args.limit is not None and args.limit < 1:
+                fail(f"--limit must be >= 1, got {args.limit}")
+            return long_prompts(load_prompts(source), lengths, args.limit or 1, cfg)
         return select(load_prompts(source), wanted, args.limit, source=str(source))
     except WorkloadError as e:
         fail(str(e))
+
+
+def long_prompts(prompts: list[Prompt], lengths: list[int], per_length: int, cfg: SpecConfig) -> list[Prompt]:
+    """``per_length`` long-context prompts per length, counted in the tokens the decoders will see (chat template included)."""
+    from decoding.engine import SpecDecoder
+
+    enc = SpecDecoder(cfg.replace(method="ar"))  # the model load is cached: the runner reuses it
+    chat = bool(getattr(enc.tokenizer, "chat_template", None))
+    room = enc.loaded.max_context - cfg.max_new_tokens
+    out = []
+    for n in lengths:
+        if n > room:
+            print(f"note: --context-tokens {n} capped at {room} (context {enc.loaded.max_context} - max_new_tokens)", file=sys.stderr)
+        for i in range(per_length):
+            out.append(long_context_prompt(prompts, min(n, room), lambda text: enc.encode(text, chat=chat).shape[1], index=i))
+    return out
 
 
 def run_local(cfg, methods, peer, jobs, writer, new_progress, on_prompt_done, warmup, meta) -> None:
@@ -496,6 +564,9 @@ def run_local(cfg, methods, peer, jobs, writer, new_progress, on_prompt_done, wa
         progress.update(1)
         if on_prompt_done:
             on_prompt_done(index, prompt)
+    lengths = sorted({int(p.category.removeprefix("ctx-")) for _, p in jobs if p.category.startswith("ctx-")})
+    if lengths:  # where a decoding step's time goes at each context length: weights (short context) vs attention
+        meta["forward_s"] = {n: bm.decode_forward_seconds(runner.ar.target, n) for n in [SHORT_CONTEXT] + lengths}
 
 
 class BenchWorker:
@@ -564,7 +635,7 @@ def run_bench(args, on_prompt_done: Callable[[int, Prompt], None] | None = None)
         fail(f"--warmup must be >= 0, got {args.warmup}")
     if args.workers is not None and args.workers < 1:
         fail(f"--workers must be >= 1, got {args.workers}")
-    prompts = load_workload(args)
+    prompts = load_workload(args, base)
     if not prompts:
         fail("no prompts selected")
     for m in methods:  # check every method's config before loading anything
@@ -629,6 +700,7 @@ def finish(out: Path, run_id: str, meta: dict, interrupted: bool) -> dict:
     gens, steps = read_run(out, run_id, "generations"), read_run(out, run_id, "traces")
     summary = {**meta, "interrupted": interrupted, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     summary.update(bm.summarize(gens, steps, order=meta["specray_methods"] + list(meta.get("peer_modes", {}))))
+    summary["contexts"] = bm.context_summary(gens, steps, {int(n): t for n, t in meta.get("forward_s", {}).items()}, SHORT_CONTEXT)
     summary["traces"] = str(out / "traces" / f"run={run_id}")
     summary["generations"] = str(out / "generations" / f"run={run_id}")
     summary["summary_path"] = str(out / "summary.json")

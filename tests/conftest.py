@@ -36,6 +36,15 @@ def tiny_llama(vocab: int = 12, layers: int = 3, seed: int = 0, sharpness: float
     return model
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny-model forwards are dominated by thread start-up; two threads on a busy 2-core machine are 40x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     return tiny_llama()

@@ -336,3 +336,19 @@ class SearchSpace:
 def knob_fields() -> list[str]:
     """Every field any method's knobs set, in a stable order: the config columns of the results table."""
     return list(dict.fromkeys(k.field for ks in METHOD_KNOBS.values() for k in ks))
+
+
+# TriForce (decoding/triforce.py): top-level k, the bottom drafter and its draft length, the retrieval budget and chunk
+# size, the bottom's streaming window. Bounds keep triforce_budget >= sinks (default 4) + window.
+register_method(
+    "triforce",
+    (
+        _K,
+        Knob("triforce_gamma", "int", 1, 8),
+        Knob("triforce_bottom", "choice", choices=("ngram", "layers")),
+        Knob("draft_layers", "int", 1, DEPTH),
+        Knob("triforce_budget", "int", 256, 4096, log=True),
+        Knob("triforce_chunk_size", "int", 4, 64, log=True),
+        Knob("triforce_window", "int", 16, 252, log=True),
+    ),
+)

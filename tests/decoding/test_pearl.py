@@ -23,13 +23,7 @@ from decoding.sampling import SamplingParams
 TEXT = "abcdefghijklmnopqrstuvwxyz"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny-model forwards are dominated by thread start-up; two threads on a busy 2-core machine are 40x slower
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run(script, schedule="pearl", k=3, max_new=12, eos=(), text=TEXT):

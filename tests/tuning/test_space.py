@@ -149,4 +149,15 @@ def test_pearl_searches_its_draft_and_drops_on_a_one_layer_model():
 
 def test_knob_fields_cover_every_method():
     fields = {"k", "exit_layer", "confidence_threshold", "ngram_max", "ngram_min", "draft_layers", "tree", "tree_budget"}
+    fields |= {"triforce_gamma", "triforce_bottom", "triforce_budget", "triforce_chunk_size", "triforce_window"}
     assert fields == set(knob_fields())
+
+
+def test_triforce_samples_are_valid_configs():
+    space = SearchSpace.build(["triforce"], depth=30)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(30):
+        trial = study.ask()
+        space(trial)
+        cfg = space.to_config(trial.params, SpecConfig())
+        assert cfg.method == "triforce" and cfg.triforce_budget >= cfg.triforce_sinks + cfg.triforce_window
