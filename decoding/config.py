@@ -166,6 +166,7 @@ class SpecConfig:
             f"unknown transport {self.actor_transport!r}; choose from {', '.join(ACTOR_TRANSPORTS)}",
         )
         self._check_tree()
+        self._check_triforce()
 
     def _check_tree(self) -> None:
         """Tree fields (see the class docstring); torch is imported only when a tree is configured."""
@@ -183,7 +184,6 @@ class SpecConfig:
                     parse(getattr(self, name))
                 except TreeError as e:
                     raise ConfigError(name, str(e)) from None
-        self._check_triforce()
 
     def _check_triforce(self) -> None:
         _check(self.triforce_chunk_size >= 1, "triforce_chunk_size", f"must be >= 1, got {self.triforce_chunk_size}")
