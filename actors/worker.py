@@ -29,6 +29,7 @@ import time
 import ray
 import torch
 
+import kernels
 from decoding.adapter import ModelAdapter
 from decoding.config import ConfigError
 from decoding.engine import SpecDecoder
@@ -55,6 +56,7 @@ class ModelWorker:
         cfg = SpecConfig.from_json(cfg_json)
         self.role = role
         self.threads = set_threads(threads)
+        kernels.install()
         gpu_ids = ray.get_gpu_ids()
         self.device = "cuda" if gpu_ids and torch.cuda.is_available() else "cpu"
         t0 = time.perf_counter()

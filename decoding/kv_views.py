@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from decoding import accel
 from decoding.adapter import KVCache, ModelAdapter
 
 
@@ -145,14 +146,8 @@ def chunk_scores_reference(query: torch.Tensor, keys: torch.Tensor, chunk_size: 
 
 
 def chunk_scores(query: torch.Tensor, keys: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """``chunk_scores_reference``, or the Triton kernel (kernels/chunk_scores.py) on CUDA / under TRITON_INTERPRET=1."""
-    from kernels import use_kernel  # the kernels package imports nothing heavy at import time
-
-    if use_kernel(query, keys):
-        from kernels.chunk_scores import chunk_scores_triton
-
-        return chunk_scores_triton(query, keys, chunk_size)
-    return chunk_scores_reference(query, keys, chunk_size)
+    """``chunk_scores_reference``, or the Triton kernel (kernels/chunk_scores.py) where ``kernels.install()`` registered it."""
+    return accel.dispatch("chunk_scores", chunk_scores_reference, query, keys, chunk_size)
 
 
 def select_chunks(scores: torch.Tensor, count: int, forced: tuple[int, ...] = ()) -> torch.Tensor:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from decoding import accel
 from decoding.sampling import sample_from
 
 
@@ -102,7 +103,7 @@ def greedy_tree_accept(
     target_argmax: torch.Tensor,  # [B, T] the target's argmax at every node
 ) -> torch.Tensor:
     """The deepest node whose whole path matches the target's argmax: [B] node index (the torch reference of
-    ``kernels.tree_verify.greedy_tree_accept``).
+    ``kernels.tree_verify.greedy_tree_accept_triton``).
 
     A node is ok when its token is the target's argmax at its parent; it is accepted when it and all its
     ancestors are ok. Siblings are distinct tokens, so at most one node per depth is accepted.
@@ -133,19 +134,6 @@ def _path_to(mask_rows: torch.Tensor, best: torch.Tensor, depth: torch.Tensor):
     return torch.where(keep, order, 0), m
 
 
-def _tree_accept_for(t: torch.Tensor):
-    """On CUDA the Triton kernel (``kernels.tree_verify``, imported lazily: the only outward reference, and
-    optional), else the torch reference."""
-    if t.is_cuda:
-        try:
-            from kernels.tree_verify import greedy_tree_accept as dispatched
-
-            return dispatched
-        except ImportError:
-            pass
-    return greedy_tree_accept
-
-
 def verify_tree_greedy(node_tokens, parents, mask, depth, target_logits: torch.Tensor, accept=None) -> Verdict:
     """Greedy rule on a tree: commit the longest root-to-node path matching the target's argmax, then the argmax there.
 
@@ -161,7 +149,10 @@ def verify_tree_greedy(node_tokens, parents, mask, depth, target_logits: torch.T
     ([2], [[0, 2, 3]], [[5, 6, 1]])
     """
     g = target_logits.argmax(-1)  # [B, T]
-    best = (accept or _tree_accept_for(node_tokens))(node_tokens, parents, mask, depth, g)
+    if accept is not None:
+        best = accept(node_tokens, parents, mask, depth, g)
+    else:  # the Triton kernel where kernels.install() registered it and it applies (CUDA)
+        best = accel.dispatch("greedy_tree_accept", greedy_tree_accept, node_tokens, parents, mask, depth, g)
     path, m = _path_to(mask.expand(g.shape[0], *mask.shape[-2:]), best, depth)
     tokens = torch.cat([node_tokens.gather(1, path[:, 1:]), g.new_zeros(g.shape[0], 1)], dim=1)  # [B, D+1]
     rows = torch.arange(g.shape[0], device=g.device)

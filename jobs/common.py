@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import kernels
 from decoding.config import METHODS, ConfigError, SpecConfig
 
 
@@ -62,6 +63,7 @@ def run_cli(parser: argparse.ArgumentParser, body, argv=None) -> int:
     """Parse, run, and turn user errors into one line on stderr with exit code 2."""
     try:
         args = parser.parse_args(argv)
+        kernels.install()  # Triton kernels for the decoding code where they apply (CUDA)
         return body(args)
     except (UsageError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)

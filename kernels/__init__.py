@@ -2,8 +2,10 @@
 
 Each kernel has a torch reference in ``decoding/`` (the function the decoding
 code calls on CPU) and a test that the two agree. Tests run the kernels on CPU
-through Triton's interpreter (``TRITON_INTERPRET=1``); on CUDA tensors the
-decoding code calls the kernel automatically through ``dispatch``.
+through Triton's interpreter (``TRITON_INTERPRET=1``). ``install()`` registers
+them with ``decoding.accel`` (decoding/ never imports this package), after
+which the decoding code uses them on CUDA tensors automatically; the CLI, the
+model workers, Serve replicas and Tune trials call it.
 """
 
 from __future__ import annotations
@@ -31,3 +33,33 @@ def use_kernel(*tensors) -> bool:
         return False
     on_cuda = all(getattr(t, "is_cuda", False) for t in tensors)
     return on_cuda or interpreting()
+
+
+def _lazy(module: str, attr: str):
+    """The kernel function, imported on first call (importing triton costs a second or two)."""
+
+    def call(*args):
+        import importlib
+
+        return getattr(importlib.import_module(module), attr)(*args)
+
+    return call
+
+
+def install() -> bool:
+    """Register the kernels with ``decoding.accel`` so the decoding code uses them where they apply.
+
+    Called once per process by the outer layers (the CLI, model workers, Serve replicas, Tune trials);
+    decoding/ itself never imports kernels/. Returns whether Triton is available.
+    """
+    if not triton_available():
+        return False
+    from decoding import accel
+
+    accel.register("chunk_scores", _lazy("kernels.chunk_scores", "chunk_scores_triton"), applies=lambda q, k, c: use_kernel(q, k))
+    accel.register(
+        "greedy_tree_accept",
+        _lazy("kernels.tree_verify", "greedy_tree_accept_triton"),
+        applies=lambda tokens, parents, mask, depth, argmax: use_kernel(tokens, argmax) and tokens.shape[1] <= 1024,
+    )
+    return True

@@ -5,16 +5,13 @@ is ok when its token equals the target's argmax at its parent, accepted when eve
 answer is the deepest accepted node. The kernel loads the row's T node tokens, parents, depths and the [T, T]
 ancestor mask into one block (T <= 1024 nodes), so the whole verdict is a handful of vector ops and one argmax.
 
-``greedy_tree_accept`` dispatches: the kernel where :func:`kernels.use_kernel` says so (CUDA tensors, or the CPU
-interpreter under ``TRITON_INTERPRET=1``), else the reference.
+``kernels.install()`` registers it for ``decoding.verify.verify_tree_greedy``, which then runs it where
+:func:`kernels.use_kernel` says so (CUDA tensors, or the CPU interpreter under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
 
 import torch
-
-from decoding.verify import greedy_tree_accept as greedy_tree_accept_reference
-from kernels import use_kernel
 
 _kernel = None
 
@@ -64,10 +61,3 @@ def greedy_tree_accept_triton(node_tokens, parents, mask, depth, target_argmax) 
     strides = (tok.stride(0), stride(par), stride(m), stride(dep), g.stride(0))
     _kernel[(bsz,)](tok, par, m, dep, g, out, t, *strides, BLOCK=triton.next_power_of_2(t))
     return out
-
-
-def greedy_tree_accept(node_tokens, parents, mask, depth, target_argmax) -> torch.Tensor:
-    """Kernel or torch reference, whichever :func:`kernels.use_kernel` picks for these tensors."""
-    if use_kernel(node_tokens, target_argmax) and node_tokens.shape[1] <= 1024:
-        return greedy_tree_accept_triton(node_tokens, parents, mask, depth, target_argmax)
-    return greedy_tree_accept_reference(node_tokens, parents, mask, depth, target_argmax)

@@ -28,6 +28,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
+import kernels
 from decoding.config import ConfigError, SpecConfig
 from serving.textstream import TextAssembler
 
@@ -88,6 +89,7 @@ class ModelWorker:
             import torch
 
             torch.set_num_threads(threads)
+        kernels.install()
         self.max_loaded = max_loaded_configs
         self._decoders: OrderedDict[str, object] = OrderedDict()
         self._load_locks: dict[str, asyncio.Lock] = {}

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import kernels
 from decoding import benchmark as bm
 from decoding.config import ConfigError, SpecConfig
 from decoding.workloads import Prompt
@@ -216,6 +217,7 @@ def trainable(config: dict, setup: TrialSetup) -> None:
     """Tune function trainable: one report per prompt (``training_iteration`` = prompts done)."""
     from ray import tune
 
+    kernels.install()
     total = len(setup.prompts)
     try:
         cfg = trial_config(config, setup)

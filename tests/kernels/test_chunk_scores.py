@@ -20,8 +20,12 @@ SCRIPT = textwrap.dedent(
     """
     import torch
     from decoding.kv_views import chunk_scores, chunk_scores_reference
+    import kernels
+    from decoding import accel
     from kernels import use_kernel
     from kernels.chunk_scores import chunk_scores_triton
+
+    assert kernels.install() and "chunk_scores" in accel.registered()
 
     assert use_kernel(torch.zeros(1)), "the interpreter should route CPU tensors to the kernel"
     gen = torch.Generator().manual_seed(0)

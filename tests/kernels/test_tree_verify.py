@@ -19,8 +19,13 @@ COMPARE = textwrap.dedent(
     import torch
     from decoding.trees import Tree, tree_mask
     from decoding.verify import greedy_tree_accept, verify_tree_greedy
+    import kernels
+    from decoding import accel
     from kernels import use_kernel
-    from kernels.tree_verify import greedy_tree_accept as dispatched, greedy_tree_accept_triton
+    from kernels.tree_verify import greedy_tree_accept_triton
+
+    assert kernels.install() and "greedy_tree_accept" in accel.registered()
+    dispatched = lambda *a: accel.dispatch("greedy_tree_accept", greedy_tree_accept, *a)  # what verify_tree_greedy calls
 
     gen = torch.Generator().manual_seed(0)
     assert use_kernel(torch.zeros(1)), "the interpreter should make the kernel eligible on CPU"
@@ -48,7 +53,7 @@ COMPARE = textwrap.dedent(
     # the whole verdict through the kernel
     tree = Tree.from_paths([[0], [1], [1, 0]])
     logits = torch.nn.functional.one_hot(torch.tensor([[5, 0, 6, 1]]), 10).float()
-    v = verify_tree_greedy(torch.tensor([[9, 4, 5, 6]]), tree.parents, tree.mask, tree.depth, logits, accept=dispatched)
+    v = verify_tree_greedy(torch.tensor([[9, 4, 5, 6]]), tree.parents, tree.mask, tree.depth, logits)  # through accel
     assert v.path.tolist() == [[0, 2, 3]] and v.tokens.tolist() == [[5, 6, 1]]
     assert deep > 10, deep  # the random trees did accept paths of depth >= 2
     print("ok", checked)

@@ -1,0 +1,42 @@
+"""Faster implementations of decoding/ functions, plugged in from outside.
+
+decoding/ never imports an outer layer. A pure function here that has a
+Triton kernel in kernels/ calls ``dispatch(name, reference, *args)``;
+``kernels.install()`` registers each kernel with a test of the tensors it
+applies to (CUDA, or CPU under ``TRITON_INTERPRET=1``), and the outer layers
+call it once per process (the CLI, the model workers, Serve replicas, Tune
+trials). Without a registration, or where it does not apply, the torch
+reference runs.
+
+>>> calls = []
+>>> register("double", lambda x: calls.append(x) or 2 * x, applies=lambda x: x > 10)
+>>> dispatch("double", lambda x: x, 3), dispatch("double", lambda x: x, 20), calls
+(3, 40, [20])
+>>> unregister("double")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+_IMPLS: dict[str, tuple[Callable[..., bool], Callable]] = {}
+
+
+def register(name: str, fn: Callable, applies: Callable[..., bool]) -> None:
+    """Use ``fn`` for ``name`` on the arguments for which ``applies(*args)`` is true."""
+    _IMPLS[name] = (applies, fn)
+
+
+def unregister(name: str) -> None:
+    _IMPLS.pop(name, None)
+
+
+def registered() -> list[str]:
+    return sorted(_IMPLS)
+
+
+def dispatch(name: str, reference: Callable, *args):
+    impl = _IMPLS.get(name)
+    if impl is not None and impl[0](*args):
+        return impl[1](*args)
+    return reference(*args)
