@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tests_support import spec_bench_prompts
+from tests_support import ar_reference, compare_with_ar, spec_bench_prompts
 
 from decoding.config import SpecConfig
 from decoding.engine import SpecDecoder
@@ -22,8 +22,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def ar_outputs():
-    dec = SpecDecoder(BASE)
-    return {q["question_id"]: dec.generate_ids(dec.encode(q["turns"][0], chat=True)).token_ids for q in PROMPTS}
+    return ar_reference(SpecDecoder(BASE), PROMPTS)
 
 
 def test_prompt_set_covers_categories():
@@ -33,16 +32,10 @@ def test_prompt_set_covers_categories():
 @pytest.mark.parametrize("name", list(METHODS))
 def test_method_is_token_identical_to_ar(name, ar_outputs):
     dec = SpecDecoder(BASE.replace(**METHODS[name]))
-    mismatched, forwards, tokens = [], 0, 0
-    for q in PROMPTS:
-        out = dec.generate_ids(dec.encode(q["turns"][0], chat=True))
-        if out.token_ids != ar_outputs[q["question_id"]]:
-            mismatched.append(q["question_id"])
-        forwards += out.stats.target_forwards
-        tokens += out.stats.new_tokens
+    mismatched, tau = compare_with_ar(dec, PROMPTS, ar_outputs)
     assert not mismatched, f"{name} diverged from AR on questions {mismatched}"
     if name == "ngram":  # prompt lookup must actually accept drafts on this set, or the test proves little
-        assert tokens / forwards > 1.2
+        assert tau > 1.2
 
 
 def test_ar_matches_transformers_generate(ar_outputs):

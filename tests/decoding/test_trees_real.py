@@ -1,7 +1,7 @@
 """Greedy equality against AR with token trees, real SmolLM2 in float32 on Spec-Bench prompts (3 prompts x 40 tokens)."""
 
 import pytest
-from tests_support import spec_bench_prompts
+from tests_support import ar_reference, compare_with_ar, spec_bench_prompts
 
 from decoding.config import SpecConfig
 from decoding.engine import SpecDecoder
@@ -21,21 +21,14 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def ar_outputs():
-    dec = SpecDecoder(BASE)
-    return {q["question_id"]: dec.generate_ids(dec.encode(q["turns"][0], chat=True)).token_ids for q in PROMPTS}
+    return ar_reference(SpecDecoder(BASE), PROMPTS)
 
 
 @pytest.mark.parametrize("name", list(METHODS))
 def test_tree_method_is_token_identical_to_ar(name, ar_outputs):
     dec = SpecDecoder(BASE.replace(**METHODS[name]))
-    mismatched, forwards, tokens = [], 0, 0
-    for q in PROMPTS:
-        out = dec.generate_ids(dec.encode(q["turns"][0], chat=True))
-        if out.token_ids != ar_outputs[q["question_id"]]:
-            mismatched.append(q["question_id"])
-        forwards += out.stats.target_forwards
-        tokens += out.stats.new_tokens
+    mismatched, tau = compare_with_ar(dec, PROMPTS, ar_outputs)
     assert not mismatched, f"{name} diverged from AR on questions {mismatched}"
     # the trees must actually accept drafts, or the identity proves little (the 8-layer shallow draft is weak: ~1.1)
     floor = 1.2 if name.startswith("ngram") else 1.05
-    assert tokens / forwards > floor, f"{name}: the tree accepted too little ({tokens / forwards:.2f} tokens/forward)"
+    assert tau > floor, f"{name}: the tree accepted too little ({tau:.2f} tokens/forward)"
