@@ -20,7 +20,7 @@ import json
 import typing
 from dataclasses import dataclass, field
 
-METHODS = ("ar", "sps", "ngram", "early-exit", "pearl")
+METHODS = ("ar", "sps", "ngram", "early-exit", "pearl", "trained")
 DTYPES = ("float32", "bfloat16")
 PLACEMENTS = ("local", "actors")
 ACTOR_TRANSPORTS = ("calls", "compiled")
@@ -72,6 +72,11 @@ class SpecConfig:
     placement_timeout_s: the longest wait for the placement group's resources.
     actor_transport: ``calls`` (plain actor calls) or ``compiled`` (Ray
         compiled graphs) between the driver and the workers.
+    drafter: for ``trained``, a trained drafter artifact (its name under
+        ``$SPECRAY_HOME/drafters`` or a directory): a Kangaroo adapter, Medusa
+        or Hydra heads, a feature-level head or a distilled draft model
+        (``specray train-drafter``). Its recipe knobs (exit layer, heads) come
+        from the artifact; ``k`` and ``confidence_threshold`` apply.
     """
 
     method: str = "ar"
@@ -99,6 +104,8 @@ class SpecConfig:
     rpc_timeout_s: float = 120.0
     placement_timeout_s: float = 30.0
     actor_transport: str = "calls"
+    # method=trained: a trained drafter artifact (name under $SPECRAY_HOME/drafters, or a directory); see decoding/artifacts.py
+    drafter: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, "method", f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
@@ -130,6 +137,18 @@ class SpecConfig:
             "actor_transport",
             f"unknown transport {self.actor_transport!r}; choose from {', '.join(ACTOR_TRANSPORTS)}",
         )
+        _check(self.method != "trained" or bool(self.drafter), "drafter", "method trained needs drafter=NAME or a directory")
+
+    def for_method(self, label: str) -> SpecConfig:
+        """The config a bench label names: a method, or ``trained:NAME`` (method trained with drafter NAME).
+
+        >>> SpecConfig().for_method("trained:kangaroo-l10").drafter
+        'kangaroo-l10'
+        """
+        method, _, drafter = label.partition(":")
+        if method == "trained" and drafter:
+            return self.replace(method="trained", drafter=drafter)
+        return self.replace(method=label)
 
     # ---- serialisation -------------------------------------------------
     def to_dict(self) -> dict:

@@ -39,6 +39,10 @@ def build_drafter(cfg: SpecConfig, target: LoadedModel) -> Drafter | None:
         if cfg.draft_layers >= depth:
             raise ConfigError("draft_layers", f"must be below the model's {depth} layers, got {cfg.draft_layers}")
         return DraftModelDrafter(ModelAdapter(target.model, num_layers=cfg.draft_layers), cfg.confidence_threshold)
+    if cfg.method == "trained":
+        from decoding.artifacts import load_artifact
+
+        return load_artifact(cfg.drafter, target.model).drafter(cfg.confidence_threshold)
     raise ConfigError("method", f"unknown method {cfg.method!r}")  # unreachable: SpecConfig checks it
 
 
@@ -62,7 +66,7 @@ class SpecDecoder:
         so concurrent generations each need their own fork.
         """
         cfg = self.cfg.replace(**changes)
-        for name in ("model", "dtype", "draft_model"):
+        for name in ("model", "dtype", "draft_model", "drafter"):
             if getattr(cfg, name) != getattr(self.cfg, name):
                 raise ConfigError(name, "cannot change in a fork; build a new SpecDecoder")
         twin = copy.copy(self)

@@ -80,6 +80,7 @@ def speculative_step(state: DecodeState, drafter: Drafter, k: int) -> StepResult
     committed = verdict.tokens[0, : m + 1].tolist()
     state.tokens = torch.cat([tokens, torch.tensor([committed], dtype=tokens.dtype, device=tokens.device)], dim=1)
     cache.rollback(n + m)
+    state.target_hidden = h[:, : m + 1]
     drafter.update(state, m)
     t2 = time.perf_counter()
     record = StepRecord(drafted=proposal.tokens.shape[1], accepted=m, draft_s=t1 - t0, verify_s=t2 - t1)
@@ -126,7 +127,7 @@ def generate(
         on_step(list(new))
     prefill_s = time.perf_counter() - t_start
 
-    state = DecodeState(tokens, target, cache, sampling, generator, max_len)
+    state = DecodeState(tokens, target, cache, sampling, generator, max_len, target_hidden=h)
     drafter.start(state)
     steps: list[StepRecord] = []
     finished = new[0] in eos

@@ -1,0 +1,116 @@
+"""Trained drafter artifacts: ``drafter.safetensors`` (only the trained weights) + ``drafter.json`` (what it is).
+
+The description names the recipe, its knobs, the target it was trained for
+(name and :func:`~decoding.trained.model_fingerprint`) and the training
+figures. Artifacts live in ``$SPECRAY_HOME/drafters/<name>`` or any directory;
+``SpecConfig(method="trained", drafter=NAME_OR_PATH)`` loads one. Loading an
+artifact for another target fails with a ``ConfigError`` on ``drafter``.
+
+>>> # save_artifact(out_dir, "kangaroo", {"exit_layer": 10}, module, target_hf, "smollm2-135m", training={...})
+>>> # art = load_artifact("kangaroo-smollm2", target_hf); drafter = art.drafter(confidence_threshold=0.3)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from decoding.config import ConfigError
+from decoding.paths import specray_home
+from decoding.trained import Recipe, get_recipe, model_fingerprint
+
+FORMAT = 1
+WEIGHTS, DESCRIPTION = "drafter.safetensors", "drafter.json"
+
+
+def drafters_home() -> Path:
+    return specray_home() / "drafters"
+
+
+def resolve_artifact(name: str) -> Path:
+    """A directory holding drafter.json: ``name`` as a path, else ``$SPECRAY_HOME/drafters/<name>``."""
+    for cand in (Path(name).expanduser(), drafters_home() / name):
+        if (cand / DESCRIPTION).is_file():
+            return cand
+    raise ConfigError("drafter", f"no trained drafter {name!r} (looked for {DESCRIPTION} in {name} and {drafters_home() / name})")
+
+
+def save_artifact(out: Path, recipe: str, knobs: dict, module: torch.nn.Module, target_hf, target_name: str, training: dict) -> Path:
+    """Write weights and description atomically (a half-written artifact is never loaded)."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+    save_file(tensors, str(out / (WEIGHTS + ".tmp")))
+    os.replace(out / (WEIGHTS + ".tmp"), out / WEIGHTS)
+    c = target_hf.config
+    desc = {
+        "format": FORMAT,
+        "recipe": recipe,
+        "knobs": knobs,
+        "target": {
+            "name": target_name,
+            "fingerprint": model_fingerprint(target_hf),
+            "num_layers": c.num_hidden_layers,
+            "hidden_size": c.hidden_size,
+            "vocab_size": c.vocab_size,
+        },
+        "parameters": sum(t.numel() for t in tensors.values()),
+        "training": training,
+    }
+    (out / (DESCRIPTION + ".tmp")).write_text(json.dumps(desc, indent=2, sort_keys=True, default=str))
+    os.replace(out / (DESCRIPTION + ".tmp"), out / DESCRIPTION)
+    return out
+
+
+@dataclass
+class Artifact:
+    path: Path
+    description: dict
+    recipe: Recipe
+    knobs: dict
+    module: torch.nn.Module
+
+    def drafter(self, confidence_threshold: float = 0.0):
+        return self.recipe.drafter(self.module, self.knobs, confidence_threshold)
+
+
+def read_description(name: str) -> tuple[Path, dict]:
+    path = resolve_artifact(name)
+    try:
+        desc = json.loads((path / DESCRIPTION).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError("drafter", f"{path / DESCRIPTION} is not readable JSON ({e})") from None
+    if not isinstance(desc, dict) or desc.get("format") != FORMAT or "recipe" not in desc or "target" not in desc:
+        raise ConfigError("drafter", f"{path / DESCRIPTION} is not a specray drafter description (format {FORMAT})")
+    return path, desc
+
+
+def load_artifact(name: str, target_hf) -> Artifact:
+    """Load a trained drafter for ``target_hf`` (a HF causal LM), in the target's dtype."""
+    from safetensors.torch import load_file
+
+    path, desc = read_description(name)
+    fp = model_fingerprint(target_hf)
+    want = desc["target"]
+    if want.get("fingerprint") != fp:
+        raise ConfigError(
+            "drafter",
+            f"{name!r} was trained for target {want.get('name')!r} (fingerprint {want.get('fingerprint')}), "
+            f"not for this model (fingerprint {fp})",
+        )
+    recipe = get_recipe(desc["recipe"])
+    knobs = recipe.check(desc.get("knobs", {}), target_hf.config.num_hidden_layers)
+    module = recipe.build(target_hf, knobs)
+    try:
+        module.load_state_dict(load_file(str(path / WEIGHTS)))
+    except (OSError, RuntimeError) as e:
+        raise ConfigError("drafter", f"{path / WEIGHTS} does not hold a {desc['recipe']} drafter with knobs {knobs}: {e}") from None
+    dtype = target_hf.lm_head.weight.dtype
+    module.to(dtype).eval().requires_grad_(False)
+    return Artifact(path, desc, recipe, knobs, module)
