@@ -39,6 +39,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--prompts", help=f"Spec-Bench style JSONL (default {DEFAULT_PROMPTS})")
     p.add_argument("--categories", help="comma list of categories (default all)")
     p.add_argument("--limit", type=int, help="at most N prompts per category")
+    p.add_argument("--skip", type=int, default=0, help="skip the first N prompts of each category (keep them for the bench)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="response length per prompt (default 128)")
     p.add_argument("--knob", action="append", default=[], metavar="KEY=INT", help="recipe knob, e.g. exit_layer=10, num_heads=4")
     p.add_argument("--loss", default="kl", help=f"one of {', '.join(LOSS_NAMES)} (default kl)")
@@ -47,6 +48,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--window", type=int, default=256, help="train on the last N positions of each sequence (default 256)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-minutes", type=float, help="stop training after this long (the artifact is saved at that step)")
     p.add_argument("--data-dtype", default="bfloat16", help="dtype the target generates the data in (default bfloat16)")
     p.add_argument("--data-dir", help="where the data set lives (default: a cache under $SPECRAY_HOME/drafter-data)")
     p.add_argument("--name", help="artifact name under $SPECRAY_HOME/drafters (default recipe-model-knobs)")
@@ -79,6 +81,10 @@ def check_args(args) -> None:
         fail(f"--recipe: unknown recipe {args.recipe!r}; choose from {', '.join(RECIPE_NAMES)}")
     if args.loss not in LOSS_NAMES:
         fail(f"--loss: unknown loss {args.loss!r}; choose from {', '.join(LOSS_NAMES)}")
+    if args.skip < 0:
+        fail(f"--skip: must be >= 0, got {args.skip}")
+    if args.max_minutes is not None and args.max_minutes <= 0:
+        fail(f"--max-minutes: must be > 0, got {args.max_minutes}")
     for name in ("steps", "batch", "window", "max_new_tokens"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
@@ -108,9 +114,18 @@ def main_with_args(args) -> int:
     try:
         prompts = load_prompts(args.prompts)
         cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
-        prompts = select(prompts, cats, args.limit, source=str(args.prompts or DEFAULT_PROMPTS))
+        limit = None if args.limit is None else args.limit + args.skip
+        prompts = select(prompts, cats, limit, source=str(args.prompts or DEFAULT_PROMPTS))
     except WorkloadError as e:
         fail(str(e))
+    if args.skip:
+        seen: dict[str, int] = {}
+        kept = []
+        for p in prompts:
+            seen[p.category] = seen.get(p.category, 0) + 1
+            if seen[p.category] > args.skip:
+                kept.append(p)
+        prompts = kept
     if len(prompts) < 2:
         fail(f"--prompts: need at least 2 prompts (one is held out for evaluation), got {len(prompts)}")
 
@@ -147,7 +162,8 @@ def main_with_args(args) -> int:
         from training.trainer import train
 
         examples = load_examples(ddir, layers)
-        training = train(spec, target, examples, out, args.model, progress=not args.no_progress, extra_training=extra)
+        deadline = None if args.max_minutes is None else time.time() + 60 * args.max_minutes
+        training = train(spec, target, examples, out, args.model, progress=not args.no_progress, extra_training=extra, deadline=deadline)
     result = {
         "artifact": str(out),
         "recipe": args.recipe,

@@ -146,6 +146,7 @@ def train(
     save: bool = True,
     extra_training: dict | None = None,
     shard: tuple[int, int] = (0, 1),
+    deadline: float | None = None,
 ) -> dict:
     """Train (or resume) and save the artifact in ``out``; returns the artifact's ``training`` description.
 
@@ -153,6 +154,7 @@ def train(
     draws its batches from every world-th training sequence), ``wrap`` (DDP or
     a DeepSpeed engine: ``wrap(module, optimizer) -> (model, backward, step)``)
     and ``report``; only rank 0 writes checkpoints and the artifact.
+    ``deadline`` (a ``time.time()``) ends training early; the artifact records the steps done.
     """
     if spec.loss not in LOSSES:
         raise ValueError(f"loss: unknown loss {spec.loss!r}; choose from {', '.join(LOSSES)}")
@@ -212,6 +214,10 @@ def train(
                     report(row, ckpt_path if chief else None)
             if on_step:
                 on_step(step, row)
+            if deadline is not None and time.time() > deadline:
+                if chief:
+                    _save_checkpoint(ckpt_path, module, opt, step, history, spec, {"eval_before": before})
+                break
     except KeyboardInterrupt:
         if chief:
             _save_checkpoint(ckpt_path, module, opt, step, history, spec, {"eval_before": before})

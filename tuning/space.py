@@ -112,6 +112,18 @@ METHOD_KNOBS: dict[str, tuple[Knob, ...]] = {
     # trial's own placement group first (see tuning.resources). Knobs then: k, draft_layers, confidence_threshold.
 }
 
+# trained drafters (decoding/artifacts.py): k (Medusa/Hydra: how many heads draft), the confidence stop, and which
+# artifact (--range drafter=a,b,c searches artifacts with different exit layers / head counts; --set drafter=X fixes one)
+METHOD_KNOBS["trained"] = (_K, _CONFIDENCE, Knob("drafter", "choice", choices=("",)))
+
+
+def _resolve_trained(values: dict, depth: int) -> dict:
+    """No artifact list given (--range drafter=...): keep the base config's drafter."""
+    if values.get("drafter") == "":
+        del values["drafter"]
+    return values
+
+
 # Methods that need a model layer below the top one to draft from (dropped when the model has one layer).
 NEEDS_LAYERS = {"early-exit": "exit_layer", "sps": "draft_layers"}
 
@@ -124,7 +136,7 @@ def _resolve_ngram(values: dict, depth: int) -> dict:
     return values
 
 
-RESOLVERS: dict[str, Callable[[dict, int], dict]] = {"ngram": _resolve_ngram}
+RESOLVERS: dict[str, Callable[[dict, int], dict]] = {"ngram": _resolve_ngram, "trained": _resolve_trained}
 
 
 def register_method(method: str, knobs: Iterable[Knob], resolve: Callable[[dict, int], dict] | None = None) -> None:
@@ -169,7 +181,13 @@ def parse_range(text: str) -> tuple[str, dict]:
         if out["low"] > out["high"]:
             raise ConfigError(key, f"range {value!r} has LO > HI")
         return key, out
-    return key, {"choices": tuple(num(v) for v in value.split(",") if v.strip())}
+    def num_or_name(s: str):  # choices may be names (trained drafter artifacts)
+        try:
+            return num(s)
+        except ConfigError:
+            return s.strip()
+
+    return key, {"choices": tuple(num_or_name(v) for v in value.split(",") if v.strip())}
 
 
 def _narrow(knob: Knob, spec: Mapping) -> Knob:

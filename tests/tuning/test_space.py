@@ -134,4 +134,4 @@ def test_trial_threads_follow_the_trial_cpus_unless_set():
 
 
 def test_knob_fields_cover_every_method():
-    assert {"k", "exit_layer", "confidence_threshold", "ngram_max", "ngram_min", "draft_layers"} == set(knob_fields())
+    assert {"k", "exit_layer", "confidence_threshold", "ngram_max", "ngram_min", "draft_layers", "drafter"} == set(knob_fields())
