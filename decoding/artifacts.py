@@ -21,7 +21,7 @@ import torch
 
 from decoding.config import ConfigError
 from decoding.paths import specray_home
-from decoding.trained import Recipe, get_recipe, model_fingerprint
+from decoding.trained import Recipe, TrimmedHead, get_recipe, model_fingerprint, trim_vocab
 
 FORMAT = 1
 WEIGHTS, DESCRIPTION = "drafter.safetensors", "drafter.json"
@@ -39,13 +39,27 @@ def resolve_artifact(name: str) -> Path:
     raise ConfigError("drafter", f"no trained drafter {name!r} (looked for {DESCRIPTION} in {name} and {drafters_home() / name})")
 
 
-def save_artifact(out: Path, recipe: str, knobs: dict, module: torch.nn.Module, target_hf, target_name: str, training: dict) -> Path:
+VOCAB_ORDER = "__vocab_order__"  # token ids by descending frequency in the training data (VocabTrim)
+
+
+def save_artifact(
+    out: Path,
+    recipe: str,
+    knobs: dict,
+    module: torch.nn.Module,
+    target_hf,
+    target_name: str,
+    training: dict,
+    vocab: torch.Tensor | None = None,
+) -> Path:
     """Write weights and description atomically (a half-written artifact is never loaded)."""
     from safetensors.torch import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+    if vocab is not None:
+        tensors[VOCAB_ORDER] = vocab.long().contiguous().cpu()
     save_file(tensors, str(out / (WEIGHTS + ".tmp")))
     os.replace(out / (WEIGHTS + ".tmp"), out / WEIGHTS)
     c = target_hf.config
@@ -60,7 +74,8 @@ def save_artifact(out: Path, recipe: str, knobs: dict, module: torch.nn.Module, 
             "hidden_size": c.hidden_size,
             "vocab_size": c.vocab_size,
         },
-        "parameters": sum(t.numel() for t in tensors.values()),
+        "parameters": sum(t.numel() for k, t in tensors.items() if k != VOCAB_ORDER),
+        "vocab_ranked": 0 if vocab is None else int(vocab.numel()),
         "training": training,
     }
     (out / (DESCRIPTION + ".tmp")).write_text(json.dumps(desc, indent=2, sort_keys=True, default=str))
@@ -75,9 +90,17 @@ class Artifact:
     recipe: Recipe
     knobs: dict
     module: torch.nn.Module
+    vocab: torch.Tensor | None = None  # VocabTrim ranking
+    lm_head: torch.nn.Module | None = None
 
-    def drafter(self, confidence_threshold: float = 0.0):
-        return self.recipe.drafter(self.module, self.knobs, confidence_threshold)
+    def drafter(self, confidence_threshold: float = 0.0, draft_vocab: int = 0):
+        """The drafter; ``draft_vocab`` > 0 drafts over that many of the most frequent tokens (VocabTrim)."""
+        d = self.recipe.drafter(self.module, self.knobs, confidence_threshold)
+        if draft_vocab:
+            if self.vocab is None:
+                raise ConfigError("draft_vocab", f"{self.path} has no token ranking to trim the vocabulary with")
+            d = trim_vocab(d, TrimmedHead(self.lm_head, self.vocab[:draft_vocab]))
+        return d
 
 
 def read_description(name: str) -> tuple[Path, dict]:
@@ -108,9 +131,11 @@ def load_artifact(name: str, target_hf) -> Artifact:
     knobs = recipe.check(desc.get("knobs", {}), target_hf.config.num_hidden_layers)
     module = recipe.build(target_hf, knobs)
     try:
-        module.load_state_dict(load_file(str(path / WEIGHTS)))
+        tensors = load_file(str(path / WEIGHTS))
+        vocab = tensors.pop(VOCAB_ORDER, None)
+        module.load_state_dict(tensors)
     except (OSError, RuntimeError) as e:
         raise ConfigError("drafter", f"{path / WEIGHTS} does not hold a {desc['recipe']} drafter with knobs {knobs}: {e}") from None
     dtype = target_hf.lm_head.weight.dtype
     module.to(dtype).eval().requires_grad_(False)
-    return Artifact(path, desc, recipe, knobs, module)
+    return Artifact(path, desc, recipe, knobs, module, vocab, target_hf.lm_head)

@@ -77,6 +77,9 @@ class SpecConfig:
         or Hydra heads, a feature-level head or a distilled draft model
         (``specray train-drafter``). Its recipe knobs (exit layer, heads) come
         from the artifact; ``k`` and ``confidence_threshold`` apply.
+    draft_vocab: for ``trained``, draft over only this many of the most
+        frequent tokens of the drafter's training data (VocabTrim: a smaller
+        LM head for drafting); 0 = the full head.
     """
 
     method: str = "ar"
@@ -106,6 +109,7 @@ class SpecConfig:
     actor_transport: str = "calls"
     # method=trained: a trained drafter artifact (name under $SPECRAY_HOME/drafters, or a directory); see decoding/artifacts.py
     drafter: str | None = None
+    draft_vocab: int = 0
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, "method", f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
@@ -138,6 +142,7 @@ class SpecConfig:
             f"unknown transport {self.actor_transport!r}; choose from {', '.join(ACTOR_TRANSPORTS)}",
         )
         _check(self.method != "trained" or bool(self.drafter), "drafter", "method trained needs drafter=NAME or a directory")
+        _check(self.draft_vocab >= 0, "draft_vocab", f"must be >= 0 (0 = the full LM head), got {self.draft_vocab}")
 
     def for_method(self, label: str) -> SpecConfig:
         """The config a bench label names: a method, or ``trained:NAME`` (method trained with drafter NAME).

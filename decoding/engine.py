@@ -42,7 +42,7 @@ def build_drafter(cfg: SpecConfig, target: LoadedModel) -> Drafter | None:
     if cfg.method == "trained":
         from decoding.artifacts import load_artifact
 
-        return load_artifact(cfg.drafter, target.model).drafter(cfg.confidence_threshold)
+        return load_artifact(cfg.drafter, target.model).drafter(cfg.confidence_threshold, cfg.draft_vocab)
     raise ConfigError("method", f"unknown method {cfg.method!r}")  # unreachable: SpecConfig checks it
 
 

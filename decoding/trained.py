@@ -272,6 +272,11 @@ class _HiddenHeadDrafter(Drafter):
         self.heads = heads
         self.threshold = confidence_threshold
         self.num_heads = heads.num_heads
+        self.lm_head = None  # a TrimmedHead (VocabTrim) replaces the target's head when set
+
+    def logits(self, state: DecodeState, z: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V]
+        t = state.target
+        return (self.lm_head or t.lm_head)(t.norm(z)).float()
 
     @torch.inference_mode()
     def propose(self, state: DecodeState, k: int) -> Proposal:
@@ -289,12 +294,10 @@ class MedusaDrafter(_HiddenHeadDrafter):
     name = "medusa"
 
     def _chain(self, state, f, k):
-        t = state.target
-
         def step(tok, i, need_logits):
-            return t.logits(self.heads(f, i + 1)[:, None])[:, -1] if need_logits else None
+            return self.logits(state, self.heads(f, i + 1)) if need_logits else None
 
-        tokens, probs, _ = _draft_chain(step, t.logits(self.heads(f, 0)[:, None])[:, -1], k, state, self.threshold, feed_last=False)
+        tokens, probs, _ = _draft_chain(step, self.logits(state, self.heads(f, 0)), k, state, self.threshold, feed_last=False)
         return tokens, probs
 
 
@@ -311,9 +314,9 @@ class HydraDrafter(_HiddenHeadDrafter):
             if not need_logits:
                 return None
             z.append(self.heads(z[-1], t.embed(tok), i + 1))
-            return t.logits(z[-1][:, None])[:, -1]
+            return self.logits(state, z[-1])
 
-        tokens, probs, _ = _draft_chain(step, t.logits(z[0][:, None])[:, -1], k, state, self.threshold, feed_last=False)
+        tokens, probs, _ = _draft_chain(step, self.logits(state, z[0]), k, state, self.threshold, feed_last=False)
         return tokens, probs
 
 
@@ -357,6 +360,60 @@ class FeatureDrafter(Drafter):
 
         drafts, probs, _ = _draft_chain(step, a.logits(feats[0])[:, -1], k, state, self.threshold, feed_last=False)
         return Proposal(tokens=drafts, probs=probs)
+
+
+# ---- VocabTrim -------------------------------------------------------------------------------------
+
+
+class TrimmedHead(nn.Module):
+    """VocabTrim: the LM head restricted to the ``keep`` token ids; logits of other tokens are -inf.
+
+    The head is about a fifth of SmolLM2's parameters and dominates a shallow
+    draft's cost; drafting over the most frequent target tokens only cuts it.
+    The draft distribution has support on ``keep`` only, which the lossless
+    rules allow (a token the draft never proposes costs acceptance, not
+    correctness). Behaves like the full head (``out_features`` = V).
+
+    >>> head = nn.Linear(4, 6, bias=False)
+    >>> trimmed = TrimmedHead(head, torch.tensor([5, 1]))
+    >>> out = trimmed(torch.ones(1, 4))
+    >>> out.shape, bool(torch.isinf(out[0, [0, 2, 3, 4]]).all()), torch.allclose(out[0, [5, 1]], head(torch.ones(1, 4))[0, [5, 1]])
+    (torch.Size([1, 6]), True, True)
+    """
+
+    def __init__(self, lm_head: nn.Linear, keep: torch.Tensor):
+        super().__init__()
+        self.out_features = lm_head.out_features
+        self.register_buffer("keep", keep.long())
+        self.register_buffer("weight", lm_head.weight.detach()[self.keep].clone())
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [.., H] -> [.., V]
+        sub = h @ self.weight.T  # [.., M]
+        out = torch.full((*sub.shape[:-1], self.out_features), float("-inf"), dtype=sub.dtype, device=sub.device)
+        return out.index_copy_(-1, self.keep, sub)
+
+
+def trim_vocab(drafter: Drafter, head: TrimmedHead) -> Drafter:
+    """Make a trained drafter draft with ``head`` instead of the target's full LM head."""
+    for name in ("net", "adapter"):  # Kangaroo (net), feature head and distilled draft (adapter): a ModelAdapter
+        if isinstance(getattr(drafter, name, None), ModelAdapter):
+            getattr(drafter, name).lm_head = head
+            return drafter
+    drafter.lm_head = head  # Medusa / Hydra
+    return drafter
+
+
+def vocab_order(examples: list[dict], vocab_size: int) -> torch.Tensor:
+    """Token ids of the data by descending frequency (ties by id), tokens never seen left out: VocabTrim's ranking.
+
+    >>> vocab_order([{"tokens": torch.tensor([3, 1, 3, 2, 3, 1])}], vocab_size=5).tolist()
+    [3, 1, 2]
+    """
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ex in examples:
+        counts += torch.bincount(ex["tokens"], minlength=vocab_size)[:vocab_size]
+    order = torch.argsort(-counts, stable=True)
+    return order[: int((counts > 0).sum())]
 
 
 # ---- recipes: module + drafter + objective --------------------------------------------------------

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from decoding.artifacts import save_artifact
-from decoding.trained import LOSSES, Shared, agreement, get_recipe
+from decoding.trained import LOSSES, Shared, agreement, get_recipe, vocab_order
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,8 @@ def train(
     }
     if save and chief:
         plot_loss(history, out / "loss.png", f"{spec.recipe} ({spec.loss})")
-        save_artifact(out, spec.recipe, knobs, module, target_hf, target_name, training)
+        vocab = vocab_order(examples, target_hf.config.vocab_size)
+        save_artifact(out, spec.recipe, knobs, module, target_hf, target_name, training, vocab=vocab)
         import json
 
         (out / "history.json").write_text(json.dumps(history))

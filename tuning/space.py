@@ -114,7 +114,9 @@ METHOD_KNOBS: dict[str, tuple[Knob, ...]] = {
 
 # trained drafters (decoding/artifacts.py): k (Medusa/Hydra: how many heads draft), the confidence stop, and which
 # artifact (--range drafter=a,b,c searches artifacts with different exit layers / head counts; --set drafter=X fixes one)
-METHOD_KNOBS["trained"] = (_K, _CONFIDENCE, Knob("drafter", "choice", choices=("",)))
+# and draft_vocab (VocabTrim: 0 = the full LM head)
+_DRAFT_VOCAB = Knob("draft_vocab", "choice", choices=(0, 4096, 8192, 16384))
+METHOD_KNOBS["trained"] = (_K, _CONFIDENCE, Knob("drafter", "choice", choices=("",)), _DRAFT_VOCAB)
 
 
 def _resolve_trained(values: dict, depth: int) -> dict:

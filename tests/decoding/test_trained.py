@@ -93,3 +93,27 @@ def test_config_needs_a_drafter_for_trained():
     with pytest.raises(ConfigError) as e:
         get_recipe("kangaroo").check({"exit_layer": 3}, depth=3)
     assert e.value.field == "exit_layer"
+
+
+@pytest.mark.parametrize("recipe", list(KNOBS))
+def test_vocab_trimmed_drafters_stay_lossless(tiny_model, recipe, tmp_path):
+    """VocabTrim: drafting over 6 of the 12 tokens; greedy equals AR and sampling follows the target."""
+    module = perturbed(tiny_model, recipe)
+    save_artifact(tmp_path, recipe, KNOBS[recipe], module, tiny_model, "tiny", training={}, vocab=torch.tensor([3, 7, 1, 0, 5, 9, 2]))
+    art = load_artifact(str(tmp_path), tiny_model)
+    target = ModelAdapter(tiny_model)
+    prompt = torch.tensor([[3, 7, 3, 7, 3]])
+    d = art.drafter(0.0, draft_vocab=6)
+    drafted, propose = [], d.propose
+
+    def recording(state, k):
+        p = propose(state, k)
+        drafted.extend(p.tokens[0].tolist())
+        return p
+
+    d.propose = recording
+    out = generate(target, prompt, drafter=d, k=3, max_new_tokens=16)
+    assert out.token_ids == generate(target, prompt, max_new_tokens=16).token_ids
+    assert drafted and set(drafted) <= {3, 7, 1, 0, 5, 9}
+    counts = sample_counts(tiny_model, art.drafter(0.0, draft_vocab=6), SAMPLING, k=2, draws=600)
+    assert chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING)) > 1e-4
