@@ -109,14 +109,18 @@ def agreement(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> flo
 class Shared:
     """The target's embedding, final norm, LM head and rotary embedding (frozen, never saved with a drafter)."""
 
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, keep: torch.Tensor | None = None):
         base = hf_model.model
         self.config = hf_model.config
         self.embed, self.norm, self.lm_head, self.rotary = base.embed_tokens, base.norm, hf_model.lm_head, base.rotary_emb
         self.layers = base.layers
         self.hidden_size = hf_model.config.hidden_size
+        # training over a token subset (the data's most frequent tokens): teacher and student logits are [.., M]
+        self.head_rows = None if keep is None else self.lm_head.weight.detach()[keep]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [.., H] -> [.., V], differentiable
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [.., H] -> [.., V] (or [.., M] over ``keep``), differentiable
+        if self.head_rows is not None:
+            return self.norm(hidden) @ self.head_rows.T
         return self.lm_head(self.norm(hidden))
 
 

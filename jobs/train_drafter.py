@@ -48,6 +48,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--window", type=int, default=256, help="train on the last N positions of each sequence (default 256)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-vocab", type=int, default=0, help="losses over the data's N most frequent tokens (0 = all; cheaper on CPU)")
     p.add_argument("--max-minutes", type=float, help="stop training after this long (the artifact is saved at that step)")
     p.add_argument("--data-dtype", default="bfloat16", help="dtype the target generates the data in (default bfloat16)")
     p.add_argument("--data-dir", help="where the data set lives (default: a cache under $SPECRAY_HOME/drafter-data)")
@@ -81,6 +82,8 @@ def check_args(args) -> None:
         fail(f"--recipe: unknown recipe {args.recipe!r}; choose from {', '.join(RECIPE_NAMES)}")
     if args.loss not in LOSS_NAMES:
         fail(f"--loss: unknown loss {args.loss!r}; choose from {', '.join(LOSS_NAMES)}")
+    if args.train_vocab < 0:
+        fail(f"--train-vocab: must be >= 0, got {args.train_vocab}")
     if args.skip < 0:
         fail(f"--skip: must be >= 0, got {args.skip}")
     if args.max_minutes is not None and args.max_minutes <= 0:
@@ -150,7 +153,7 @@ def main_with_args(args) -> int:
 
     name = args.name or f"{args.recipe}-{Path(args.model).name}" + "".join(f"-{k}{v}" for k, v in sorted(knobs.items()))
     out = Path(args.out) if args.out else specray_home() / "drafters" / name
-    spec = TrainSpec(args.recipe, knobs, args.loss, args.steps, args.batch, args.lr, args.seed, args.window)
+    spec = TrainSpec(args.recipe, knobs, args.loss, args.steps, args.batch, args.lr, args.seed, args.window, train_vocab=args.train_vocab)
     target = load_model(args.model, "float32").model  # training runs in float32
     extra = {"data_dir": str(ddir), "data_seconds": round(data_s, 1), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens}
     t1 = time.perf_counter()

@@ -39,6 +39,7 @@ class TrainSpec:
     window: int = 256  # train on the last `window` positions of each sequence
     eval_fraction: float = 0.1
     checkpoint_every: int = 25
+    train_vocab: int = 0  # > 0: losses over the data's most frequent tokens only (the LM head dominates CPU training cost)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -165,7 +166,9 @@ def train(
     recipe = get_recipe(spec.recipe)
     depth = target_hf.config.num_hidden_layers
     knobs = recipe.check(spec.knobs, depth)
-    shared = Shared(target_hf)
+    shared = Shared(target_hf)  # evaluation: agreement over the full vocabulary
+    vocab = vocab_order(examples, target_hf.config.vocab_size)
+    train_shared = Shared(target_hf, vocab[: spec.train_vocab]) if spec.train_vocab else shared
     n_eval = max(1, round(len(examples) * spec.eval_fraction))
     train_set, eval_set = examples[:-n_eval], examples[-n_eval:]
     rank, world = shard
@@ -197,7 +200,7 @@ def train(
             opt.zero_grad(set_to_none=True)
             total, agree = 0.0, 0.0
             for i in idx:
-                loss, head_agree = example_loss(recipe, model, shared, _crop(train_set[i], spec.window), knobs, LOSSES[spec.loss])
+                loss, head_agree = example_loss(recipe, model, train_shared, _crop(train_set[i], spec.window), knobs, LOSSES[spec.loss])
                 backward(loss / len(idx))
                 total += float(loss.detach()) / len(idx)
                 agree += head_agree[0] / len(idx)
@@ -241,7 +244,6 @@ def train(
     }
     if save and chief:
         plot_loss(history, out / "loss.png", f"{spec.recipe} ({spec.loss})")
-        vocab = vocab_order(examples, target_hf.config.vocab_size)
         save_artifact(out, spec.recipe, knobs, module, target_hf, target_name, training, vocab=vocab)
         import json
 

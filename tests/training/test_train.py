@@ -119,3 +119,11 @@ def test_generate_data_resumes_and_adds_layers(tmp_path, monkeypatch):
     assert ex["hidden"][1].shape == ex["hidden"][3].shape == (min(16, ex["tokens"].shape[0]), 64)
     assert torch.equal(ex["hidden"][3], first[0]["hidden"][3])
     assert read_meta(d)["sequences"] == 6
+
+
+def test_training_over_a_token_subset(target, examples, tmp_path):
+    """--train-vocab: losses over the most frequent tokens only; the held-out agreement (full vocabulary) still rises."""
+    spec = TrainSpec("medusa", {"num_heads": 2}, steps=24, batch=3, lr=1e-2, train_vocab=8)
+    training = train(spec, target, examples, tmp_path, "tiny", progress=False)
+    assert training["loss_last"] < training["loss_first"]
+    assert sum(training["eval_agreement"]) > sum(training["eval_agreement_before"])
