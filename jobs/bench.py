@@ -473,6 +473,8 @@ def parse_methods(text: str) -> list[str]:
     for m in methods:
         if m.partition(":")[0] not in METHODS:
             fail(f"--methods: unknown method {m!r}; choose from {', '.join(METHODS)}")
+        if ":" in m and ("/" in m or "\\" in m):  # the label names a Parquet partition directory
+            fail(f"--methods: {m!r}: name an artifact under $SPECRAY_HOME/drafters, or use trained with --set drafter=PATH")
     if not methods:
         fail("--methods: no method given")
     return list(dict.fromkeys([bm.BASELINE] + methods))

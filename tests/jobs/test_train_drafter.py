@@ -22,8 +22,9 @@ def trained(tmp_path_factory):
     return root, model, prompts, argv
 
 
-def test_train_then_bench_as_a_method(trained, capsys):
+def test_train_then_bench_as_a_method(trained, capsys, monkeypatch):
     root, model, prompts, argv = trained
+    monkeypatch.setenv("SPECRAY_HOME", str(root / "home"))
     assert cli_main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["artifact"] == str(root / "kangaroo") and len(result["agreement_after"]) == 1
@@ -31,7 +32,9 @@ def test_train_then_bench_as_a_method(trained, capsys):
     assert desc["recipe"] == "kangaroo" and desc["knobs"] == {"exit_layer": 1} and desc["training"]["steps"] == 6
     assert (root / "data" / "meta.json").exists() and (root / "kangaroo" / "loss.png").exists()
 
-    label = f"trained:{root / 'kangaroo'}"
+    (root / "home" / "drafters").mkdir(parents=True)
+    (root / "home" / "drafters" / "kangaroo-l1").symlink_to(root / "kangaroo")  # an artifact by name
+    label = "trained:kangaroo-l1"
     argv = ["--model", model, "--prompts", prompts, "--dtype", "float32", "--max-new-tokens", "12", "--threads", "1"]
     code, summary, _ = run_quiet([*argv, "--methods", f"ngram,{label}", "--limit", "1", "--out", str(root / "bench")])
     assert code == 0 and label in summary["methods"]
@@ -62,3 +65,5 @@ def test_bench_names_a_missing_artifact(trained, capsys, tmp_path):
     _, model, prompts, _ = trained
     assert cli_main(["bench", "--model", model, "--prompts", prompts, "--methods", "trained:nope", "--out", str(tmp_path)]) == 2
     assert "no trained drafter 'nope'" in capsys.readouterr().err
+    assert cli_main(["bench", "--model", model, "--prompts", prompts, "--methods", "trained:/a/path", "--out", str(tmp_path)]) == 2
+    assert "--set drafter=PATH" in capsys.readouterr().err
