@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,11 +115,28 @@ def read_description(name: str) -> tuple[Path, dict]:
     return path, desc
 
 
+_LOADED: dict[tuple, tuple[object, Artifact]] = {}  # the target is kept alive so its id() is never reused
+_LOCK = threading.Lock()
+
+
 def load_artifact(name: str, target_hf) -> Artifact:
-    """Load a trained drafter for ``target_hf`` (a HF causal LM), in the target's dtype."""
+    """Load a trained drafter for ``target_hf`` (a HF causal LM), in the target's dtype.
+
+    Loads are cached per (artifact file, target object): forks of a decoder
+    (one per request) share the read-only module and build only their drafter.
+    """
+    path, desc = read_description(name)
+    weights = path / WEIGHTS
+    key = (str(weights.resolve()), weights.stat().st_mtime_ns if weights.exists() else 0, id(target_hf))
+    with _LOCK:
+        if key not in _LOADED:
+            _LOADED[key] = (target_hf, _load(name, path, desc, target_hf))
+        return _LOADED[key][1]
+
+
+def _load(name: str, path: Path, desc: dict, target_hf) -> Artifact:
     from safetensors.torch import load_file
 
-    path, desc = read_description(name)
     fp = model_fingerprint(target_hf)
     want = desc["target"]
     if want.get("fingerprint") != fp:
