@@ -183,9 +183,10 @@ class SpecConfig:
     def replace(self, **changes) -> SpecConfig:
         return dataclasses.replace(self, **{k: _coerce(k, v) for k, v in changes.items()})
 
-    def with_overrides(self, assignments: list[str]) -> SpecConfig:
-        """Apply ``key=value`` strings (the CLI's ``--set``), parsed by field type."""
-        changes = {}
+    def with_overrides(self, assignments: list[str], **changes) -> SpecConfig:
+        """Apply ``key=value`` strings (the CLI's ``--set``), parsed by field type, over ``changes``, in one step
+        (so fields that only make sense together, e.g. method=trained and drafter=X, can arrive from both)."""
+        changes = dict(changes)
         for item in assignments:
             key, sep, value = item.partition("=")
             key = key.strip().replace("-", "_")

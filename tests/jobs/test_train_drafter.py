@@ -67,3 +67,11 @@ def test_bench_names_a_missing_artifact(trained, capsys, tmp_path):
     assert "no trained drafter 'nope'" in capsys.readouterr().err
     assert cli_main(["bench", "--model", model, "--prompts", prompts, "--methods", "trained:/a/path", "--out", str(tmp_path)]) == 2
     assert "--set drafter=PATH" in capsys.readouterr().err
+
+
+def test_generate_with_method_flag_and_drafter_set(trained, capsys):
+    """--method trained and --set drafter=... arrive from different flags and are validated together."""
+    root, model, _, _ = trained
+    argv = ["generate", "--model", model, "--method", "trained", "--set", "drafter=nope", "--prompt", "hi", "--dtype", "float32"]
+    assert cli_main(argv) == 2
+    assert "no trained drafter 'nope'" in capsys.readouterr().err  # the drafter was seen, not 'needs drafter=NAME'
