@@ -93,7 +93,9 @@ def _worker(config: dict) -> None:
     spec = TrainSpec(**config["spec"])
     target = load_model(config["model"], "float32").model
     if config["use_gpu"]:
-        target = target.to(ray.train.torch.get_device())
+        from ray.train.torch import get_device
+
+        target = target.to(get_device())
     examples = load_examples(Path(config["data_dir"]), config["layers"])
     wrap = _deepspeed_wrap(spec.batch) if config["strategy"] == "deepspeed" else _ddp_wrap(world)
 
