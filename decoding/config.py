@@ -20,7 +20,7 @@ import json
 import typing
 from dataclasses import dataclass, field
 
-METHODS = ("ar", "sps", "ngram", "early-exit", "pearl", "triforce")
+METHODS = ("ar", "sps", "ngram", "early-exit", "pearl", "triforce", "trained")
 DTYPES = ("float32", "bfloat16")
 PLACEMENTS = ("local", "actors")
 ACTOR_TRANSPORTS = ("calls", "compiled")
@@ -95,6 +95,14 @@ class SpecConfig:
         The default bottom is ``ngram``: on SmolLM2-135M the first 8 layers
         (plus norm and head, which alone cost a fifth of a full forward) had
         their drafts accepted by the middle level 2% of the time, n-gram 12-40%.
+    drafter: for ``trained``, a trained drafter artifact (its name under
+        ``$SPECRAY_HOME/drafters`` or a directory): a Kangaroo adapter, Medusa
+        or Hydra heads, a feature-level head or a distilled draft model
+        (``specray train-drafter``). Its recipe knobs (exit layer, heads) come
+        from the artifact; ``k`` and ``confidence_threshold`` apply.
+    draft_vocab: for ``trained``, draft over only this many of the most
+        frequent tokens of the drafter's training data (VocabTrim: a smaller
+        LM head for drafting); 0 = the full head.
     """
 
     method: str = "ar"
@@ -134,6 +142,9 @@ class SpecConfig:
     triforce_sinks: int = 4
     triforce_window: int = 252
     triforce_bottom: str = "ngram"
+    # method=trained: a trained drafter artifact (name under $SPECRAY_HOME/drafters, or a directory); see decoding/artifacts.py
+    drafter: str | None = None
+    draft_vocab: int = 0
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, "method", f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
@@ -165,6 +176,8 @@ class SpecConfig:
             "actor_transport",
             f"unknown transport {self.actor_transport!r}; choose from {', '.join(ACTOR_TRANSPORTS)}",
         )
+        _check(self.method != "trained" or bool(self.drafter), "drafter", "method trained needs drafter=NAME or a directory")
+        _check(self.draft_vocab >= 0, "draft_vocab", f"must be >= 0 (0 = the full LM head), got {self.draft_vocab}")
         self._check_tree()
         self._check_triforce()
 
@@ -207,6 +220,17 @@ class SpecConfig:
             f"unknown bottom drafter {self.triforce_bottom!r}; choose from {', '.join(TRIFORCE_BOTTOMS)}",
         )
 
+    def for_method(self, label: str) -> SpecConfig:
+        """The config a bench label names: a method, or ``trained:NAME`` (method trained with drafter NAME).
+
+        >>> SpecConfig().for_method("trained:kangaroo-l10").drafter
+        'kangaroo-l10'
+        """
+        method, _, drafter = label.partition(":")
+        if method == "trained" and drafter:
+            return self.replace(method="trained", drafter=drafter)
+        return self.replace(method=label)
+
     # ---- serialisation -------------------------------------------------
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -235,9 +259,10 @@ class SpecConfig:
     def replace(self, **changes) -> SpecConfig:
         return dataclasses.replace(self, **{k: _coerce(k, v) for k, v in changes.items()})
 
-    def with_overrides(self, assignments: list[str]) -> SpecConfig:
-        """Apply ``key=value`` strings (the CLI's ``--set``), parsed by field type."""
-        changes = {}
+    def with_overrides(self, assignments: list[str], **changes) -> SpecConfig:
+        """Apply ``key=value`` strings (the CLI's ``--set``), parsed by field type, over ``changes``, in one step
+        (so fields that only make sense together, e.g. method=trained and drafter=X, can arrive from both)."""
+        changes = dict(changes)
         for item in assignments:
             key, sep, value = item.partition("=")
             key = key.strip().replace("-", "_")

@@ -31,6 +31,9 @@ class DecodeState:
     generator: torch.Generator | None
     max_len: int  # cache capacity a drafter should allocate
     accepted_path: list[int] | None = None  # trees: node indices of the last step's accepted path (root 0 first)
+    # [B, c, H] the target's last-layer (pre-norm) hidden states of the c positions its last forward kept in the
+    # cache, ending at position n-2 (the prompt after prefill, pending + accepted drafts after a step)
+    target_hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -323,10 +326,15 @@ class EarlyExitDrafter(Drafter):
 
         def step(tok, i, need_logits):
             hiddens.append(t.forward(cache, n + i, input_ids=tok[:, None], last=L))
-            return t.logits(hiddens[-1])[:, -1] if need_logits else None
+            return self.exit_logits(state, hiddens[-1], n + i, need_logits)
 
-        tokens, probs, _ = _draft_chain(step, t.logits(hiddens[0])[:, -1], k, state, self.threshold, feed_last=True)
+        first = self.exit_logits(state, hiddens[0], n - 1, True)
+        tokens, probs, _ = _draft_chain(step, first, k, state, self.threshold, feed_last=True)
         return Proposal(tokens=tokens, probs=probs, hidden=torch.cat(hiddens, 1), layer=L)
+
+    def exit_logits(self, state: DecodeState, hidden: torch.Tensor, slot: int, need_logits: bool) -> torch.Tensor | None:
+        """Next-token logits [B, V] from the exit layer's hidden [B, 1, H] at cache slot ``slot`` (Kangaroo adds an adapter)."""
+        return state.target.logits(hidden)[:, -1] if need_logits else None
 
 
 class NgramDrafter(Drafter):

@@ -55,6 +55,10 @@ def build_drafter(cfg: SpecConfig, target: LoadedModel) -> Drafter | None:
         return DraftModelDrafter(ModelAdapter(target.model, num_layers=cfg.draft_layers), cfg.confidence_threshold)
     if cfg.method == "triforce":
         return _triforce_drafter(cfg, target, depth)
+    if cfg.method == "trained":
+        from decoding.artifacts import load_artifact
+
+        return load_artifact(cfg.drafter, target.model).drafter(cfg.confidence_threshold, cfg.draft_vocab)
     raise ConfigError("method", f"unknown method {cfg.method!r}")  # unreachable: SpecConfig checks it
 
 
@@ -112,7 +116,7 @@ class SpecDecoder:
         so concurrent generations each need their own fork.
         """
         cfg = self.cfg.replace(**changes)
-        for name in ("model", "dtype", "draft_model"):
+        for name in ("model", "dtype", "draft_model", "drafter"):
             if getattr(cfg, name) != getattr(self.cfg, name):
                 raise ConfigError(name, "cannot change in a fork; build a new SpecDecoder")
         twin = copy.copy(self)

@@ -101,10 +101,12 @@ def speculative_step(state: DecodeState, drafter: Drafter, k: int) -> StepResult
     committed = verdict.tokens[0, : m + 1].tolist()
     state.tokens = torch.cat([tokens, torch.tensor([committed], dtype=tokens.dtype, device=tokens.device)], dim=1)
     state.accepted_path = None
+    state.target_hidden = h[:, : m + 1]  # [B, m+1, H] pending + accepted drafts
     if proposal.tree is not None:  # the accepted branch becomes the committed prefix: slots n-1+path -> n-1..n-1+m
         path = verdict.path[0, : m + 1]
         cache.compact(n - 1, path + (n - 1))
         state.accepted_path = path.tolist()
+        state.target_hidden = h[:, path]
     cache.rollback(n + m)
     drafter.update(state, m)
     t2 = time.perf_counter()
@@ -152,7 +154,7 @@ def generate(
         on_step(list(new))
     prefill_s = time.perf_counter() - t_start
 
-    state = DecodeState(tokens, target, cache, sampling, generator, max_len)
+    state = DecodeState(tokens, target, cache, sampling, generator, max_len, target_hidden=h)
     drafter.start(state)
     steps: list[StepRecord] = []
     finished = new[0] in eos

@@ -47,7 +47,11 @@ PEER_MODES = ("hf-plain", "hf-prompt-lookup", "hf-assistant", "hf-early-exit")
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or Parser(prog="specray bench", description="Benchmark speculative methods against AR (and Hugging Face generate).")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from {', '.join(METHODS)}; ar is always added (default: all)")
+    p.add_argument(
+        "--methods",
+        default=",".join(m for m in METHODS if m != "trained"),
+        help=f"comma list from {', '.join(METHODS)} or trained:NAME (a trained drafter); ar is always added (default: all untrained)",
+    )
     add_config_args(p, method=False)
     p.add_argument("--prompts", help=f"Spec-Bench style JSONL (question_id, category, turns); default {DEFAULT_PROMPTS}")
     p.add_argument("--categories", help="comma list of categories to run (default: all in the file)")
@@ -76,7 +80,7 @@ class Runner:
         from decoding.evaluate import PromptRunner  # heavy imports after the cheap checks
 
         self.cfg, self.worker = cfg, worker
-        self.specray = PromptRunner({m: cfg.replace(method=m) for m in methods}, worker=worker)
+        self.specray = PromptRunner({m: cfg.for_method(m) for m in methods}, worker=worker)
         self.decoders = self.specray.decoders
         self.ar = self.specray.ar
         self.configs = self.specray.configs
@@ -500,8 +504,10 @@ def _notes(summary: dict) -> list[str]:
 def parse_methods(text: str) -> list[str]:
     methods = [m.strip() for m in text.split(",") if m.strip()]
     for m in methods:
-        if m not in METHODS:
+        if m.partition(":")[0] not in METHODS:
             fail(f"--methods: unknown method {m!r}; choose from {', '.join(METHODS)}")
+        if ":" in m and ("/" in m or "\\" in m):  # the label names a Parquet partition directory
+            fail(f"--methods: {m!r}: name an artifact under $SPECRAY_HOME/drafters, or use trained with --set drafter=PATH")
     if not methods:
         fail("--methods: no method given")
     return list(dict.fromkeys([bm.BASELINE] + methods))
@@ -639,7 +645,11 @@ def run_bench(args, on_prompt_done: Callable[[int, Prompt], None] | None = None)
     if not prompts:
         fail("no prompts selected")
     for m in methods:  # check every method's config before loading anything
-        base.replace(method=m)
+        cfg = base.for_method(m)
+        if cfg.method == "trained":
+            from decoding.artifacts import read_description
+
+            read_description(cfg.drafter)
 
     out = Path(args.out)
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(2)

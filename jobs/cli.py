@@ -12,6 +12,7 @@ COMMANDS = {
     "registry": "jobs.registry",
     "serve": "jobs.serve",
     "tune": "jobs.tune",
+    "train-drafter": "jobs.train_drafter",
 }
 
 

@@ -56,7 +56,7 @@ def config_from_args(args) -> SpecConfig:
             fail(f"config file {path} is not valid JSON: {e}")
     cfg = SpecConfig.from_dict(base)
     flags = {f: getattr(args, f) for f in _FLAG_FIELDS if getattr(args, f, None) is not None}
-    return cfg.replace(**flags).with_overrides(args.set)
+    return cfg.with_overrides(args.set, **flags)
 
 
 def run_cli(parser: argparse.ArgumentParser, body, argv=None) -> int:

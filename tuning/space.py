@@ -118,6 +118,20 @@ _TREE_KNOBS = (Knob("tree", "choice", choices=("chain", "sequoia", "dyspec")), K
 for _method in ("sps", "early-exit", "ngram"):
     METHOD_KNOBS[_method] = METHOD_KNOBS[_method] + _TREE_KNOBS
 
+# trained drafters (decoding/artifacts.py): k (Medusa/Hydra: how many heads draft), the confidence stop, and which
+# artifact (--range drafter=a,b,c searches artifacts with different exit layers / head counts; --set drafter=X fixes one)
+# and draft_vocab (VocabTrim: 0 = the full LM head)
+_DRAFT_VOCAB = Knob("draft_vocab", "choice", choices=(0, 4096, 8192, 16384))
+METHOD_KNOBS["trained"] = (_K, _CONFIDENCE, Knob("drafter", "choice", choices=("",)), _DRAFT_VOCAB)
+
+
+def _resolve_trained(values: dict, depth: int) -> dict:
+    """No artifact list given (--range drafter=...): keep the base config's drafter."""
+    if values.get("drafter") == "":
+        del values["drafter"]
+    return values
+
+
 # Methods that need a model layer below the top one to draft from (dropped when the model has one layer).
 NEEDS_LAYERS = {"early-exit": "exit_layer", "sps": "draft_layers", "pearl": "draft_layers"}
 
@@ -130,7 +144,7 @@ def _resolve_ngram(values: dict, depth: int) -> dict:
     return values
 
 
-RESOLVERS: dict[str, Callable[[dict, int], dict]] = {"ngram": _resolve_ngram}
+RESOLVERS: dict[str, Callable[[dict, int], dict]] = {"ngram": _resolve_ngram, "trained": _resolve_trained}
 
 
 def register_method(method: str, knobs: Iterable[Knob], resolve: Callable[[dict, int], dict] | None = None) -> None:
@@ -175,7 +189,13 @@ def parse_range(text: str) -> tuple[str, dict]:
         if out["low"] > out["high"]:
             raise ConfigError(key, f"range {value!r} has LO > HI")
         return key, out
-    return key, {"choices": tuple(num(v) for v in value.split(",") if v.strip())}
+    def num_or_name(s: str):  # choices may be names (trained drafter artifacts)
+        try:
+            return num(s)
+        except ConfigError:
+            return s.strip()
+
+    return key, {"choices": tuple(num_or_name(v) for v in value.split(",") if v.strip())}
 
 
 def _narrow(knob: Knob, spec: Mapping) -> Knob:

@@ -150,6 +150,7 @@ def test_pearl_searches_its_draft_and_drops_on_a_one_layer_model():
 def test_knob_fields_cover_every_method():
     fields = {"k", "exit_layer", "confidence_threshold", "ngram_max", "ngram_min", "draft_layers", "tree", "tree_budget"}
     fields |= {"triforce_gamma", "triforce_bottom", "triforce_budget", "triforce_chunk_size", "triforce_window"}
+    fields |= {"drafter", "draft_vocab"}
     assert fields == set(knob_fields())
 
 

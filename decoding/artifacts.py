@@ -1,0 +1,159 @@
+"""Trained drafter artifacts: ``drafter.safetensors`` (only the trained weights) + ``drafter.json`` (what it is).
+
+The description names the recipe, its knobs, the target it was trained for
+(name and :func:`~decoding.trained.model_fingerprint`) and the training
+figures. Artifacts live in ``$SPECRAY_HOME/drafters/<name>`` or any directory;
+``SpecConfig(method="trained", drafter=NAME_OR_PATH)`` loads one. Loading an
+artifact for another target fails with a ``ConfigError`` on ``drafter``.
+
+>>> # save_artifact(out_dir, "kangaroo", {"exit_layer": 10}, module, target_hf, "smollm2-135m", training={...})
+>>> # art = load_artifact("kangaroo-smollm2", target_hf); drafter = art.drafter(confidence_threshold=0.3)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from decoding.config import ConfigError
+from decoding.paths import specray_home
+from decoding.trained import Recipe, TrimmedHead, get_recipe, model_fingerprint, trim_vocab
+
+FORMAT = 1
+WEIGHTS, DESCRIPTION = "drafter.safetensors", "drafter.json"
+
+
+def drafters_home() -> Path:
+    return specray_home() / "drafters"
+
+
+def resolve_artifact(name: str) -> Path:
+    """A directory holding drafter.json: ``name`` as a path, else ``$SPECRAY_HOME/drafters/<name>``."""
+    for cand in (Path(name).expanduser(), drafters_home() / name):
+        if (cand / DESCRIPTION).is_file():
+            return cand
+    raise ConfigError("drafter", f"no trained drafter {name!r} (looked for {DESCRIPTION} in {name} and {drafters_home() / name})")
+
+
+VOCAB_ORDER = "__vocab_order__"  # token ids by descending frequency in the training data (VocabTrim)
+
+
+def save_artifact(
+    out: Path,
+    recipe: str,
+    knobs: dict,
+    module: torch.nn.Module,
+    target_hf,
+    target_name: str,
+    training: dict,
+    vocab: torch.Tensor | None = None,
+) -> Path:
+    """Write weights and description atomically (a half-written artifact is never loaded)."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+    if vocab is not None:
+        tensors[VOCAB_ORDER] = vocab.long().contiguous().cpu()
+    save_file(tensors, str(out / (WEIGHTS + ".tmp")))
+    os.replace(out / (WEIGHTS + ".tmp"), out / WEIGHTS)
+    c = target_hf.config
+    desc = {
+        "format": FORMAT,
+        "recipe": recipe,
+        "knobs": knobs,
+        "target": {
+            "name": target_name,
+            "fingerprint": model_fingerprint(target_hf),
+            "num_layers": c.num_hidden_layers,
+            "hidden_size": c.hidden_size,
+            "vocab_size": c.vocab_size,
+        },
+        "parameters": sum(t.numel() for k, t in tensors.items() if k != VOCAB_ORDER),
+        "vocab_ranked": 0 if vocab is None else int(vocab.numel()),
+        "training": training,
+    }
+    (out / (DESCRIPTION + ".tmp")).write_text(json.dumps(desc, indent=2, sort_keys=True, default=str))
+    os.replace(out / (DESCRIPTION + ".tmp"), out / DESCRIPTION)
+    return out
+
+
+@dataclass
+class Artifact:
+    path: Path
+    description: dict
+    recipe: Recipe
+    knobs: dict
+    module: torch.nn.Module
+    vocab: torch.Tensor | None = None  # VocabTrim ranking
+    lm_head: torch.nn.Module | None = None
+
+    def drafter(self, confidence_threshold: float = 0.0, draft_vocab: int = 0):
+        """The drafter; ``draft_vocab`` > 0 drafts over that many of the most frequent tokens (VocabTrim)."""
+        d = self.recipe.drafter(self.module, self.knobs, confidence_threshold)
+        if draft_vocab:
+            if self.vocab is None:
+                raise ConfigError("draft_vocab", f"{self.path} has no token ranking to trim the vocabulary with")
+            d = trim_vocab(d, TrimmedHead(self.lm_head, self.vocab[:draft_vocab]))
+        return d
+
+
+def read_description(name: str) -> tuple[Path, dict]:
+    path = resolve_artifact(name)
+    try:
+        desc = json.loads((path / DESCRIPTION).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError("drafter", f"{path / DESCRIPTION} is not readable JSON ({e})") from None
+    if not isinstance(desc, dict) or desc.get("format") != FORMAT or "recipe" not in desc or "target" not in desc:
+        raise ConfigError("drafter", f"{path / DESCRIPTION} is not a specray drafter description (format {FORMAT})")
+    return path, desc
+
+
+_LOADED: dict[tuple, tuple[object, Artifact]] = {}  # the target is kept alive so its id() is never reused
+_LOCK = threading.Lock()
+
+
+def load_artifact(name: str, target_hf) -> Artifact:
+    """Load a trained drafter for ``target_hf`` (a HF causal LM), in the target's dtype.
+
+    Loads are cached per (artifact file, target object): forks of a decoder
+    (one per request) share the read-only module and build only their drafter.
+    """
+    path, desc = read_description(name)
+    weights = path / WEIGHTS
+    key = (str(weights.resolve()), weights.stat().st_mtime_ns if weights.exists() else 0, id(target_hf))
+    with _LOCK:
+        if key not in _LOADED:
+            _LOADED[key] = (target_hf, _load(name, path, desc, target_hf))
+        return _LOADED[key][1]
+
+
+def _load(name: str, path: Path, desc: dict, target_hf) -> Artifact:
+    from safetensors.torch import load_file
+
+    fp = model_fingerprint(target_hf)
+    want = desc["target"]
+    if want.get("fingerprint") != fp:
+        raise ConfigError(
+            "drafter",
+            f"{name!r} was trained for target {want.get('name')!r} (fingerprint {want.get('fingerprint')}), "
+            f"not for this model (fingerprint {fp})",
+        )
+    recipe = get_recipe(desc["recipe"])
+    knobs = recipe.check(desc.get("knobs", {}), target_hf.config.num_hidden_layers)
+    module = recipe.build(target_hf, knobs)
+    try:
+        tensors = load_file(str(path / WEIGHTS))
+        vocab = tensors.pop(VOCAB_ORDER, None)
+        module.load_state_dict(tensors)
+    except (OSError, RuntimeError) as e:
+        raise ConfigError("drafter", f"{path / WEIGHTS} does not hold a {desc['recipe']} drafter with knobs {knobs}: {e}") from None
+    dtype = target_hf.lm_head.weight.dtype
+    module.to(dtype).eval().requires_grad_(False)
+    return Artifact(path, desc, recipe, knobs, module, vocab, target_hf.lm_head)

@@ -1,0 +1,590 @@
+"""Trained drafting parts: Kangaroo adapters, Medusa and Hydra heads, a feature-level (EAGLE) head, distilled drafts.
+
+Small models have little layer redundancy (SmolLM2-135M: exiting after layer
+L <= 20 agrees with the full model on 4-13% of tokens), so the self-speculative
+and shallow-draft methods need trained parts. Each recipe here is a small
+module that reuses the target's frozen embedding, final norm, LM head and
+rotary embedding, the drafter that runs it in the one decoding loop, and the
+objective it is trained on (``Recipe.objectives``: pairs of student and teacher
+logits plus an auxiliary loss). The training loop itself (data, optimiser,
+checkpoints) lives in ``training/``; artifacts in ``decoding/artifacts.py``.
+
+| recipe   | module                                   | drafts from                                 | paper |
+|----------|------------------------------------------|---------------------------------------------|-------|
+| kangaroo | one decoder block after exit layer L     | the target's first L layers (shared cache)  | Kangaroo (Liu et al. 2024) |
+| medusa   | K residual blocks, one per future offset | the target's last hidden state              | Medusa (Cai et al. 2024) |
+| hydra    | K sequentially dependent MLP heads       | last hidden state + drafted tokens          | Hydra (Ankner et al. 2024) |
+| feature  | fc(2H -> H) + one decoder block          | features f_p and token x_{p+1}, autoregress | EAGLE (Li et al. 2024) |
+| distill  | the target's first D layers, fine-tuned  | token ids (a separate small draft model)    | Goel et al. 2024 (TVD++) |
+
+Every drafter only proposes; the target verifies, so greedy output equals AR
+whatever the drafter learned.
+
+Positions (one drafting round, pending token x_{n-1} at slot n-1): the loop
+hands drafters ``state.target_hidden``, the target's last-layer hidden states
+f_p of the positions it just kept, ending at p = n-2 (f_{n-2} predicted x_{n-1}).
+Medusa head i on f_{n-2} predicts x_{n-1+i}; Hydra head i also reads the
+embeddings of x_{n-1}..x_{n-2+i}; the feature head reads (f_p, x_{p+1}) and
+predicts f_{p+1}.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from decoding.adapter import KVCache, ModelAdapter
+from decoding.config import ConfigError
+from decoding.drafters import DecodeState, Drafter, DraftModelDrafter, EarlyExitDrafter, Proposal, _draft_chain
+
+# ---- losses (pure) --------------------------------------------------------------------------------
+
+
+def kl_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """Mean forward KL(p_target || q_draft) over rows: [N, V], [N, V] -> scalar.
+
+    >>> t = torch.tensor([[2.0, 0.0, -1.0]])
+    >>> float(kl_loss(t, t)) == 0.0, float(kl_loss(t, torch.zeros(1, 3))) > 0
+    (True, True)
+    """
+    p_log = F.log_softmax(teacher_logits.float(), -1)
+    q_log = F.log_softmax(student_logits.float(), -1)
+    return (p_log.exp() * (p_log - q_log)).sum(-1).mean()
+
+
+def tvd(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """Mean total variation distance 1/2 sum_v |p(v) - q(v)|; 1 - TVD is the acceptance rate of speculative sampling."""
+    return 0.5 * (F.softmax(teacher_logits.float(), -1) - F.softmax(student_logits.float(), -1)).abs().sum(-1).mean()
+
+
+def tvdpp_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """TVD++ (Goel et al. 2024, "Direct Alignment of Draft Model"): TVD's policy gradient with a normalised reward.
+
+    grad TVD(p, q) = E_{v~q}[-r(v) grad log q(v)] with reward r(v) = 1[p(v) > q(v)]
+    (raise the draft where it under-covers the target). TVD++ normalises the
+    reward by its mean and standard deviation under q (a baseline, as in RL).
+    We have the whole vocabulary, so the expectation is an exact sum, not a
+    sample: the surrogate ``-sum_v sg(q(v) r~(v)) log q(v)`` has gradient
+    grad TVD / std_q(r). Its value is not the TVD (use :func:`tvd` to report).
+
+    >>> t = torch.tensor([[3.0, 0.0, -1.0]])
+    >>> s = torch.zeros(1, 3, requires_grad=True)
+    >>> tvdpp_loss(t, s).backward()
+    >>> s2 = torch.zeros(1, 3, requires_grad=True)
+    >>> tvd(t, s2).backward()
+    >>> torch.allclose(s.grad / s.grad.norm(), s2.grad / s2.grad.norm(), atol=1e-5)   # same direction as grad TVD
+    True
+    """
+    p = F.softmax(teacher_logits.float(), -1)
+    log_q = F.log_softmax(student_logits.float(), -1)
+    q = log_q.exp().detach()
+    r = (p > q).float()
+    mean = (q * r).sum(-1, keepdim=True)
+    std = ((q * (r - mean) ** 2).sum(-1, keepdim=True)).sqrt()
+    advantage = (r - mean) / (std + eps)
+    return -(q * advantage * log_q).sum(-1).mean()
+
+
+def cross_entropy_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """Hard labels: the target's top-1 token (what greedy acceptance checks)."""
+    return F.cross_entropy(student_logits.float(), teacher_logits.argmax(-1))
+
+
+LOSSES = {"kl": kl_loss, "tvdpp": tvdpp_loss, "ce": cross_entropy_loss}
+
+
+def agreement(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> float:
+    """Fraction of rows whose top-1 tokens agree (the greedy acceptance rate of one draft)."""
+    return float((teacher_logits.argmax(-1) == student_logits.argmax(-1)).float().mean())
+
+
+# ---- the target's frozen shared parts ---------------------------------------------------------
+
+
+class Shared:
+    """The target's embedding, final norm, LM head and rotary embedding (frozen, never saved with a drafter)."""
+
+    def __init__(self, hf_model, keep: torch.Tensor | None = None):
+        base = hf_model.model
+        self.config = hf_model.config
+        self.embed, self.norm, self.lm_head, self.rotary = base.embed_tokens, base.norm, hf_model.lm_head, base.rotary_emb
+        self.layers = base.layers
+        self.hidden_size = hf_model.config.hidden_size
+        # training over a token subset (the data's most frequent tokens): teacher and student logits are [.., M]
+        self.head_rows = None if keep is None else self.lm_head.weight.detach()[keep]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [.., H] -> [.., V] (or [.., M] over ``keep``), differentiable
+        if self.head_rows is not None:
+            return self.norm(hidden) @ self.head_rows.T
+        return self.lm_head(self.norm(hidden))
+
+
+def model_fingerprint(hf_model) -> str:
+    """A content hash of a target (architecture + a few weights), equal for its float32 and bfloat16 loads.
+
+    Weights are hashed after rounding to bfloat16, so the two dtypes of one model agree.
+    """
+    c = hf_model.config
+    arch = {k: getattr(c, k, None) for k in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")}
+    arch.update({k: getattr(c, k, None) for k in ("num_attention_heads", "num_key_value_heads", "rms_norm_eps")})
+    h = hashlib.sha1(json.dumps(arch, sort_keys=True, default=str).encode())
+    base = hf_model.model
+    probes = (base.embed_tokens.weight[:64], base.layers[0].mlp.down_proj.weight[:16], base.layers[-1].mlp.down_proj.weight[:16])
+    for t in (*probes, base.norm.weight):
+        h.update(t.detach().to(torch.bfloat16).float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# ---- modules ------------------------------------------------------------------------------------
+
+
+class DraftNet(nn.Module):
+    """Trainable decoder blocks (copies of target layers) over the target's shared embedding, norm, head and rotary.
+
+    Shaped like a Hugging Face causal LM (``model.embed_tokens``, ``model.layers``,
+    ``model.norm``, ``model.rotary_emb``, ``lm_head``, ``config``), so
+    :class:`~decoding.adapter.ModelAdapter` runs it with its own KV cache. The
+    shared parts are attributes, not submodules: ``state_dict()`` and
+    ``parameters()`` hold only what was trained. ``fuse`` (the feature head's
+    fc over [f_p; e(x_{p+1})]) is present when ``fuse=True``.
+    """
+
+    def __init__(self, hf_model, init_layers: list[int], fuse: bool = False):
+        super().__init__()
+        shared = Shared(hf_model)
+        self.config = copy.deepcopy(hf_model.config)
+        self.config.num_hidden_layers = len(init_layers)
+        self.model = nn.Module()
+        blocks = []
+        for i, src in enumerate(init_layers):
+            block = copy.deepcopy(shared.layers[src])
+            block.self_attn.layer_idx = i  # our KV cache is indexed by the draft's own layer number
+            block.requires_grad_(True)
+            blocks.append(block)
+        self.model.layers = nn.ModuleList(blocks)
+        for name, part in (("embed_tokens", shared.embed), ("norm", shared.norm), ("rotary_emb", shared.rotary)):
+            object.__setattr__(self.model, name, part)
+        object.__setattr__(self, "lm_head", shared.lm_head)
+        object.__setattr__(self, "shared", shared)
+        h = shared.hidden_size
+        if fuse:
+            self.fuse = nn.Linear(2 * h, h, bias=True, dtype=shared.embed.weight.dtype)
+            with torch.no_grad():  # start as f_p + e(x_{p+1})
+                self.fuse.weight.copy_(torch.cat([torch.eye(h), torch.eye(h)], 1))
+                self.fuse.bias.zero_()
+
+    def run(self, hidden: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Differentiable causal forward of the blocks, no cache: [B, T, H] at positions start.. -> [B, T, H]."""
+        bsz, t = hidden.shape[:2]
+        positions = torch.arange(start, start + t, device=hidden.device)[None].expand(bsz, t)
+        cos_sin = self.model.rotary_emb(hidden, positions)
+        for block in self.model.layers:
+            hidden = block(hidden, attention_mask=None, position_ids=positions, past_key_values=None, position_embeddings=cos_sin)
+            if isinstance(hidden, tuple):
+                hidden = hidden[0]
+        return hidden
+
+    def fused(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # [B, T, H], [B, T] -> [B, T, H]
+        return self.fuse(torch.cat([features, self.model.embed_tokens(tokens)], -1))
+
+
+class MedusaHeads(nn.Module):
+    """K residual blocks f -> f + SiLU(W_i f + b_i) (Medusa-1), each followed by the shared norm + LM head.
+
+    W_i starts at zero, so every head starts as the target's own next-token head.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, dtype=torch.float32):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size, dtype=dtype) for _ in range(num_heads))
+        for b in self.blocks:
+            nn.init.zeros_(b.weight)
+            nn.init.zeros_(b.bias)
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.blocks)
+
+    def forward(self, f: torch.Tensor, i: int) -> torch.Tensor:  # [.., H] -> [.., H] for head i (0-based)
+        return f + F.silu(self.blocks[i](f))
+
+
+class HydraHeads(nn.Module):
+    """K sequentially dependent heads: z_0 = f_p, z_i = z_{i-1} + MLP_i([z_{i-1}; e(x_{p+i})]); head i reads z_i.
+
+    The last linear of each MLP starts at zero (z_i = f_p at first).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, dtype=torch.float32):
+        super().__init__()
+        h = hidden_size
+        self.mlps = nn.ModuleList(
+            nn.Sequential(nn.Linear(2 * h, h, dtype=dtype), nn.SiLU(), nn.Linear(h, h, dtype=dtype)) for _ in range(num_heads)
+        )
+        for m in self.mlps:
+            nn.init.zeros_(m[2].weight)
+            nn.init.zeros_(m[2].bias)
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.mlps)
+
+    def forward(self, z: torch.Tensor, token_embedding: torch.Tensor, i: int) -> torch.Tensor:  # [.., H], [.., H] -> [.., H]
+        return z + self.mlps[i](torch.cat([z, token_embedding], -1))
+
+
+# ---- drafters -------------------------------------------------------------------------------------
+
+
+class KangarooDrafter(EarlyExitDrafter):
+    """Kangaroo: the target's first L layers (writing the target's cache), then an adapter block, then the shared head.
+
+    The adapter has its own one-layer KV cache over every committed position;
+    ``start`` fills it from the prompt's layer-L hidden states (one extra pass
+    over layers [0, L) of the prompt). Drafting stops when the top-1
+    probability falls below ``confidence_threshold`` (Kangaroo's double early exit).
+    """
+
+    name = "kangaroo"
+
+    def __init__(self, net: DraftNet, exit_layer: int, confidence_threshold: float = 0.0):
+        super().__init__(exit_layer, confidence_threshold)
+        self.net = ModelAdapter(net)
+        self.cache: KVCache | None = None
+
+    def start(self, state: DecodeState) -> None:
+        self.cache = self.net.new_cache(state.tokens.shape[0], state.max_len)
+        prompt = state.tokens[:, :-1]
+        scratch = ModelAdapter(state.target.hf_model, num_layers=self.exit_layer)
+        h = scratch.forward(scratch.new_cache(prompt.shape[0], prompt.shape[1]), 0, input_ids=prompt)
+        self.net.forward(self.cache, 0, hidden=h)
+
+    def exit_logits(self, state: DecodeState, hidden: torch.Tensor, slot: int, need_logits: bool):
+        out = self.net.forward(self.cache, slot, hidden=hidden)  # always: the adapter's KV at this slot is needed later
+        return self.net.logits(out)[:, -1] if need_logits else None
+
+
+class _HiddenHeadDrafter(Drafter):
+    """Drafters that start from the target's last hidden state f_{n-2} (``state.target_hidden``)."""
+
+    def __init__(self, heads: nn.Module, confidence_threshold: float = 0.0):
+        self.heads = heads
+        self.threshold = confidence_threshold
+        self.num_heads = heads.num_heads
+        self.lm_head = None  # a TrimmedHead (VocabTrim) replaces the target's head when set
+
+    def logits(self, state: DecodeState, z: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V]
+        t = state.target
+        return (self.lm_head or t.lm_head)(t.norm(z)).float()
+
+    @torch.inference_mode()
+    def propose(self, state: DecodeState, k: int) -> Proposal:
+        f = state.target_hidden[:, -1]  # [B, H] f_{n-2}
+        tokens, probs = self._chain(state, f, min(k, self.num_heads))
+        return Proposal(tokens=tokens, probs=probs)
+
+    def _chain(self, state, f, k):  # -> (tokens [B, j], probs [B, j, V] | None)
+        raise NotImplementedError
+
+
+class MedusaDrafter(_HiddenHeadDrafter):
+    """Medusa (chain, top-1 per head; token trees come with the tree verifier): head i drafts x_{n-1+i} from f_{n-2}."""
+
+    name = "medusa"
+
+    def _chain(self, state, f, k):
+        def step(tok, i, need_logits):
+            return self.logits(state, self.heads(f, i + 1)) if need_logits else None
+
+        tokens, probs, _ = _draft_chain(step, self.logits(state, self.heads(f, 0)), k, state, self.threshold, feed_last=False)
+        return tokens, probs
+
+
+class HydraDrafter(_HiddenHeadDrafter):
+    """Hydra: head i reads z_{i-1} and the embedding of the token before its target (pending, then each draft)."""
+
+    name = "hydra"
+
+    def _chain(self, state, f, k):
+        t = state.target
+        z = [self.heads(f, t.embed(state.tokens[:, -1]), 0)]
+
+        def step(tok, i, need_logits):
+            if not need_logits:
+                return None
+            z.append(self.heads(z[-1], t.embed(tok), i + 1))
+            return self.logits(state, z[-1])
+
+        tokens, probs, _ = _draft_chain(step, self.logits(state, z[0]), k, state, self.threshold, feed_last=False)
+        return tokens, probs
+
+
+class FeatureDrafter(Drafter):
+    """EAGLE-style: one decoder block drafts autoregressively at the feature level.
+
+    Its own KV cache covers the pairs (f_p, x_{p+1}) of every committed
+    position p <= n-2 (fed lazily, from ``state.target_hidden``); a draft step
+    feeds (f^_{p}, d) and reads f^_{p+1} through the shared norm + head.
+    """
+
+    name = "feature"
+
+    def __init__(self, net: DraftNet, confidence_threshold: float = 0.0):
+        self.net, self.adapter = net, ModelAdapter(net)
+        self.threshold = confidence_threshold
+        self.cache: KVCache | None = None
+        self.fed = 0
+        self.queue: list[torch.Tensor] = []
+
+    def start(self, state: DecodeState) -> None:
+        self.cache = self.adapter.new_cache(state.tokens.shape[0], state.max_len)
+        self.fed, self.queue = 0, [state.target_hidden]
+
+    def update(self, state: DecodeState, num_accepted: int) -> None:
+        self.queue.append(state.target_hidden)
+
+    @torch.inference_mode()
+    def propose(self, state: DecodeState, k: int) -> Proposal:
+        a, tokens = self.adapter, state.tokens
+        n = tokens.shape[1]
+        f = torch.cat(self.queue, 1)  # [B, c, H] features of positions fed .. n-2
+        self.queue = []
+        out = a.forward(self.cache, self.fed, hidden=self.net.fused(f, tokens[:, self.fed + 1 : n]))
+        self.fed = n - 1
+        feats = [out[:, -1:]]
+
+        def step(tok, i, need_logits):
+            feats.append(a.forward(self.cache, n - 1 + i, hidden=self.net.fused(feats[-1], tok[:, None])))
+            return a.logits(feats[-1])[:, -1]
+
+        drafts, probs, _ = _draft_chain(step, a.logits(feats[0])[:, -1], k, state, self.threshold, feed_last=False)
+        return Proposal(tokens=drafts, probs=probs)
+
+
+# ---- VocabTrim -------------------------------------------------------------------------------------
+
+
+class TrimmedHead(nn.Module):
+    """VocabTrim: the LM head restricted to the ``keep`` token ids; logits of other tokens are -inf.
+
+    The head is about a fifth of SmolLM2's parameters and dominates a shallow
+    draft's cost; drafting over the most frequent target tokens only cuts it.
+    The draft distribution has support on ``keep`` only, which the lossless
+    rules allow (a token the draft never proposes costs acceptance, not
+    correctness). Behaves like the full head (``out_features`` = V).
+
+    >>> head = nn.Linear(4, 6, bias=False)
+    >>> trimmed = TrimmedHead(head, torch.tensor([5, 1]))
+    >>> out = trimmed(torch.ones(1, 4))
+    >>> out.shape, bool(torch.isinf(out[0, [0, 2, 3, 4]]).all()), torch.allclose(out[0, [5, 1]], head(torch.ones(1, 4))[0, [5, 1]])
+    (torch.Size([1, 6]), True, True)
+    """
+
+    def __init__(self, lm_head: nn.Linear, keep: torch.Tensor):
+        super().__init__()
+        self.out_features = lm_head.out_features
+        self.register_buffer("keep", keep.long())
+        self.register_buffer("weight", lm_head.weight.detach()[self.keep].clone())
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [.., H] -> [.., V]
+        sub = h @ self.weight.T  # [.., M]
+        out = torch.full((*sub.shape[:-1], self.out_features), float("-inf"), dtype=sub.dtype, device=sub.device)
+        return out.index_copy_(-1, self.keep, sub)
+
+
+def trim_vocab(drafter: Drafter, head: TrimmedHead) -> Drafter:
+    """Make a trained drafter draft with ``head`` instead of the target's full LM head."""
+    for name in ("net", "adapter"):  # Kangaroo (net), feature head and distilled draft (adapter): a ModelAdapter
+        if isinstance(getattr(drafter, name, None), ModelAdapter):
+            getattr(drafter, name).lm_head = head
+            return drafter
+    drafter.lm_head = head  # Medusa / Hydra
+    return drafter
+
+
+def vocab_order(examples: list[dict], vocab_size: int) -> torch.Tensor:
+    """Token ids of the data by descending frequency (ties by id), tokens never seen left out: VocabTrim's ranking.
+
+    >>> vocab_order([{"tokens": torch.tensor([3, 1, 3, 2, 3, 1])}], vocab_size=5).tolist()
+    [3, 1, 2]
+    """
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ex in examples:
+        counts += torch.bincount(ex["tokens"], minlength=vocab_size)[:vocab_size]
+    order = torch.argsort(-counts, stable=True)
+    return order[: int((counts > 0).sum())]
+
+
+# ---- recipes: module + drafter + objective --------------------------------------------------------
+
+
+class Recipe:
+    """A recipe builds its module from the target, names the hidden layers its data needs, makes its drafter
+    and gives its training objective on one sequence."""
+
+    name = ""
+    knobs: dict = {}  # knob -> default; None = derived from the model (see defaults)
+
+    def defaults(self, depth: int) -> dict:
+        return dict(self.knobs)
+
+    def check(self, knobs: dict, depth: int) -> dict:
+        unknown = sorted(set(knobs) - set(self.knobs))
+        if unknown:
+            raise ConfigError(unknown[0], f"not a knob of recipe {self.name!r}; knobs: {', '.join(self.knobs) or 'none'}")
+        out = {**self.defaults(depth), **knobs}
+        for key, value in out.items():
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(key, f"expected an integer, got {value!r}")
+        return out
+
+    def data_layers(self, knobs: dict, depth: int) -> list[int]:
+        """Hidden states the data must hold: layer l = output of the first l layers (depth = final, pre-norm)."""
+        return [depth]
+
+    def build(self, hf_model, knobs: dict) -> nn.Module:
+        raise NotImplementedError
+
+    def drafter(self, module: nn.Module, knobs: dict, confidence_threshold: float) -> Drafter:
+        raise NotImplementedError
+
+    def objectives(self, module, shared: Shared, ex: dict, knobs: dict) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """[(student_logits, teacher_logits)] (per head), aux loss or None, for one example.
+
+        ``ex``: ``tokens`` [T] (long), ``start`` (position of the first hidden row) and
+        ``hidden`` {layer: [T - start, H] float}; rows are positions start..T-1.
+        """
+        raise NotImplementedError
+
+
+def _teacher(shared: Shared, final: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return shared.logits(final)
+
+
+class KangarooRecipe(Recipe):
+    name = "kangaroo"
+    knobs = {"exit_layer": None}
+
+    def defaults(self, depth):
+        return {"exit_layer": max(1, depth // 3)}
+
+    def check(self, knobs, depth):
+        out = super().check(knobs, depth)
+        if not 1 <= out["exit_layer"] < depth:
+            raise ConfigError("exit_layer", f"must be in 1..{depth - 1} for a {depth}-layer model, got {out['exit_layer']}")
+        return out
+
+    def data_layers(self, knobs, depth):
+        return [knobs["exit_layer"], depth]
+
+    def build(self, hf_model, knobs):
+        return DraftNet(hf_model, [knobs["exit_layer"]])  # the adapter starts as a copy of the next target layer
+
+    def drafter(self, module, knobs, confidence_threshold):
+        return KangarooDrafter(module, knobs["exit_layer"], confidence_threshold)
+
+    def objectives(self, module, shared, ex, knobs):
+        depth = shared.config.num_hidden_layers
+        h = ex["hidden"][knobs["exit_layer"]][None]  # [1, T', H]
+        student = shared.logits(module.run(h, ex["start"]))[0]
+        return [(student, _teacher(shared, ex["hidden"][depth]))], None
+
+
+class DistillRecipe(Recipe):
+    name = "distill"
+    knobs = {"draft_layers": 4}
+
+    def check(self, knobs, depth):
+        out = super().check(knobs, depth)
+        if not 1 <= out["draft_layers"] < depth:
+            raise ConfigError("draft_layers", f"must be in 1..{depth - 1} for a {depth}-layer model, got {out['draft_layers']}")
+        return out
+
+    def build(self, hf_model, knobs):
+        return DraftNet(hf_model, list(range(knobs["draft_layers"])))
+
+    def drafter(self, module, knobs, confidence_threshold):
+        return DraftModelDrafter(ModelAdapter(module), confidence_threshold)
+
+    def objectives(self, module, shared, ex, knobs):
+        depth = shared.config.num_hidden_layers
+        tokens = ex["tokens"][ex["start"] :][None]  # the window only: positions start..T-1 (a truncated context)
+        student = shared.logits(module.run(shared.embed(tokens), ex["start"]))[0]
+        return [(student, _teacher(shared, ex["hidden"][depth]))], None
+
+
+class FeatureRecipe(Recipe):
+    name = "feature"
+    knobs = {"feature_weight_pct": 100}  # weight of the feature regression loss, percent of the logit loss
+
+    def build(self, hf_model, knobs):
+        return DraftNet(hf_model, [hf_model.config.num_hidden_layers - 1], fuse=True)
+
+    def drafter(self, module, knobs, confidence_threshold):
+        return FeatureDrafter(module, confidence_threshold)
+
+    def objectives(self, module, shared, ex, knobs):
+        f = ex["hidden"][shared.config.num_hidden_layers]  # [T', H] rows p = start..T-1
+        nxt = ex["tokens"][ex["start"] + 1 :]  # x_{p+1} for p = start..T-2
+        pred = module.run(module.fused(f[None, :-1], nxt[None]), ex["start"])[0]  # f^_{p+1}
+        reg = F.smooth_l1_loss(pred, f[1:])
+        return [(shared.logits(pred), _teacher(shared, f[1:]))], reg * (knobs["feature_weight_pct"] / 100)
+
+
+class MedusaRecipe(Recipe):
+    name = "medusa"
+    knobs = {"num_heads": 4}
+
+    def build(self, hf_model, knobs):
+        return MedusaHeads(hf_model.config.hidden_size, knobs["num_heads"], hf_model.lm_head.weight.dtype)
+
+    def drafter(self, module, knobs, confidence_threshold):
+        return MedusaDrafter(module, confidence_threshold)
+
+    def objectives(self, module, shared, ex, knobs):
+        f = ex["hidden"][shared.config.num_hidden_layers]  # [T', H]
+        teacher = _teacher(shared, f)
+        pairs = []
+        for i in range(len(module.blocks)):  # head i (0-based) on f_p predicts what the target predicts at p+1+i
+            if f.shape[0] > i + 1:
+                pairs.append((shared.logits(module(f[: -(i + 1)], i)), teacher[i + 1 :]))
+        return pairs, None
+
+
+class HydraRecipe(Recipe):
+    name = "hydra"
+    knobs = {"num_heads": 4}
+
+    def build(self, hf_model, knobs):
+        return HydraHeads(hf_model.config.hidden_size, knobs["num_heads"], hf_model.lm_head.weight.dtype)
+
+    def drafter(self, module, knobs, confidence_threshold):
+        return HydraDrafter(module, confidence_threshold)
+
+    def objectives(self, module, shared, ex, knobs):
+        f = ex["hidden"][shared.config.num_hidden_layers]  # [T', H] rows p = start..T-1
+        emb = shared.embed(ex["tokens"][ex["start"] :])  # [T', H] e(x_p)
+        teacher = _teacher(shared, f)
+        pairs, z = [], f
+        for i in range(len(module.mlps)):  # z_{i+1}[p] = head_i(z_i[p], e(x_{p+1+i})) predicts what the target predicts at p+1+i
+            rows = f.shape[0] - (i + 1)
+            if rows <= 0:
+                break
+            z = module(z[:rows], emb[i + 1 : i + 1 + rows], i)
+            pairs.append((shared.logits(z), teacher[i + 1 :]))
+        return pairs, None
+
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (KangarooRecipe(), MedusaRecipe(), HydraRecipe(), FeatureRecipe(), DistillRecipe())}
+
+
+def get_recipe(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise ConfigError("recipe", f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
+    return RECIPES[name]

@@ -1,0 +1,251 @@
+"""The training loop of a drafter recipe: plain torch, one process; checkpoints, resume, progress, loss curve.
+
+``train`` trains a recipe's module (``decoding.trained``) on self-distillation
+examples (``training.data``) against the frozen target, then saves the
+artifact (``decoding.artifacts``) in ``out``. Every ``checkpoint_every`` steps
+(and on Ctrl-C) ``out/checkpoint.pt`` holds module, optimiser, step and loss
+history; a rerun with the same spec resumes there. Batches are drawn from a
+generator seeded by (seed, step), so a resumed run computes what the
+uninterrupted one would have. Ray Train runs this same function per worker
+(``training.ray_train``) with ``wrap`` (DDP) and ``report`` hooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from decoding.artifacts import save_artifact
+from decoding.trained import LOSSES, Shared, agreement, get_recipe, vocab_order
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    recipe: str
+    knobs: dict = field(default_factory=dict)
+    loss: str = "kl"  # kl | tvdpp | ce
+    steps: int = 200
+    batch: int = 4  # sequences per optimiser step
+    lr: float = 1e-3
+    seed: int = 0
+    window: int = 256  # train on the last `window` positions of each sequence
+    eval_fraction: float = 0.1
+    checkpoint_every: int = 25
+    train_vocab: int = 0  # > 0: losses over the data's most frequent tokens only (the LM head dominates CPU training cost)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _crop(ex: dict, window: int) -> dict:
+    """The last ``window`` positions of an example (hidden rows and their start position)."""
+    rows = next(iter(ex["hidden"].values())).shape[0]
+    cut = max(0, rows - window)
+    return {**ex, "start": ex["start"] + cut, "hidden": {k: v[cut:].float() for k, v in ex["hidden"].items()}}
+
+
+def example_loss(recipe, module, shared, ex, knobs, loss_fn) -> tuple[torch.Tensor, list[float]]:
+    """Mean over heads of loss_fn(teacher, student), plus the recipe's auxiliary loss; and per-head agreement."""
+    pairs, aux = recipe.objectives(module, shared, ex, knobs)
+    loss = sum(loss_fn(t, s) for s, t in pairs) / len(pairs)
+    if aux is not None:
+        loss = loss + aux
+    return loss, [agreement(t, s.detach()) for s, t in pairs]
+
+
+@torch.no_grad()
+def evaluate(recipe, module, shared, examples, knobs, window) -> list[float]:
+    """Per-head top-1 agreement with the target over the examples' windows (head 1 = the first draft)."""
+    sums, counts = None, 0
+    for ex in examples:
+        _, agree = example_loss(recipe, module, shared, _crop(ex, window), knobs, LOSSES["ce"])
+        sums = agree if sums is None else [a + b for a, b in zip(sums, agree, strict=False)]
+        counts += 1
+    return [s / counts for s in sums] if sums else []
+
+
+def lr_at(spec: TrainSpec, step: int) -> float:
+    """Linear warm-up over 5% of the steps, then cosine decay to 10%."""
+    warm = max(1, spec.steps // 20)
+    if step < warm:
+        return spec.lr * (step + 1) / warm
+    frac = (step - warm) / max(1, spec.steps - warm)
+    return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+class _Progress:
+    """tqdm when installed, else a printed line every ~5%."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.bar, self.total, self.enabled = None, total, enabled
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, initial=initial, desc="train", file=sys.stderr)
+            except ImportError:
+                pass
+
+    def update(self, step: int, loss: float, agree: float) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.3f}", agree=f"{agree:.2f}")
+        elif step % max(1, self.total // 20) == 0 or step == self.total:
+            print(f"step {step}/{self.total} loss {loss:.4f} agree {agree:.3f}", file=sys.stderr)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _save_checkpoint(path: Path, module, opt, step: int, history: list, spec: TrainSpec, extra: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    state = {"spec": spec.to_dict(), "step": step, "module": module.state_dict(), "opt": opt.state_dict(), "history": history}
+    torch.save({**state, **extra}, tmp)
+    os.replace(tmp, path)
+
+
+def plot_loss(history: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([h["step"] for h in history], [h["loss"] for h in history], lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax2 = ax.twinx()
+    ax2.plot([h["step"] for h in history], [h["agree"] for h in history], color="tab:orange", lw=0.8, alpha=0.7)
+    ax2.set_ylabel("train agreement (head 1)", color="tab:orange")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def train(
+    spec: TrainSpec,
+    target_hf,
+    examples: list[dict],
+    out: Path,
+    target_name: str,
+    progress: bool = True,
+    on_step: Callable[[int, dict], None] | None = None,
+    wrap: Callable | None = None,
+    report: Callable[[dict, Path | None], None] | None = None,
+    save: bool = True,
+    extra_training: dict | None = None,
+    shard: tuple[int, int] = (0, 1),
+    deadline: float | None = None,
+) -> dict:
+    """Train (or resume) and save the artifact in ``out``; returns the artifact's ``training`` description.
+
+    Under Ray Train each worker calls this with ``shard=(rank, world)`` (it
+    draws its batches from every world-th training sequence), ``wrap`` (DDP or
+    a DeepSpeed engine: ``wrap(module, optimizer) -> (model, backward, step)``)
+    and ``report``; only rank 0 writes checkpoints and the artifact.
+    ``deadline`` (a ``time.time()``) ends training early; the artifact records the steps done.
+    """
+    if spec.loss not in LOSSES:
+        raise ValueError(f"loss: unknown loss {spec.loss!r}; choose from {', '.join(LOSSES)}")
+    if len(examples) < 2:
+        raise ValueError(f"need at least 2 sequences (one held out), got {len(examples)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    recipe = get_recipe(spec.recipe)
+    depth = target_hf.config.num_hidden_layers
+    knobs = recipe.check(spec.knobs, depth)
+    shared = Shared(target_hf)  # evaluation: agreement over the full vocabulary
+    vocab = vocab_order(examples, target_hf.config.vocab_size)
+    train_shared = Shared(target_hf, vocab[: spec.train_vocab]) if spec.train_vocab else shared
+    n_eval = max(1, round(len(examples) * spec.eval_fraction))
+    train_set, eval_set = examples[:-n_eval], examples[-n_eval:]
+    rank, world = shard
+    train_set = train_set[rank::world] or train_set
+    chief = rank == 0
+
+    torch.manual_seed(spec.seed)  # module init (random parts) is reproducible
+    module = recipe.build(target_hf, knobs).float().train()
+    opt = torch.optim.AdamW(module.parameters(), lr=spec.lr, weight_decay=0.0)
+    ckpt_path = out / "checkpoint.pt"
+    step, history, before = 0, [], None
+    if ckpt_path.exists():
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        if ckpt["spec"] == spec.to_dict():
+            module.load_state_dict(ckpt["module"])
+            opt.load_state_dict(ckpt["opt"])
+            step, history, before = ckpt["step"], ckpt["history"], ckpt.get("eval_before")
+    if before is None:
+        before = evaluate(recipe, module, shared, eval_set, knobs, spec.window)
+    model, backward, opt_step = wrap(module, opt) if wrap else (module, lambda loss: loss.backward(), opt.step)
+    bar = _Progress(spec.steps, step, progress and chief)
+    t0 = time.perf_counter()
+    try:
+        while step < spec.steps:
+            for group in opt.param_groups:
+                group["lr"] = lr_at(spec, step)
+            g = torch.Generator().manual_seed(spec.seed * 1_000_003 + step)
+            idx = torch.randperm(len(train_set), generator=g)[: spec.batch].tolist()
+            opt.zero_grad(set_to_none=True)
+            total, agree = 0.0, 0.0
+            for i in idx:
+                loss, head_agree = example_loss(recipe, model, train_shared, _crop(train_set[i], spec.window), knobs, LOSSES[spec.loss])
+                backward(loss / len(idx))
+                total += float(loss.detach()) / len(idx)
+                agree += head_agree[0] / len(idx)
+            torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+            opt_step()
+            step += 1
+            row = {"step": step, "loss": total, "agree": agree, "lr": lr_at(spec, step - 1)}
+            history.append(row)
+            bar.update(step, total, agree)
+            if step % spec.checkpoint_every == 0 or step == spec.steps:
+                if chief:
+                    _save_checkpoint(ckpt_path, module, opt, step, history, spec, {"eval_before": before})
+                if report:
+                    report(row, ckpt_path if chief else None)
+            if on_step:
+                on_step(step, row)
+            if deadline is not None and time.time() > deadline:
+                if chief:
+                    _save_checkpoint(ckpt_path, module, opt, step, history, spec, {"eval_before": before})
+                break
+    except KeyboardInterrupt:
+        if chief:
+            _save_checkpoint(ckpt_path, module, opt, step, history, spec, {"eval_before": before})
+        bar.close()
+        raise
+    bar.close()
+    module.eval()
+    after = evaluate(recipe, module, shared, eval_set, knobs, spec.window)
+    training = {
+        "spec": spec.to_dict(),
+        "knobs": knobs,
+        "steps": step,
+        "train_sequences": len(train_set),
+        "eval_sequences": len(eval_set),
+        "loss_first": history[0]["loss"] if history else None,
+        "loss_last": history[-1]["loss"] if history else None,
+        "eval_agreement_before": before,
+        "eval_agreement": after,
+        "train_seconds_this_run": round(time.perf_counter() - t0, 1),
+        **(extra_training or {}),
+    }
+    if save and chief:
+        plot_loss(history, out / "loss.png", f"{spec.recipe} ({spec.loss})")
+        save_artifact(out, spec.recipe, knobs, module, target_hf, target_name, training, vocab=vocab)
+        import json
+
+        (out / "history.json").write_text(json.dumps(history))
+    return training
