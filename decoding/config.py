@@ -78,8 +78,8 @@ class SpecConfig:
         (k drafts in a row), ``static`` (the rank paths in ``tree_paths``),
         ``sequoia`` (the tree of ``tree_budget`` nodes and depth <= k maximising
         the expected accepted length under ``tree_acceptance``, a per-rank
-        acceptance vector; unset = a default profile measured with the shallow
-        SmolLM2 draft, ``jobs.bench_trees --calibrate`` measures yours) or
+        acceptance vector; unset = a generic falling profile,
+        ``jobs.bench_trees --calibrate`` measures yours) or
         ``dyspec`` (grown per step best-first by draft probability, up to
         ``tree_budget`` nodes, depth <= k). ``ngram`` merges several earlier
         matches into a trie of as many nodes as the shape has.

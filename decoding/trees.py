@@ -38,8 +38,8 @@ import torch
 from decoding.config import TREE_SHAPES  # noqa: F401  (re-exported: the shapes a config may name)
 
 # Per-rank acceptance used by ``sequoia`` when no ``tree_acceptance`` is given: P(the rank-r draft token is the one the
-# target accepts), measured with the shallow SmolLM2 draft (8 layers), greedy, on Spec-Bench (see jobs/bench_trees.py
-# --calibrate to measure your own drafter's vector).
+# target accepts). A generic, steeply falling profile, not a measurement: measure your drafter's vector with
+# ``python -m jobs.bench_trees --calibrate`` and pass it as ``tree_acceptance``.
 DEFAULT_ACCEPTANCE = (0.55, 0.12, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01)
 
 
