@@ -189,6 +189,7 @@ def parse_range(text: str) -> tuple[str, dict]:
         if out["low"] > out["high"]:
             raise ConfigError(key, f"range {value!r} has LO > HI")
         return key, out
+
     def num_or_name(s: str):  # choices may be names (trained drafter artifacts)
         try:
             return num(s)
