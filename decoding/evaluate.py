@@ -150,7 +150,10 @@ class PromptRunner:
 def levels(decoder, length: int) -> dict:
     """KV bytes per level of a decoder's latest generation (``length`` tokens in the target's full cache) and, for a
     hierarchical drafter (TriForce), its middle level's steps: bottom drafts proposed and accepted by the middle."""
-    out = {"kv_bytes": {"top": bm.kv_bytes_per_token(decoder.target) * (length + decoder.cfg.k + 1)}}
+    target = getattr(decoder, "target", None)
+    if not hasattr(target, "num_layers"):  # the model lives in a worker (actors): nothing to read here
+        return {}
+    out = {"kv_bytes": {"top": bm.kv_bytes_per_token(target) * (length + decoder.cfg.k + 1)}}
     drafter = decoder.drafter
     if hasattr(drafter, "inner_steps"):
         out["kv_bytes"].update(drafter.cache_bytes())

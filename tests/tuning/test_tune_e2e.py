@@ -169,7 +169,7 @@ def test_bad_input_is_one_line_exit_2(tiny_tune, tmp_path, capsys):
         assert code == 2 and len(err) == 1, err
         return err[0]
 
-    assert "pearl" in bad("--methods", "ngram,pearl")
+    assert "medusa" in bad("--methods", "ngram,medusa")  # not a method
     assert "exit_layer" in bad("--methods", "early-exit", "--set", "exit_layer=9")
     assert "--num-samples" in bad("--num-samples", "0")
     assert "unknown category" in bad("--categories", "poetry")
