@@ -34,25 +34,13 @@ from pathlib import Path
 
 from decoding.config import ConfigError, SpecConfig
 from tuning.space import METHOD_KNOBS, knob_fields
-from tuning.trainable import METRIC_KEYS
+from tuning.trainable import METRIC_KEYS, METRIC_TYPES
 
 PARQUET = "trials.parquet"
 PARETO_PNG = "pareto.png"
 BEST_JSON = "best.json"
 
-_FLOATS = {
-    "tokens_per_s",
-    "ar_tokens_per_s",
-    "speedup",
-    "speedup_median",
-    "mean_accepted_tokens",
-    "acceptance_rate",
-    "target_forwards_per_token",
-    "identical_fraction",
-    "score",
-}
-_INTS = {"prompts", "prompts_total", "new_tokens", "compared", "identical", "suspicious", "threads"}
-_BOOLS = {"valid", "complete", "fidelity_checked", "fidelity_ok"}
+_ARROW = {"float": "float64", "int": "int64", "bool": "bool_", "str": "string"}  # METRIC_TYPES -> pyarrow type names
 
 
 # ---- rows -----------------------------------------------------------------------------------
@@ -155,8 +143,7 @@ def schema():
     for k in METRIC_KEYS:
         if k == "config_json":
             continue
-        t = pa.float64() if k in _FLOATS else pa.int64() if k in _INTS else pa.bool_() if k in _BOOLS else pa.string()
-        fields.append((k, t))
+        fields.append((k, getattr(pa, _ARROW[METRIC_TYPES[k].__name__])()))
     fields += [
         ("config_json", pa.string()),
         ("iterations", pa.int64()),

@@ -38,31 +38,33 @@ from decoding.workloads import Prompt
 CANDIDATE = "candidate"
 METRIC = "score"
 
-# every report carries these keys (None where not measured), so result tables have one schema
-METRIC_KEYS = (
-    "valid",
-    "invalid_reason",
-    "prompts",
-    "prompts_total",
-    "complete",
-    "tokens_per_s",
-    "ar_tokens_per_s",
-    "speedup",
-    "speedup_median",
-    "mean_accepted_tokens",
-    "acceptance_rate",
-    "target_forwards_per_token",
-    "new_tokens",
-    "compared",
-    "identical",
-    "identical_fraction",
-    "suspicious",
-    "fidelity_checked",
-    "fidelity_ok",
-    "score",
-    "threads",
-    "config_json",
-)
+# every report carries these keys (None where not measured), so result tables have one schema; the type is the
+# column type of the results table (tuning/results.py)
+METRIC_TYPES: dict[str, type] = {
+    "valid": bool,
+    "invalid_reason": str,
+    "prompts": int,
+    "prompts_total": int,
+    "complete": bool,
+    "tokens_per_s": float,
+    "ar_tokens_per_s": float,
+    "speedup": float,
+    "speedup_median": float,
+    "mean_accepted_tokens": float,
+    "acceptance_rate": float,
+    "target_forwards_per_token": float,
+    "new_tokens": int,
+    "compared": int,
+    "identical": int,
+    "identical_fraction": float,
+    "suspicious": int,
+    "fidelity_checked": bool,
+    "fidelity_ok": bool,
+    "score": float,
+    "threads": int,
+    "config_json": str,
+}
+METRIC_KEYS = tuple(METRIC_TYPES)
 
 
 def figures(gen_rows: Sequence[dict], step_rows: Sequence[dict], prompts_total: int, cfg: SpecConfig, threads: int | None = None) -> dict:
