@@ -46,7 +46,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=4, help="sequences per optimiser step (default 4)")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--window", type=int, default=256, help="train on the last N positions of each sequence (default 256)")
+    p.add_argument(
+        "--window",
+        type=int,
+        default=256,
+        help="train on N consecutive positions of each sequence: a random window of the stored ones (the last 512) per draw (default 256)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-vocab", type=int, default=0, help="losses over the data's N most frequent tokens (0 = all; cheaper on CPU)")
     p.add_argument("--max-minutes", type=float, help="stop training after this long (the artifact is saved at that step)")

@@ -36,7 +36,7 @@ class TrainSpec:
     batch: int = 4  # sequences per optimiser step
     lr: float = 1e-3
     seed: int = 0
-    window: int = 256  # train on the last `window` positions of each sequence
+    window: int = 256  # train on `window` consecutive stored positions of each sequence (a random window per draw)
     eval_fraction: float = 0.1
     checkpoint_every: int = 25
     train_vocab: int = 0  # > 0: losses over the data's most frequent tokens only (the LM head dominates CPU training cost)
@@ -45,11 +45,19 @@ class TrainSpec:
         return dataclasses.asdict(self)
 
 
-def _crop(ex: dict, window: int) -> dict:
-    """The last ``window`` positions of an example (hidden rows and their start position)."""
+def _crop(ex: dict, window: int, generator: torch.Generator | None = None) -> dict:
+    """``window`` consecutive positions of an example (hidden rows and their start position).
+
+    With ``generator`` the window starts at a random stored row (training sees
+    every part of long sequences); without it, the last ``window`` rows (evaluation).
+    """
     rows = next(iter(ex["hidden"].values())).shape[0]
     cut = max(0, rows - window)
-    return {**ex, "start": ex["start"] + cut, "hidden": {k: v[cut:].float() for k, v in ex["hidden"].items()}}
+    if generator is not None and cut > 0:
+        cut = int(torch.randint(0, cut + 1, (1,), generator=generator))
+    end = cut + min(rows, window)
+    tokens = ex["tokens"][: ex["start"] + end]
+    return {**ex, "tokens": tokens, "start": ex["start"] + cut, "hidden": {k: v[cut:end].float() for k, v in ex["hidden"].items()}}
 
 
 def example_loss(recipe, module, shared, ex, knobs, loss_fn) -> tuple[torch.Tensor, list[float]]:
@@ -200,7 +208,7 @@ def train(
             opt.zero_grad(set_to_none=True)
             total, agree = 0.0, 0.0
             for i in idx:
-                loss, head_agree = example_loss(recipe, model, train_shared, _crop(train_set[i], spec.window), knobs, LOSSES[spec.loss])
+                loss, head_agree = example_loss(recipe, model, train_shared, _crop(train_set[i], spec.window, g), knobs, LOSSES[spec.loss])
                 backward(loss / len(idx))
                 total += float(loss.detach()) / len(idx)
                 agree += head_agree[0] / len(idx)
