@@ -94,9 +94,10 @@ class Artifact:
     vocab: torch.Tensor | None = None  # VocabTrim ranking
     lm_head: torch.nn.Module | None = None
 
-    def drafter(self, confidence_threshold: float = 0.0, draft_vocab: int = 0):
-        """The drafter; ``draft_vocab`` > 0 drafts over that many of the most frequent tokens (VocabTrim)."""
-        d = self.recipe.drafter(self.module, self.knobs, confidence_threshold)
+    def drafter(self, confidence_threshold: float = 0.0, draft_vocab: int = 0, tree=None):
+        """The drafter; ``draft_vocab`` > 0 drafts over that many of the most frequent tokens (VocabTrim);
+        ``tree`` (a ``trees.Tree`` or ``trees.Dynamic``) drafts token trees where the recipe can."""
+        d = self.recipe.drafter(self.module, self.knobs, confidence_threshold, tree)
         if draft_vocab:
             if self.vocab is None:
                 raise ConfigError("draft_vocab", f"{self.path} has no token ranking to trim the vocabulary with")

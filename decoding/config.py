@@ -74,7 +74,8 @@ class SpecConfig:
     placement_timeout_s: the longest wait for the placement group's resources.
     actor_transport: ``calls`` (plain actor calls) or ``compiled`` (Ray
         compiled graphs) between the driver and the workers.
-    tree: the shape drafts take (``sps``, ``early-exit``, ``ngram``): ``chain``
+    tree: the shape drafts take (``sps``, ``early-exit``, ``ngram``, and ``trained``
+        drafters with Medusa, Hydra or distilled-draft recipes): ``chain``
         (k drafts in a row), ``static`` (the rank paths in ``tree_paths``),
         ``sequoia`` (the tree of ``tree_budget`` nodes and depth <= k maximising
         the expected accepted length under ``tree_acceptance``, a per-rank

@@ -52,13 +52,12 @@ def build_drafter(cfg: SpecConfig, target: LoadedModel) -> Drafter | None:
         if cfg.draft_layers >= depth:
             raise ConfigError("draft_layers", f"must be below the model's {depth} layers, got {cfg.draft_layers}")
         return DraftModelDrafter(ModelAdapter(target.model, num_layers=cfg.draft_layers), cfg.confidence_threshold, tree=shape)
-        return DraftModelDrafter(ModelAdapter(target.model, num_layers=cfg.draft_layers), cfg.confidence_threshold)
     if cfg.method == "triforce":
         return _triforce_drafter(cfg, target, depth)
     if cfg.method == "trained":
         from decoding.artifacts import load_artifact
 
-        return load_artifact(cfg.drafter, target.model).drafter(cfg.confidence_threshold, cfg.draft_vocab)
+        return load_artifact(cfg.drafter, target.model).drafter(cfg.confidence_threshold, cfg.draft_vocab, shape)
     raise ConfigError("method", f"unknown method {cfg.method!r}")  # unreachable: SpecConfig checks it
 
 

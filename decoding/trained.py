@@ -40,7 +40,8 @@ from torch import nn
 
 from decoding.adapter import KVCache, ModelAdapter
 from decoding.config import ConfigError
-from decoding.drafters import DecodeState, Drafter, DraftModelDrafter, EarlyExitDrafter, Proposal, _draft_chain
+from decoding.drafters import DecodeState, Drafter, DraftModelDrafter, EarlyExitDrafter, Proposal, _draft_chain, _draft_tree, max_nodes_of
+from decoding.trees import Dynamic, Tree
 
 # ---- losses (pure) --------------------------------------------------------------------------------
 
@@ -270,13 +271,23 @@ class KangarooDrafter(EarlyExitDrafter):
 
 
 class _HiddenHeadDrafter(Drafter):
-    """Drafters that start from the target's last hidden state f_{n-2} (``state.target_hidden``)."""
+    """Drafters that start from the target's last hidden state f_{n-2} (``state.target_hidden``).
 
-    def __init__(self, heads: nn.Module, confidence_threshold: float = 0.0):
+    With a ``tree`` shape (static, Sequoia, DySpec) they draft token trees: a
+    node's next-token logits come from the head of its depth (Medusa) or from
+    its parent's state and its own token (Hydra), so one head call per depth
+    level covers every node of that level.
+    """
+
+    def __init__(self, heads: nn.Module, confidence_threshold: float = 0.0, tree: Tree | Dynamic | None = None):
         self.heads = heads
         self.threshold = confidence_threshold
         self.num_heads = heads.num_heads
+        self.tree = tree
         self.lm_head = None  # a TrimmedHead (VocabTrim) replaces the target's head when set
+
+    def max_nodes(self, k: int) -> int:
+        return max_nodes_of(self.tree, min(k, self.num_heads))
 
     def logits(self, state: DecodeState, z: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, V]
         t = state.target
@@ -285,10 +296,33 @@ class _HiddenHeadDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, state: DecodeState, k: int) -> Proposal:
         f = state.target_hidden[:, -1]  # [B, H] f_{n-2}
-        tokens, probs = self._chain(state, f, min(k, self.num_heads))
-        return Proposal(tokens=tokens, probs=probs)
+        k = min(k, self.num_heads)
+        if self.tree is None:
+            tokens, probs = self._chain(state, f, k)
+            return Proposal(tokens=tokens, probs=probs)
+        root, level = self._tree(state, f)
+
+        def step(toks, lo, hi, tree):  # logits [B, hi-lo, V] of nodes lo..hi-1, one head call per depth among them
+            depth, parents = tree.depth.tolist(), tree.parents.tolist()
+            out = [None] * (hi - lo)
+            for d in sorted({depth[i] for i in range(lo, hi)}):
+                cols = [i - lo for i in range(lo, hi) if depth[i] == d]
+                if d >= self.num_heads:  # the last head's depth is never expanded: its logits are not read
+                    rows = torch.zeros(root.shape[0], len(cols), root.shape[-1], dtype=root.dtype, device=root.device)
+                else:
+                    rows = level(toks[:, cols], [lo + c for c in cols], d, [parents[lo + c] for c in cols])
+                for j, c in enumerate(cols):
+                    out[c] = rows[:, j]
+            return torch.stack(out, 1)
+
+        tokens, probs, tree, _ = _draft_tree(step, root, self.tree, k, state, feed_last=False)
+        return Proposal(tokens=tokens, probs=probs, tree=tree)
 
     def _chain(self, state, f, k):  # -> (tokens [B, j], probs [B, j, V] | None)
+        raise NotImplementedError
+
+    def _tree(self, state, f):
+        """(root logits [B, V], level(tokens [B, t], nodes, depth, parents) -> logits [B, t, V] for t nodes of one depth < num_heads)."""
         raise NotImplementedError
 
 
@@ -303,6 +337,12 @@ class MedusaDrafter(_HiddenHeadDrafter):
 
         tokens, probs, _ = _draft_chain(step, self.logits(state, self.heads(f, 0)), k, state, self.threshold, feed_last=False)
         return tokens, probs
+
+    def _tree(self, state, f):
+        def level(toks, nodes, depth, parents):  # every node of one depth has the same draft distribution
+            return self.logits(state, self.heads(f, depth))[:, None].expand(-1, len(nodes), -1)
+
+        return self.logits(state, self.heads(f, 0)), level
 
 
 class HydraDrafter(_HiddenHeadDrafter):
@@ -322,6 +362,17 @@ class HydraDrafter(_HiddenHeadDrafter):
 
         tokens, probs, _ = _draft_chain(step, self.logits(state, z[0]), k, state, self.threshold, feed_last=False)
         return tokens, probs
+
+    def _tree(self, state, f):
+        t = state.target
+        z = {0: self.heads(f, t.embed(state.tokens[:, -1]), 0)}  # node -> its state (root: z_0)
+
+        def level(toks, nodes, depth, parents):  # z_node = head_depth(z_parent, e(token of the node))
+            out = self.heads(torch.stack([z[p] for p in parents], 1), t.embed(toks), depth)  # [B, t, H]
+            z.update({node: out[:, j] for j, node in enumerate(nodes)})
+            return self.logits(state, out)
+
+        return self.logits(state, z[0]), level
 
 
 class FeatureDrafter(Drafter):
@@ -450,8 +501,13 @@ class Recipe:
     def build(self, hf_model, knobs: dict) -> nn.Module:
         raise NotImplementedError
 
-    def drafter(self, module: nn.Module, knobs: dict, confidence_threshold: float) -> Drafter:
+    def drafter(self, module: nn.Module, knobs: dict, confidence_threshold: float, tree: Tree | Dynamic | None = None) -> Drafter:
+        """The recipe's drafter; ``tree`` is the token-tree shape to draft (None: a chain)."""
         raise NotImplementedError
+
+    def chain_only(self, tree) -> None:
+        if tree is not None:
+            raise ConfigError("tree", f"the {self.name} drafter drafts chains only (trees: medusa, hydra, distill)")
 
     def objectives(self, module, shared: Shared, ex: dict, knobs: dict) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
         """[(student_logits, teacher_logits)] (per head), aux loss or None, for one example.
@@ -486,7 +542,8 @@ class KangarooRecipe(Recipe):
     def build(self, hf_model, knobs):
         return DraftNet(hf_model, [knobs["exit_layer"]])  # the adapter starts as a copy of the next target layer
 
-    def drafter(self, module, knobs, confidence_threshold):
+    def drafter(self, module, knobs, confidence_threshold, tree=None):
+        self.chain_only(tree)
         return KangarooDrafter(module, knobs["exit_layer"], confidence_threshold)
 
     def objectives(self, module, shared, ex, knobs):
@@ -509,8 +566,8 @@ class DistillRecipe(Recipe):
     def build(self, hf_model, knobs):
         return DraftNet(hf_model, list(range(knobs["draft_layers"])))
 
-    def drafter(self, module, knobs, confidence_threshold):
-        return DraftModelDrafter(ModelAdapter(module), confidence_threshold)
+    def drafter(self, module, knobs, confidence_threshold, tree=None):
+        return DraftModelDrafter(ModelAdapter(module), confidence_threshold, tree=tree)
 
     def objectives(self, module, shared, ex, knobs):
         depth = shared.config.num_hidden_layers
@@ -526,7 +583,8 @@ class FeatureRecipe(Recipe):
     def build(self, hf_model, knobs):
         return DraftNet(hf_model, [hf_model.config.num_hidden_layers - 1], fuse=True)
 
-    def drafter(self, module, knobs, confidence_threshold):
+    def drafter(self, module, knobs, confidence_threshold, tree=None):
+        self.chain_only(tree)
         return FeatureDrafter(module, confidence_threshold)
 
     def objectives(self, module, shared, ex, knobs):
@@ -544,8 +602,8 @@ class MedusaRecipe(Recipe):
     def build(self, hf_model, knobs):
         return MedusaHeads(hf_model.config.hidden_size, knobs["num_heads"], hf_model.lm_head.weight.dtype)
 
-    def drafter(self, module, knobs, confidence_threshold):
-        return MedusaDrafter(module, confidence_threshold)
+    def drafter(self, module, knobs, confidence_threshold, tree=None):
+        return MedusaDrafter(module, confidence_threshold, tree)
 
     def objectives(self, module, shared, ex, knobs):
         f = ex["hidden"][shared.config.num_hidden_layers]  # [T', H]
@@ -564,8 +622,8 @@ class HydraRecipe(Recipe):
     def build(self, hf_model, knobs):
         return HydraHeads(hf_model.config.hidden_size, knobs["num_heads"], hf_model.lm_head.weight.dtype)
 
-    def drafter(self, module, knobs, confidence_threshold):
-        return HydraDrafter(module, confidence_threshold)
+    def drafter(self, module, knobs, confidence_threshold, tree=None):
+        return HydraDrafter(module, confidence_threshold, tree)
 
     def objectives(self, module, shared, ex, knobs):
         f = ex["hidden"][shared.config.num_hidden_layers]  # [T', H] rows p = start..T-1

@@ -31,7 +31,11 @@ TREE_DRAFTERS = ("sps", "early-exit", "ngram")
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m jobs.bench_trees", description="Token trees vs chains per drafter, against ar.")
-    p.add_argument("--drafters", default="sps,early-exit,ngram", help="comma list from sps, early-exit, ngram")
+    p.add_argument(
+        "--drafters",
+        default="sps,early-exit,ngram",
+        help="comma list from sps, early-exit, ngram and trained:NAME (a Medusa, Hydra or distilled drafter artifact)",
+    )
     p.add_argument("--chain-k", default="2,4,6", help="chain draft lengths (default 2,4,6)")
     p.add_argument("--shapes", default="sequoia,dyspec", help="tree shapes: sequoia, dyspec (default both)")
     p.add_argument("--budgets", default="4,8,16,32", help="tree node budgets (default 4,8,16,32)")
@@ -62,11 +66,11 @@ def variants(base: SpecConfig, drafters, chain_k, shapes, budgets, depth, accept
     out = {"ar": base.replace(method="ar")}
     for d in drafters:
         for k in chain_k:
-            out[f"{d}/chain-k{k}"] = base.replace(method=d, k=k, tree="chain")
+            out[f"{d}/chain-k{k}"] = base.for_method(d).replace(k=k, tree="chain")
         for s in shapes:
             for n in budgets:
                 extra = {"tree_acceptance": acceptance[d]} if s == "sequoia" and acceptance.get(d) else {}
-                out[f"{d}/{s}-n{n}"] = base.replace(method=d, k=depth, tree=s, tree_budget=n, **extra)
+                out[f"{d}/{s}-n{n}"] = base.for_method(d).replace(k=depth, tree=s, tree_budget=n, **extra)
     return out
 
 
@@ -112,8 +116,11 @@ def main_with_args(args) -> int:
     base = config_from_args(args)
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
     for d in drafters:
-        if d not in TREE_DRAFTERS:
-            fail(f"--drafters: {d!r} does not draft trees; choose from {', '.join(TREE_DRAFTERS)}")
+        name = d[len("trained:") :] if d.startswith("trained:") else None
+        if d not in TREE_DRAFTERS and not name:
+            fail(f"--drafters: {d!r} does not draft trees; choose from {', '.join(TREE_DRAFTERS)} or trained:NAME")
+        if name and "/" in name:
+            fail(f"--drafters: {d!r}: name an artifact under $SPECRAY_HOME/drafters (a path would break the variant labels)")
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     for s in shapes:
         if s not in ("sequoia", "dyspec"):
@@ -126,7 +133,7 @@ def main_with_args(args) -> int:
     if args.calibrate:
         for d in drafters:
             if d != "ngram":
-                acc = calibrate(base.replace(method=d, k=args.depth), prompts[:2], args.probe_width, args.depth)
+                acc = calibrate(base.for_method(d).replace(k=args.depth), prompts[:2], args.probe_width, args.depth)
                 acceptance[d] = json.dumps(acc)
                 print(f"calibrated per-rank acceptance of {d}: {acc}", file=sys.stderr)
     configs = variants(base, drafters, chain_k, shapes, budgets, args.depth, acceptance)

@@ -10,6 +10,7 @@ from decoding.config import ConfigError, SpecConfig
 from decoding.loop import generate
 from decoding.metrics import chi_square_pvalue
 from decoding.trained import RECIPES, get_recipe, model_fingerprint
+from decoding.trees import Dynamic, Tree
 from tests.decoding.test_loop import N_TOKENS, PROMPT, SAMPLING, exact_joint, sample_counts
 
 KNOBS = {
@@ -117,3 +118,54 @@ def test_vocab_trimmed_drafters_stay_lossless(tiny_model, recipe, tmp_path):
     assert drafted and set(drafted) <= {3, 7, 1, 0, 5, 9}
     counts = sample_counts(tiny_model, art.drafter(0.0, draft_vocab=6), SAMPLING, k=2, draws=600)
     assert chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING)) > 1e-4
+
+
+TREE_RECIPES = ["medusa", "hydra", "distill"]
+TREE_SHAPES = {
+    "static": Tree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
+    "dyspec": Dynamic(6),
+}
+
+
+def tree_drafter(model, recipe, shape):
+    return get_recipe(recipe).drafter(perturbed(model, recipe), KNOBS[recipe], 0.0, TREE_SHAPES[shape])
+
+
+@pytest.mark.parametrize("recipe", TREE_RECIPES)
+@pytest.mark.parametrize("shape", list(TREE_SHAPES))
+def test_tree_drafts_greedy_equal_ar(tiny_model, recipe, shape):
+    """Medusa / Hydra / distilled drafts as token trees: greedy equals AR, and proposals really are trees."""
+    target = ModelAdapter(tiny_model)
+    d = tree_drafter(tiny_model, recipe, shape)
+    widths, propose = [], d.propose
+
+    def recording(state, k):
+        p = propose(state, k)
+        assert p.tree is not None and p.tree.size == p.tokens.shape[1] + 1
+        widths.append(p.tokens.shape[1] - int(p.tree.depth.max()))  # > 0: some node has a sibling
+        return p
+
+    d.propose = recording
+    g = torch.Generator().manual_seed(3)
+    accepted = 0
+    for _ in range(3):
+        prompt = torch.randint(0, 12, (1, 5), generator=g)
+        out = generate(target, prompt, drafter=d, k=3, max_new_tokens=20)
+        assert out.token_ids == generate(target, prompt, max_new_tokens=20).token_ids
+        accepted += sum(s.accepted for s in out.steps)
+    assert accepted > 0 and max(widths) > 0
+
+
+@pytest.mark.parametrize("recipe", ["medusa", "hydra"])
+@pytest.mark.parametrize("shape", list(TREE_SHAPES))
+def test_tree_drafts_sample_the_target(tiny_model, recipe, shape):
+    counts = sample_counts(tiny_model, tree_drafter(tiny_model, recipe, shape), SAMPLING, k=2, draws=1500)
+    p = chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING))
+    assert p > 1e-4, f"{recipe} {shape}: sampled tokens do not follow the target (p={p:.2e})"
+
+
+@pytest.mark.parametrize("recipe", ["kangaroo", "feature"])
+def test_chain_only_recipes_reject_trees(tiny_model, recipe):
+    with pytest.raises(ConfigError) as e:
+        tree_drafter(tiny_model, recipe, "dyspec")
+    assert e.value.field == "tree" and "chains only" in str(e.value)

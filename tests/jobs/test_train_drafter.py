@@ -75,3 +75,29 @@ def test_generate_with_method_flag_and_drafter_set(trained, capsys):
     argv = ["generate", "--model", model, "--method", "trained", "--set", "drafter=nope", "--prompt", "hi", "--dtype", "float32"]
     assert cli_main(argv) == 2
     assert "no trained drafter 'nope'" in capsys.readouterr().err  # the drafter was seen, not 'needs drafter=NAME'
+
+
+def test_trained_heads_draft_trees_in_the_tree_bench(trained, capsys, monkeypatch):
+    """A Medusa artifact runs as chains and as token trees in jobs.bench_trees, identical to AR."""
+    from jobs.bench_trees import build_parser
+    from jobs.bench_trees import main_with_args as bench_trees
+
+    root, model, prompts, _ = trained
+    home = root / "home-trees"
+    monkeypatch.setenv("SPECRAY_HOME", str(home))
+    argv = ["train-drafter", "--recipe", "medusa", "--knob", "num_heads=3", "--model", model, "--prompts", prompts]
+    argv += ["--max-new-tokens", "10", "--steps", "4", "--batch", "2", "--threads", "1", "--data-dtype", "float32"]
+    argv += ["--name", "medusa-3", "--data-dir", str(root / "data"), "--no-progress", "--json"]
+    assert cli_main(argv) == 0
+    capsys.readouterr()
+    argv = ["--drafters", "trained:medusa-3", "--chain-k", "2", "--shapes", "sequoia,dyspec", "--budgets", "4", "--depth", "3"]
+    argv += ["--model", model, "--prompts", prompts, "--limit", "1", "--max-new-tokens", "12", "--dtype", "float32"]
+    argv += ["--threads", "1", "--warmup", "0", "--out", str(root / "bench-trees")]
+    assert bench_trees(build_parser().parse_args(argv)) == 0
+    summary = json.loads((root / "bench-trees" / "summary.json").read_text())["summary"]["methods"]
+    for label in ("trained:medusa-3/chain-k2", "trained:medusa-3/sequoia-n4", "trained:medusa-3/dyspec-n4"):
+        assert summary[label]["identity"]["fraction"] == 1.0 and summary[label]["identity"]["compared"] > 0
+    argv[1] = "trained:/a/path"
+    with pytest.raises(SystemExit):
+        bench_trees(build_parser().parse_args(argv))
+    assert "name an artifact" in capsys.readouterr().err
