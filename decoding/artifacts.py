@@ -22,7 +22,7 @@ import torch
 
 from decoding.config import ConfigError
 from decoding.paths import specray_home
-from decoding.trained import Recipe, TrimmedHead, get_recipe, model_fingerprint, trim_vocab
+from decoding.trained import RECIPES, Recipe, TrimmedHead, get_recipe, model_fingerprint, trim_vocab
 
 FORMAT = 1
 WEIGHTS, DESCRIPTION = "drafter.safetensors", "drafter.json"
@@ -114,6 +114,12 @@ def read_description(name: str) -> tuple[Path, dict]:
     if not isinstance(desc, dict) or desc.get("format") != FORMAT or "recipe" not in desc or "target" not in desc:
         raise ConfigError("drafter", f"{path / DESCRIPTION} is not a specray drafter description (format {FORMAT})")
     return path, desc
+
+
+def drafts_trees(name: str) -> bool:
+    """Whether the artifact's recipe drafts token trees (Medusa, Hydra, distilled draft); reads only its description."""
+    recipe = RECIPES.get(read_description(name)[1]["recipe"])
+    return bool(recipe and recipe.drafts_trees)
 
 
 _LOADED: dict[tuple, tuple[object, Artifact]] = {}  # the target is kept alive so its id() is never reused

@@ -480,6 +480,7 @@ class Recipe:
 
     name = ""
     knobs: dict = {}  # knob -> default; None = derived from the model (see defaults)
+    drafts_trees = False  # its drafter takes a token-tree shape (else chains only)
 
     def defaults(self, depth: int) -> dict:
         return dict(self.knobs)
@@ -507,7 +508,8 @@ class Recipe:
 
     def chain_only(self, tree) -> None:
         if tree is not None:
-            raise ConfigError("tree", f"the {self.name} drafter drafts chains only (trees: medusa, hydra, distill)")
+            trees = ", ".join(r.name for r in RECIPES.values() if r.drafts_trees)
+            raise ConfigError("tree", f"the {self.name} drafter drafts chains only (trees: {trees})")
 
     def objectives(self, module, shared: Shared, ex: dict, knobs: dict) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
         """[(student_logits, teacher_logits)] (per head), aux loss or None, for one example.
@@ -555,6 +557,7 @@ class KangarooRecipe(Recipe):
 
 class DistillRecipe(Recipe):
     name = "distill"
+    drafts_trees = True
     knobs = {"draft_layers": 4}
 
     def check(self, knobs, depth):
@@ -597,6 +600,7 @@ class FeatureRecipe(Recipe):
 
 class MedusaRecipe(Recipe):
     name = "medusa"
+    drafts_trees = True
     knobs = {"num_heads": 4}
 
     def build(self, hf_model, knobs):
@@ -617,6 +621,7 @@ class MedusaRecipe(Recipe):
 
 class HydraRecipe(Recipe):
     name = "hydra"
+    drafts_trees = True
     knobs = {"num_heads": 4}
 
     def build(self, hf_model, knobs):

@@ -122,7 +122,8 @@ for _method in ("sps", "early-exit", "ngram"):
 # artifact (--range drafter=a,b,c searches artifacts with different exit layers / head counts; --set drafter=X fixes one)
 # and draft_vocab (VocabTrim: 0 = the full LM head)
 _DRAFT_VOCAB = Knob("draft_vocab", "choice", choices=(0, 4096, 8192, 16384))
-METHOD_KNOBS["trained"] = (_K, _CONFIDENCE, Knob("drafter", "choice", choices=("",)), _DRAFT_VOCAB)
+# Medusa, Hydra and distilled drafters also search tree shapes; a chain-only artifact's trials get chains (to_config)
+METHOD_KNOBS["trained"] = (_K, _CONFIDENCE, Knob("drafter", "choice", choices=("",)), _DRAFT_VOCAB, *_TREE_KNOBS)
 
 
 def _resolve_trained(values: dict, depth: int) -> dict:
@@ -325,6 +326,12 @@ class SearchSpace:
             values["ngram_min"] = min(values["ngram_min"], base.ngram_max)
         if method == "ngram" and "ngram_max" in values and "ngram_min" not in values:
             values["ngram_max"] = max(values["ngram_max"], base.ngram_min)
+        if method == "trained" and values.get("tree", "chain") != "chain":
+            from decoding.artifacts import drafts_trees
+
+            if not drafts_trees(values.get("drafter", base.drafter)):  # Kangaroo, feature head: chains only
+                values["tree"] = "chain"
+                values.pop("tree_budget", None)
         return base.replace(method=method, **values)
 
     def check_base(self, base: SpecConfig) -> None:

@@ -9,6 +9,7 @@ import pytest
 from tiny_models import build_tiny_model, write_prompts
 
 from jobs.cli import main as cli_main
+from jobs.common import UsageError
 from tests.jobs.test_bench import run_quiet
 
 
@@ -98,6 +99,5 @@ def test_trained_heads_draft_trees_in_the_tree_bench(trained, capsys, monkeypatc
     for label in ("trained:medusa-3/chain-k2", "trained:medusa-3/sequoia-n4", "trained:medusa-3/dyspec-n4"):
         assert summary[label]["identity"]["fraction"] == 1.0 and summary[label]["identity"]["compared"] > 0
     argv[1] = "trained:/a/path"
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="name an artifact"):
         bench_trees(build_parser().parse_args(argv))
-    assert "name an artifact" in capsys.readouterr().err
