@@ -327,7 +327,7 @@ class _HiddenHeadDrafter(Drafter):
 
 
 class MedusaDrafter(_HiddenHeadDrafter):
-    """Medusa (chain, top-1 per head; token trees come with the tree verifier): head i drafts x_{n-1+i} from f_{n-2}."""
+    """Medusa: head i drafts x_{n-1+i} from f_{n-2}; a chain takes each head's top token, a tree its top candidates."""
 
     name = "medusa"
 
