@@ -39,7 +39,7 @@ from pathlib import Path
 from decoding import benchmark as bm
 from decoding.config import METHODS, SpecConfig
 from decoding.workloads import DEFAULT_PROMPTS, Prompt, WorkloadError, load_prompts, long_context_prompt, select
-from jobs.common import Parser, add_config_args, config_from_args, fail, run_cli
+from jobs.common import Parser, add_config_args, config_from_args, fail, parse_ints, run_cli
 
 SHORT_CONTEXT = 16  # the reference context of a decoding forward whose time is (almost) all weights
 PEER_MODES = ("hf-plain", "hf-prompt-lookup", "hf-assistant", "hf-early-exit")
@@ -516,13 +516,7 @@ def parse_methods(text: str) -> list[str]:
 def parse_context_tokens(text: str | None) -> list[int]:
     if not text:
         return []
-    try:
-        lengths = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        fail(f"--context-tokens: expected a comma list of integers, got {text!r}")
-    if not lengths or min(lengths) < 64:
-        fail(f"--context-tokens: lengths must be >= 64 tokens, got {text!r}")
-    return list(dict.fromkeys(lengths))
+    return list(dict.fromkeys(parse_ints(text, "--context-tokens", 64, " tokens")))
 
 
 def load_workload(args, cfg: SpecConfig | None = None) -> list[Prompt]:

@@ -24,7 +24,7 @@ from pathlib import Path
 from decoding import benchmark as bm
 from decoding.config import SpecConfig
 from jobs.bench import load_workload
-from jobs.common import Parser, add_config_args, config_from_args, fail, run_cli
+from jobs.common import Parser, add_config_args, config_from_args, fail, parse_ints, run_cli
 
 TREE_DRAFTERS = ("sps", "early-exit", "ngram")
 
@@ -49,16 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", default="bench-trees", help="output directory for summary.json (default ./bench-trees)")
     return p
-
-
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        fail(f"--{name}: expected comma-separated integers, got {text!r}")
-    if not values or min(values) < 1:
-        fail(f"--{name}: expected integers >= 1, got {text!r}")
-    return values
 
 
 def variants(base: SpecConfig, drafters, chain_k, shapes, budgets, depth, acceptance: dict) -> dict[str, SpecConfig]:
@@ -125,7 +115,7 @@ def main_with_args(args) -> int:
     for s in shapes:
         if s not in ("sequoia", "dyspec"):
             fail(f"--shapes: unknown shape {s!r}; choose from sequoia, dyspec")
-    chain_k, budgets = _ints(args.chain_k, "chain-k"), _ints(args.budgets, "budgets")
+    chain_k, budgets = parse_ints(args.chain_k, "--chain-k", 1), parse_ints(args.budgets, "--budgets", 1)
     prompts = load_workload(args)
     if not prompts:
         fail("no prompts selected")

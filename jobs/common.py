@@ -19,6 +19,21 @@ def fail(message: str):
     raise UsageError(message)
 
 
+def parse_ints(text: str, flag: str, minimum: int, unit: str = "") -> list[int]:
+    """A comma list of integers, each >= ``minimum``; anything else fails naming ``flag``.
+
+    >>> parse_ints("2, 4,6", "--chain-k", 1)
+    [2, 4, 6]
+    """
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        fail(f"{flag}: expected a comma list of integers, got {text!r}")
+    if not values or min(values) < minimum:
+        fail(f"{flag}: values must be >= {minimum}{unit}, got {text!r}")
+    return values
+
+
 class Parser(argparse.ArgumentParser):
     """argparse whose own errors become UsageError (one line, exit 2) instead of usage text."""
 
