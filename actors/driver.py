@@ -46,11 +46,12 @@ class WorkerTimeout(WorkerError):
 
 
 def schedule_for(cfg: SpecConfig) -> str:
-    if cfg.method == "pearl":
-        return "pearl"
-    if cfg.method == "sps":
-        return "sps"
-    raise ConfigError("placement", f"placement=actors runs sps and pearl only, not {cfg.method!r}")
+    """The two-sided schedule a method runs over actors (``decoding.pearl``); TriForce's levels pick theirs."""
+    if cfg.method in ("pearl", "sps"):
+        return cfg.method
+    if cfg.method == "triforce":
+        return cfg.triforce_schedule
+    raise ConfigError("placement", f"placement=actors runs sps, pearl and triforce, not {cfg.method!r}")
 
 
 class ActorExecutor:
@@ -167,6 +168,7 @@ class ActorDecoder:
                 seed=self.cfg.seed if seed is None else seed,
                 max_context=self.max_context,
                 on_step=on_step,
+                ship_kv=self.cfg.method == "triforce",  # the middle level reads the target's exact KV
             )
         except ContextTooLong as e:
             raise ConfigError("max_new_tokens", str(e)) from None
@@ -177,6 +179,8 @@ class ActorDecoder:
         stats["rpc"] = round_summary(out.rounds)
         if out.schedule_counts:
             stats["pearl"] = dict(out.schedule_counts, gamma=self.cfg.k)
+        if self.cfg.method == "triforce":
+            stats["levels"] = self.executor._get(self.draft.level_stats.remote(), "draft worker")
         return stats
 
     def generate_text(self, prompt: str, chat: bool = False, max_new_tokens: int | None = None, seed: int | None = None) -> dict:

@@ -32,7 +32,7 @@ import torch
 import kernels
 from decoding.adapter import ModelAdapter
 from decoding.config import ConfigError
-from decoding.engine import SpecDecoder
+from decoding.engine import SpecDecoder, build_drafter
 from decoding.models import load_model, set_threads
 from decoding.pearl import DraftRequest, DraftResult, DraftSide, TargetRequest, TargetResult, TargetSide
 from decoding.sampling import SamplingParams
@@ -42,7 +42,8 @@ ROLES = ("draft", "target")
 
 @ray.remote(max_restarts=0, max_task_retries=0)
 class ModelWorker:
-    """One model and its cache. ``role``: "target" (full model) or "draft" (``draft_model`` or the first ``draft_layers``)."""
+    """One model and its cache. ``role``: "target" (full model) or "draft" (``draft_model`` or the first ``draft_layers``;
+    for ``triforce`` the target model again, hosting the middle level over its own cache, and the bottom drafter)."""
 
     # SpecDecoder's text <-> ids helpers only need ``self.tokenizer``; the target worker tokenises for the driver
     encode = SpecDecoder.encode
@@ -60,15 +61,16 @@ class ModelWorker:
         gpu_ids = ray.get_gpu_ids()
         self.device = "cuda" if gpu_ids and torch.cuda.is_available() else "cpu"
         t0 = time.perf_counter()
-        name = cfg.draft_model if role == "draft" and cfg.draft_model else cfg.model
-        loaded = load_model(name, cfg.dtype)
+        # TriForce's draft worker hosts the middle level: the target itself (and its bottom drafter)
+        own_model = role == "draft" and cfg.draft_model and cfg.method != "triforce"
+        loaded = load_model(cfg.draft_model if own_model else cfg.model, cfg.dtype)
         if self.device != "cpu":
             loaded.model.to(self.device)
         self.tokenizer = loaded.tokenizer
         self.eos = loaded.eos_token_ids
         depth = len(loaded.model.model.layers)
         layers = None
-        if role == "draft" and not cfg.draft_model:
+        if role == "draft" and not own_model and cfg.method != "triforce":
             if cfg.draft_layers >= depth:
                 raise ConfigError("draft_layers", f"must be below the model's {depth} layers, got {cfg.draft_layers}")
             layers = cfg.draft_layers
@@ -76,10 +78,12 @@ class ModelWorker:
         sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
         if role == "target":
             self.side = TargetSide(self.adapter, sampling)
+        elif cfg.method == "triforce":
+            self.side = DraftSide(build_drafter(cfg, loaded, self.device), sampling, target=self.adapter)
         else:
-            self.side = DraftSide(self.adapter, sampling, cfg.confidence_threshold)
+            self.side = DraftSide.of_model(self.adapter, sampling, cfg.confidence_threshold)
         self.load_s = time.perf_counter() - t0
-        self._vocab = self.tokenizer.get_vocab() if role == "draft" and cfg.draft_model else None
+        self._vocab = self.tokenizer.get_vocab() if own_model else None
 
     # ---- facts for the driver and the stats --------------------------------------------------
     def info(self) -> dict:
@@ -116,3 +120,7 @@ class ModelWorker:
 
     def draft(self, req: DraftRequest) -> DraftResult:
         return self.side.draft(req)
+
+    def level_stats(self) -> dict:
+        """TriForce's lower levels in the latest generation (draft worker); {} otherwise."""
+        return self.side.level_stats() if self.role == "draft" else {}

@@ -65,6 +65,20 @@ class KVCache:
             raise IndexError(f"rollback to {length} outside 0..{self.max_len}")
         self.length = length
 
+    def export(self, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions [begin, end), every layer, on the CPU: two [L, B, H, end - begin, D] tensors."""
+        return (torch.stack([k[:, :, begin:end] for k in self.k]).cpu(), torch.stack([v[:, :, begin:end] for v in self.v]).cpu())
+
+    def write(self, begin: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store what :meth:`export` returned at positions begin.. (every layer); the cache then ends after them."""
+        end = begin + keys.shape[3]
+        if not 0 <= begin <= self.length or end > self.max_len:
+            raise IndexError(f"writing positions {begin}..{end} into a cache of {self.length} (capacity {self.max_len})")
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            self.k[layer][:, :, begin:end] = k.to(self.k[layer].device)
+            self.v[layer][:, :, begin:end] = v.to(self.v[layer].device)
+        self.length = end
+
 
 def _decoder_parts(hf_model):
     base = getattr(hf_model, "model", None)

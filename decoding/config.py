@@ -26,6 +26,7 @@ PLACEMENTS = ("local", "actors")
 ACTOR_TRANSPORTS = ("calls", "compiled")
 TREE_SHAPES = ("chain", "static", "sequoia", "dyspec")  # decoding.trees.TREE_SHAPES (kept torch-free here)
 TRIFORCE_BOTTOMS = ("layers", "ngram", "model")
+TRIFORCE_SCHEDULES = ("sps", "pearl")
 
 
 class ConfigError(ValueError):
@@ -64,7 +65,8 @@ class SpecConfig:
         The same warping is applied to draft and target distributions.
     seed: seed of the ``torch.Generator`` that drives every random draw.
     placement: ``local`` (one process) or ``actors`` (draft and target in
-        separate Ray actors; ``pearl`` always uses actors).
+        separate Ray actors; ``pearl`` always uses actors; ``triforce`` puts
+        its middle and bottom levels in the draft actor, see triforce_schedule).
     draft_threads / target_threads: torch threads (and Ray CPUs) of the draft
         and target workers; unset = half the node's CPUs each on one node.
     num_gpus_per_model: GPUs per worker; unset = 1 with two or more GPUs in the
@@ -93,6 +95,12 @@ class SpecConfig:
         ``ngram_min``), which proposes ``triforce_gamma`` tokens per middle
         forward; the model bottoms keep a StreamingLLM cache of
         ``triforce_sinks`` first positions plus the latest ``triforce_window``.
+        With ``placement=actors`` the middle and bottom levels run in a draft
+        worker (holding its own copy of the target and of its cache, kept exact
+        by the KV each verdict ships) and the full target in a target worker;
+        ``triforce_schedule`` is ``sps`` (the top verifies, then the middle
+        drafts: TriForce's own order) or ``pearl`` (the middle drafts the next
+        tokens while the top verifies the last ones).
         The default bottom is ``ngram``: on SmolLM2-135M the first 8 layers
         (plus norm and head, which alone cost a fifth of a full forward) had
         their drafts accepted by the middle level 2% of the time, n-gram 12-40%.
@@ -143,6 +151,7 @@ class SpecConfig:
     triforce_sinks: int = 4
     triforce_window: int = 252
     triforce_bottom: str = "ngram"
+    triforce_schedule: str = "sps"  # placement=actors: sps (sequential) or pearl (middle drafts while the top verifies)
     # method=trained: a trained drafter artifact (name under $SPECRAY_HOME/drafters, or a directory); see decoding/artifacts.py
     drafter: str | None = None
     draft_vocab: int = 0
@@ -219,6 +228,11 @@ class SpecConfig:
             self.triforce_bottom in TRIFORCE_BOTTOMS,
             "triforce_bottom",
             f"unknown bottom drafter {self.triforce_bottom!r}; choose from {', '.join(TRIFORCE_BOTTOMS)}",
+        )
+        _check(
+            self.triforce_schedule in TRIFORCE_SCHEDULES,
+            "triforce_schedule",
+            f"unknown schedule {self.triforce_schedule!r}; choose from {', '.join(TRIFORCE_SCHEDULES)}",
         )
 
     def for_method(self, label: str) -> SpecConfig:

@@ -31,8 +31,11 @@ def draft_depth(cfg: SpecConfig) -> int:
     return shape.max_depth if cfg.tree == "static" else cfg.k
 
 
-def build_drafter(cfg: SpecConfig, target: LoadedModel) -> Drafter | None:
-    """The drafter a method uses; checks knobs that depend on the model (exit layer vs depth)."""
+def build_drafter(cfg: SpecConfig, target: LoadedModel, device: str = "cpu") -> Drafter | None:
+    """The drafter a method uses; checks knobs that depend on the model (exit layer vs depth).
+
+    ``device``: where a separate draft model is put (a model worker placed on a GPU passes ``cuda``).
+    """
     depth = len(ModelAdapter(target.model).layers)
     shape = tree_shape(cfg)
     if cfg.method == "ar":
@@ -48,12 +51,12 @@ def build_drafter(cfg: SpecConfig, target: LoadedModel) -> Drafter | None:
             draft = load_model(cfg.draft_model, cfg.dtype)
             if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
                 raise ConfigError("draft_model", f"{cfg.draft_model!r} does not share the target's tokenizer")
-            return DraftModelDrafter(ModelAdapter(draft.model), cfg.confidence_threshold, tree=shape)
+            return DraftModelDrafter(ModelAdapter(draft.model.to(device)), cfg.confidence_threshold, tree=shape)
         if cfg.draft_layers >= depth:
             raise ConfigError("draft_layers", f"must be below the model's {depth} layers, got {cfg.draft_layers}")
         return DraftModelDrafter(ModelAdapter(target.model, num_layers=cfg.draft_layers), cfg.confidence_threshold, tree=shape)
     if cfg.method == "triforce":
-        return _triforce_drafter(cfg, target, depth)
+        return _triforce_drafter(cfg, target, depth, device)
     if cfg.method == "trained":
         from decoding.artifacts import load_artifact
 
@@ -61,7 +64,7 @@ def build_drafter(cfg: SpecConfig, target: LoadedModel) -> Drafter | None:
     raise ConfigError("method", f"unknown method {cfg.method!r}")  # unreachable: SpecConfig checks it
 
 
-def _triforce_drafter(cfg: SpecConfig, target: LoadedModel, depth: int) -> Drafter:
+def _triforce_drafter(cfg: SpecConfig, target: LoadedModel, depth: int, device: str = "cpu") -> Drafter:
     from decoding.triforce import TriForceDrafter
 
     bottom = None
@@ -71,7 +74,7 @@ def _triforce_drafter(cfg: SpecConfig, target: LoadedModel, depth: int) -> Draft
         draft = load_model(cfg.draft_model, cfg.dtype)
         if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
             raise ConfigError("draft_model", f"{cfg.draft_model!r} does not share the target's tokenizer")
-        bottom = ModelAdapter(draft.model)
+        bottom = ModelAdapter(draft.model.to(device))
     elif cfg.triforce_bottom == "layers":
         if cfg.draft_layers >= depth:
             raise ConfigError("draft_layers", f"must be below the model's {depth} layers, got {cfg.draft_layers}")

@@ -154,10 +154,8 @@ def levels(decoder, length: int) -> dict:
     if not hasattr(target, "num_layers"):  # the model lives in a worker (actors): nothing to read here
         return {}
     out = {"kv_bytes": {"top": bm.kv_bytes_per_token(target) * (length + decoder.cfg.k + 1)}}
-    drafter = decoder.drafter
-    if hasattr(drafter, "inner_steps"):
-        out["kv_bytes"].update(drafter.cache_bytes())
-        out["middle_steps"] = len(drafter.inner_steps)
-        out["middle_drafted"] = sum(s.drafted for s in drafter.inner_steps)
-        out["middle_accepted"] = sum(s.accepted for s in drafter.inner_steps)
+    if hasattr(decoder.drafter, "level_stats"):
+        inner = decoder.drafter.level_stats()
+        out["kv_bytes"].update(inner.pop("kv_bytes"))
+        out.update(inner)
     return out

@@ -230,11 +230,21 @@ class RetrievalCache(SparseKVCache):
         return self.chunks
 
     def sync(self) -> None:
-        """Copy the full cache's KV for positions committed since the last sync; length follows the full cache."""
+        """Copy the full cache's exact KV of the positions it gained since the last sync (over the middle's own KV of them).
+
+        Positions past the full cache that the view already holds stay: they are the middle's KV of tokens the
+        full cache has not reached yet (a draft side running ahead of its verifier); the caller cuts off the
+        stale ones with :meth:`truncate` first.
+        """
         n = self.full.length
         self.copy_from(self.full.k, self.full.v, self.synced, n)
         self.synced = n
-        self.rollback(n)
+        self.rollback(max(self.length, n))
+
+    def truncate(self, length: int) -> None:
+        """Forget positions from ``length`` on (the tokens there changed); the next sync recopies what it must."""
+        self.rollback(min(self.length, length))
+        self.synced = min(self.synced, length)
 
 
 class ViewAdapter:

@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoding.adapter import KVCache, ModelAdapter
-from decoding.drafters import DecodeState, DraftModelDrafter, Proposal
+from decoding.drafters import DecodeState, Drafter, DraftModelDrafter, Proposal
 from decoding.loop import ContextTooLong, Generation, verify
 from decoding.metrics import StepRecord, summarize
 from decoding.sampling import SamplingParams, warp
@@ -77,11 +77,21 @@ SCHEDULES = ("pearl", "sps")
 
 
 @dataclass
+class KVBlock:
+    """The target's exact keys and values of positions start .. start + t - 1, every layer (``KVCache.export``)."""
+
+    start: int
+    keys: torch.Tensor  # [L, 1, H, t, D]
+    values: torch.Tensor
+
+
+@dataclass
 class TargetRequest:
     start: int  # cache slot of the pending token (committed length - 1)
     ids: list[int]  # [pending, d_1 .. d_j]
     probs: torch.Tensor | None = None  # [1, j, V] q rows of d_1..d_j (sampling with a model draft only)
     want_p: bool = False  # return the warped p after d_j when all j are accepted (PEARL sampling)
+    want_kv: bool = False  # return the KV the cache keeps of this forward (a draft side that reads the target's cache)
 
 
 @dataclass
@@ -92,6 +102,7 @@ class TargetResult:
     p_last: torch.Tensor | None = None  # [1, V] warped target distribution after d_j (only all-accepted + want_p)
     compute_s: float = 0.0
     draft_compute_s: float = 0.0  # when the drafts came chained from the draft side (sequential schedule)
+    kv: KVBlock | None = None  # want_kv: the KV of pending + the m accepted drafts
 
 
 @dataclass
@@ -99,6 +110,7 @@ class DraftRequest:
     keep: int  # how many tokens of the draft side's sequence are still valid
     append: list[int]  # tokens that follow them (committed by the last verdict)
     k: int  # drafts to propose after keep + append (0 = only sync)
+    kv: KVBlock | None = None  # the target's exact KV of tokens committed by the last verdict (hierarchical draft sides)
 
 
 @dataclass
@@ -154,6 +166,7 @@ class TargetSide:
         p_last = None
         if req.want_p and m == j and not self.sampling.greedy:
             p_last = warp(logits[:, -1], self.sampling).cpu()
+        kv = KVBlock(req.start, *self.cache.export(req.start, req.start + 1 + m)) if req.want_kv else None
         return TargetResult(
             num_accepted=m,
             tokens=verdict.tokens[0, : m + 1].tolist(),
@@ -161,57 +174,87 @@ class TargetSide:
             p_last=p_last,
             compute_s=time.perf_counter() - t0,
             draft_compute_s=chained.compute_s if chained is not None else 0.0,
+            kv=kv,
         )
 
 
 class DraftSide:
-    """The draft model behind ``DraftModelDrafter``; remembers the token sequence its cache was built from.
+    """A drafter and the token sequence its state was built from; answers ``DraftRequest``s.
 
-    Drafts are kept provisionally (the cache keeps every fed draft) so that a
+    ``drafter``: a ``DraftModelDrafter`` (PEARL, two-actor SpS), or a drafter
+    that reads the target and its cache, TriForce's middle level; ``target``
+    is then this side's copy of the target model, whose cache the side fills
+    with the prompt and afterwards with the exact KV the verifier ships in each
+    request (``DraftRequest.kv``), so the middle level sees what it would in one
+    process without running the full target itself.
+
+    Drafts are kept provisionally (the drafter keeps every fed draft) so that a
     chained draft run (PEARL post-verify) continues without refeeding; a
     request's ``keep`` then cuts the sequence back to what the verdict kept.
     """
 
-    def __init__(self, adapter: ModelAdapter, sampling: SamplingParams = GREEDY, confidence_threshold: float = 0.0):
-        self.adapter = adapter
-        self.drafter = DraftModelDrafter(adapter, confidence_threshold)
+    def __init__(self, drafter: Drafter, sampling: SamplingParams = GREEDY, target: ModelAdapter | None = None):
+        self.drafter, self.target = drafter, target
+        self.device = (target or drafter.adapter).device
         self.state: DecodeState | None = None
-        self.tokens: list[int] = []  # the sequence behind the cache: committed + provisional drafts
-        self.generator = torch.Generator(device=adapter.device)
+        self.tokens: list[int] = []  # the sequence behind the drafter's state: committed + provisional drafts
+        self.started = False
+        self.generator = torch.Generator(device=self.device)
         self.sampling = sampling
+
+    @classmethod
+    def of_model(cls, adapter: ModelAdapter, sampling: SamplingParams = GREEDY, confidence_threshold: float = 0.0) -> DraftSide:
+        """The plain draft side: a draft model (or the target's first layers) with its own cache."""
+        return cls(DraftModelDrafter(adapter, confidence_threshold), sampling)
 
     def prefill(self, prompt: list[int], max_len: int, seed: int = 0, sampling: SamplingParams | None = None) -> float:
         t0 = time.perf_counter()
-        a = self.adapter
         self.generator.manual_seed(seed)
         self.sampling = sampling or self.sampling
-        ids = torch.tensor([prompt], dtype=torch.long, device=a.device)
-        self.state = DecodeState(ids, None, None, self.sampling, self.generator, max_len)
-        self.drafter.start(self.state)
-        a.forward(self.drafter.cache, 0, input_ids=ids)
-        self.drafter.cache.rollback(len(prompt))
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        self.state = DecodeState(ids, self.target, None, self.sampling, self.generator, max_len)
         self.tokens = list(prompt)
+        if self.target is not None:
+            # this side's full cache of the prompt; the drafter starts at the first request, which brings the pending token
+            self.state.target_cache = self.target.new_cache(1, max_len)
+            self.target.forward(self.state.target_cache, 0, input_ids=ids)
+            self.state.target_cache.rollback(len(prompt))
+            self.started = False
+        else:  # a draft model: prefill its cache now, beside the target's prefill
+            self.drafter.start(self.state)
+            self.drafter.adapter.forward(self.drafter.cache, 0, input_ids=ids)
+            self.drafter.cache.rollback(len(prompt))
+            self.started = True
         return time.perf_counter() - t0
 
     def draft(self, req: DraftRequest) -> DraftResult:
         t0 = time.perf_counter()
         if req.keep > len(self.tokens):
             raise ValueError(f"keep={req.keep} beyond the draft sequence of {len(self.tokens)} tokens")
+        if req.kv is not None and self.state.target_cache is not None:
+            self.state.target_cache.write(req.kv.start, req.kv.keys, req.kv.values)
         seq = self.tokens[: req.keep] + list(req.append)
-        cache = self.drafter.cache
-        # KV past `keep` belongs to rejected drafts; at least the last token must be (re)fed to get logits
-        cache.rollback(min(cache.length, req.keep, len(seq) - 1))
         self.tokens = seq
+        self.state.tokens = torch.tensor([seq], dtype=torch.long, device=self.device)
+        if not self.started:
+            self.drafter.start(self.state)
+            self.started = True
+        # state past `keep` belongs to rejected drafts; at least the last token must be (re)fed to get logits
+        self.drafter.truncate(min(req.keep, len(seq) - 1))
         if req.k <= 0:
             return DraftResult(tokens=[], compute_s=time.perf_counter() - t0)
-        self.state.tokens = torch.tensor([seq], dtype=torch.long, device=self.adapter.device)
         proposal = self.drafter.propose(self.state, req.k)
-        j = proposal.tokens.shape[1]
-        self.drafter.update(self.state, j)  # keep every fed draft; the next request's `keep` cuts back
         drafts = proposal.tokens[0].tolist()
         self.tokens = seq + drafts
+        # as if every draft were committed: the drafter keeps all it fed; the next request's `keep` cuts back
+        self.state.tokens = torch.tensor([self.tokens], dtype=torch.long, device=self.device)
+        self.drafter.update(self.state, len(drafts))
         probs = None if proposal.probs is None else proposal.probs.cpu()
         return DraftResult(tokens=drafts, probs=probs, compute_s=time.perf_counter() - t0)
+
+    def level_stats(self) -> dict:
+        """A hierarchical drafter's lower levels in the latest generation (``TriForceDrafter.level_stats``); else {}."""
+        return self.drafter.level_stats() if hasattr(self.drafter, "level_stats") and self.started else {}
 
 
 # ---- schedules: pure state machines ---------------------------------------------------------
@@ -239,8 +282,12 @@ class _Schedule:
 
     parallel = False
 
-    def __init__(self, prompt_len: int, first_token: int, k: int, max_new_tokens: int, eos=(), sampling=GREEDY, generator=None):
+    def __init__(
+        self, prompt_len: int, first_token: int, k: int, max_new_tokens: int, eos=(), sampling=GREEDY, generator=None, ship_kv=False
+    ):
         self.k = k
+        self.ship_kv = ship_kv  # pass the target's KV of each verdict's tokens on to the draft side (TriForce over actors)
+        self.kv: KVBlock | None = None  # the latest verdict's KV, for the next draft request
         self.max_new_tokens = max_new_tokens
         self.eos = {int(e) for e in eos}
         self.sampling = sampling
@@ -257,6 +304,10 @@ class _Schedule:
     @property
     def remaining(self) -> int:
         return self.max_new_tokens - len(self.new)
+
+    def _requests(self, ids: list[int], k: int, probs=None, want_p=False) -> tuple[TargetRequest, DraftRequest]:
+        treq = TargetRequest(start=self.n - 1, ids=ids, probs=probs, want_p=want_p, want_kv=self.ship_kv)
+        return treq, DraftRequest(keep=self.draft_keep, append=self.draft_append, k=k, kv=self.kv)
 
     def _commit(self, tokens: list[int]) -> list[int]:
         """Append tokens, cut at the first EOS and at max_new_tokens; returns what was committed."""
@@ -282,11 +333,10 @@ class SequentialSchedule(_Schedule):
 
     def requests(self) -> tuple[TargetRequest, DraftRequest]:
         kk = max(0, min(self.k, self.remaining - 1))  # never draft more than can be committed
-        dreq = DraftRequest(keep=self.draft_keep, append=self.draft_append, k=kk)
-        return TargetRequest(start=self.n - 1, ids=[self.pending]), dreq
+        return self._requests([self.pending], kk)
 
     def join(self, t: TargetResult, d: DraftResult | None = None) -> list[int]:
-        m, n_before = t.num_accepted, self.n
+        m, n_before, self.kv = t.num_accepted, self.n, t.kv
         self.steps.append(StepRecord(drafted=t.drafted, accepted=m, draft_s=t.draft_compute_s, verify_s=t.compute_s))
         # the draft sequence was committed + drafts; its first n_before + m tokens survive the verdict
         self.draft_keep, self.draft_append = n_before + m, [t.tokens[m]]
@@ -312,16 +362,10 @@ class PearlSchedule(_Schedule):
         j = len(self.unverified)
         # this round commits at most j + 1 tokens; drafts past what can ever be committed are wasted work
         gamma = max(0, min(self.k, self.remaining - j - 1))
-        treq = TargetRequest(
-            start=self.n - 1,
-            ids=[self.pending, *self.unverified],
-            probs=self.unverified_q,
-            want_p=not self.sampling.greedy and gamma > 0,
-        )
-        return treq, DraftRequest(keep=self.draft_keep, append=self.draft_append, k=gamma)
+        return self._requests([self.pending, *self.unverified], gamma, self.unverified_q, not self.sampling.greedy and gamma > 0)
 
     def join(self, t: TargetResult, d: DraftResult) -> list[int]:
-        D, j, m, n_before = self.unverified, len(self.unverified), t.num_accepted, self.n
+        D, j, m, n_before, self.kv = self.unverified, len(self.unverified), t.num_accepted, self.n, t.kv
         self.counts["post_verify_rounds" if j else "pre_verify_rounds"] += 1
         self.steps.append(StepRecord(drafted=j, accepted=m, draft_s=d.compute_s, verify_s=t.compute_s))
         X = d.tokens
@@ -405,8 +449,11 @@ def generate_two_sided(
     seed: int = 0,
     max_context: int | None = None,
     on_step: Callable[[list[int]], None] | None = None,
+    ship_kv: bool = False,
 ) -> Generation:
     """Generate with a two-sided schedule; ``executor`` runs the requests (``LocalExecutor`` or an actor executor).
+
+    ``ship_kv``: the draft side reads the target's cache (TriForce's middle level): each verdict's KV goes to it.
 
     Seeds: target side ``seed``, draft side ``seed + 1``, the schedule's own
     draws (PEARL's first-draft check) ``seed + 2``.
@@ -426,7 +473,7 @@ def generate_two_sided(
     first = executor.prefill(prompt, max_len, seed, sampling)
     prefill_s = time.perf_counter() - t_start
     gen = torch.Generator().manual_seed(seed + 2)
-    sched = make_schedule(schedule, len(prompt), first, k, max_new_tokens, eos_token_ids, sampling, gen)
+    sched = make_schedule(schedule, len(prompt), first, k, max_new_tokens, eos_token_ids, sampling, gen, ship_kv)
     if on_step:
         on_step([first])
     while not sched.finished:

@@ -108,7 +108,10 @@ class TriForceDrafter(Drafter):
         from decoding.loop import speculative_step  # the loop imports drafters; this drafter runs the loop's step
 
         self.retrieval.sync()
-        inner = self.inner
+        inner, view, n = self.inner, self.retrieval, state.tokens.shape[1]
+        if view.length < n - 1:  # tokens the full cache has not reached yet and the middle has not seen (a draft side)
+            inner.target.forward(view, view.length, input_ids=state.tokens[:, view.length : n - 1])
+            view.rollback(n - 1)
         inner.tokens = state.tokens
         tokens, probs = [], []
         while len(tokens) < k:
@@ -123,9 +126,24 @@ class TriForceDrafter(Drafter):
 
     def update(self, state: DecodeState, num_accepted: int) -> None:
         # the top kept n + m of the middle's tokens and replaced the next one
-        self.bottom.truncate(state.tokens.shape[1] - 1)
+        self.truncate(state.tokens.shape[1] - 1)
+
+    def truncate(self, length: int) -> None:
+        """The committed tokens were cut back to their first ``length``: both levels forget what lies beyond."""
+        self.bottom.truncate(length)
+        self.retrieval.truncate(length)
 
     def cache_bytes(self) -> dict:
         """KV bytes held by the middle (retrieval view) and bottom (streaming view) levels."""
         bottom = getattr(getattr(self.bottom, "cache", None), "nbytes", None)
         return {"middle": self.retrieval.nbytes() if self.retrieval else 0, "bottom": bottom() if bottom else 0}
+
+    def level_stats(self) -> dict:
+        """The latest generation's middle level: KV bytes of the two lower levels and the bottom's drafts it judged."""
+        steps = self.inner_steps
+        return {
+            "kv_bytes": self.cache_bytes(),
+            "middle_steps": len(steps),
+            "middle_drafted": sum(s.drafted for s in steps),
+            "middle_accepted": sum(s.accepted for s in steps),
+        }

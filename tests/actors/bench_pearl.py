@@ -1,10 +1,16 @@
-"""Measure PEARL vs two-actor SpS vs in-process SpS vs AR in one run (not a test; run it by hand).
+"""Measure two-actor schedules against their in-process forms and AR in one run (not a test; run it by hand).
 
     python tests/actors/bench_pearl.py --prompts 5 --max-new-tokens 64 [--synthetic-alpha 0.8] [--transport calls]
+    python tests/actors/bench_pearl.py --method triforce --context-tokens 4096 --prompts 2 --max-new-tokens 128
+
+``--method pearl`` (default): PEARL and SpS over two actors vs in-process SpS vs AR.
+``--method triforce``: TriForce with its middle and bottom levels in the draft
+actor, under the sequential and the PEARL schedule, vs in-process TriForce vs
+AR, on long-context prompts of ``--context-tokens`` tokens.
 
 Draft and target workers get one core each (placement on a 2-CPU local Ray);
 the in-process methods run in this process with ``--threads`` torch threads
-while the workers sit idle. ``--synthetic-alpha A`` adds a labelled run with a
+while the workers sit idle. ``--synthetic-alpha A`` (pearl) adds a labelled run with a
 *synthetic* draft: it does the shallow draft's real compute, then replaces its
 tokens by AR's own continuation with probability A per token (a stand-in for a
 trained draft with acceptance ~A at the shallow draft's cost).
@@ -20,16 +26,20 @@ import time
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--method", choices=["pearl", "triforce"], default="pearl")
     ap.add_argument("--prompts", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", type=int, default=None, help="draft length (default: 4 for pearl, 6 for triforce)")
     ap.add_argument("--draft-layers", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--transport", default="calls")
     ap.add_argument("--synthetic-alpha", type=float, default=0.0)
     ap.add_argument("--categories", default="writing,coding,summarization,rag,math_reasoning,translation")
+    ap.add_argument("--context-tokens", type=int, default=4096, help="triforce: prompt length")
+    ap.add_argument("--triforce-budget", type=int, default=512)
     args = ap.parse_args()
+    args.k = args.k or (6 if args.method == "triforce" else 4)
 
     from tests_support import spec_bench_prompts
 
@@ -38,59 +48,83 @@ def main():
     from cluster.runtime import connect
     from decoding.config import SpecConfig
     from decoding.engine import SpecDecoder
+    from decoding.workloads import load_prompts
 
-    cats = args.categories.split(",")
-    prompts = spec_bench_prompts(per_category=1, categories=cats)[: args.prompts]
     base = SpecConfig(dtype=args.dtype, max_new_tokens=args.max_new_tokens, k=args.k, draft_layers=args.draft_layers)
     connect(num_cpus=2)
-    actor_cfg = base.replace(method="pearl", placement="actors", actor_transport=args.transport)
+    if args.method == "pearl":
+        actor_cfg = base.replace(method="pearl", placement="actors", actor_transport=args.transport)
+        variants = {"pearl[actors]": actor_cfg, "sps[actors]": actor_cfg.replace(method="sps")}
+        local_cfgs = {"ar": base, "sps": base.replace(method="sps")}
+    else:
+        tri = dict(method="triforce", triforce_budget=args.triforce_budget)
+        actor_cfg = base.replace(placement="actors", actor_transport=args.transport, **tri)
+        variants = {f"triforce-{s}[actors]": actor_cfg.replace(triforce_schedule=s) for s in ("sps", "pearl")}
+        local_cfgs = {"ar": base, "triforce": actor_cfg.replace(placement="local")}
     target, draft, placement, cleanup = place_workers(actor_cfg)
-    decs = {
-        "pearl[actors]": ActorDecoder(actor_cfg, target, draft, placement),
-        "sps[actors]": ActorDecoder(actor_cfg.replace(method="sps"), target, draft, placement),
-    }
-    local = {"ar": SpecDecoder(base.replace(threads=args.threads)), "sps": SpecDecoder(base.replace(method="sps", threads=args.threads))}
+    decs = {name: ActorDecoder(cfg, target, draft, placement) for name, cfg in variants.items()}
+    local = {name: SpecDecoder(cfg.replace(threads=args.threads)) for name, cfg in local_cfgs.items()}
     enc = local["ar"]
-    ids = [enc.encode(q["turns"][0], chat=True) for q in prompts]
+    if args.method == "pearl":
+        texts = [q["turns"][0] for q in spec_bench_prompts(per_category=1, categories=args.categories.split(","))[: args.prompts]]
+    else:
+        from jobs.bench import long_prompts
+
+        texts = [p.prompt for p in long_prompts(load_prompts(), [args.context_tokens], args.prompts, base)]
+    ids = [enc.encode(t, chat=True) for t in texts]
     warm = enc.encode("Say hi.", chat=True)
     for d in list(decs.values()) + list(local.values()):
         d.generate_ids(warm, max_new_tokens=8)
 
-    totals = {name: {"tokens": 0, "wall": 0.0, "forwards": 0, "identical": 0, "rounds": []} for name in [*local, *decs]}
+    totals = {name: dict(tokens=0, wall=0.0, prefill=0.0, forwards=0, identical=0, rounds=[], levels=[]) for name in [*local, *decs]}
     refs = []
     for x in ids:
         ref = None
-        for name in ["ar", "sps", "pearl[actors]", "sps[actors]"]:
+        for name in [*local, *decs]:  # ar first: the reference
             dec = local.get(name) or decs[name]
             out = dec.generate_ids(x)
             ref = out.token_ids if name == "ar" else ref
             t = totals[name]
             t["tokens"] += out.stats.new_tokens
             t["wall"] += out.stats.wall_s
+            t["prefill"] += out.stats.prefill_s
             t["forwards"] += out.stats.target_forwards
             t["identical"] += out.token_ids == ref
             t["rounds"] += getattr(out, "rounds", [])
+            if name in decs and args.method == "triforce":
+                t["levels"].append(dec.stats_of(out)["levels"])
         refs.append(ref)
 
     from decoding.pearl import round_summary
 
-    probe = decs["pearl[actors]"].rpc_probe(50)
+    probe = next(iter(decs.values())).rpc_probe(50)
     rows = {}
+
+    def decode_tps(t):  # tokens after the first over the time after prefill (long prompts: prefill dominates wall)
+        return (t["tokens"] - len(ids)) / (t["wall"] - t["prefill"])
+
     ar_tps = totals["ar"]["tokens"] / totals["ar"]["wall"]
     for name, t in totals.items():
         tps = t["tokens"] / t["wall"]
         rows[name] = {
             "tokens_per_s": round(tps, 2),
             "speedup_vs_ar": round(tps / ar_tps, 3),
+            "decode_speedup_vs_ar": round(decode_tps(t) / decode_tps(totals["ar"]), 3),
+            "prefill_s": round(t["prefill"], 2),
             "tokens_per_target_forward": round(t["tokens"] / t["forwards"], 3),
             "identical_to_ar": f"{t['identical']}/{len(ids)}",
             **({"per_round_ms": {k: round(v, 2) for k, v in round_summary(t["rounds"]).items()}} if t["rounds"] else {}),
         }
-    rows["pearl_over_sps_actors"] = round(rows["pearl[actors]"]["tokens_per_s"] / rows["sps[actors]"]["tokens_per_s"], 3)
+        if t["levels"]:
+            drafted = sum(lv["middle_drafted"] for lv in t["levels"])
+            rows[name]["middle_acceptance"] = round(sum(lv["middle_accepted"] for lv in t["levels"]) / max(drafted, 1), 3)
+    if args.method == "pearl":
+        rows["pearl_over_sps_actors"] = round(rows["pearl[actors]"]["tokens_per_s"] / rows["sps[actors]"]["tokens_per_s"], 3)
+    rows["prompt_tokens"] = [int(x.shape[1]) for x in ids]
     rows["rpc_probe_ms"] = {k: round(v, 3) for k, v in probe.items()}
 
     print(json.dumps(rows, indent=1), flush=True)
-    if args.synthetic_alpha > 0:
+    if args.synthetic_alpha > 0 and args.method == "pearl":
         rows["synthetic"] = synthetic_run(args, actor_cfg, target, draft, ids, refs, local["ar"], totals)
     cleanup()
     print(json.dumps({"config": vars(args), "placement": {k: placement[k] for k in ("strategy", "bundles", "reason")}, **rows}, indent=1))
@@ -112,7 +146,7 @@ def synthetic_run(args, actor_cfg, target, draft, ids, refs, ar, totals):
 
             cfg = SpecConfig.from_json(cfg_json)
             set_threads(threads)
-            self.side = DraftSide(ModelAdapter(load_model(cfg.model, cfg.dtype).model, num_layers=cfg.draft_layers))
+            self.side = DraftSide.of_model(ModelAdapter(load_model(cfg.model, cfg.dtype).model, num_layers=cfg.draft_layers))
             self.alpha, self.rng, self.oracle, self.prompt_len = alpha, random.Random(0), [], 0
 
         def set_oracle(self, tokens):

@@ -28,22 +28,6 @@ BASE = SpecConfig(method="pearl", dtype="float32", max_new_tokens=NEW, placement
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    from cluster.runtime import connect, shutdown_if_started_here
-
-    info = connect(num_cpus=2)
-    yield info
-    shutdown_if_started_here()
-
-
-@pytest.fixture(scope="module")
-def workers(local_ray):
-    target, draft, placement, cleanup = place_workers(BASE)
-    yield target, draft, placement
-    cleanup()
-
-
-@pytest.fixture(scope="module")
 def ar_reference(smollm2_fp32):
     dec = SpecDecoder(SpecConfig(dtype="float32", max_new_tokens=NEW))
     out = {}

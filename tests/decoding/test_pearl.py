@@ -113,7 +113,8 @@ PROMPT = torch.tensor([[3, 7, 3, 7, 3]])
 
 
 def sides(model, sampling=GREEDY, draft_layers=1):
-    return LocalExecutor(TargetSide(ModelAdapter(model), sampling), DraftSide(ModelAdapter(model, num_layers=draft_layers), sampling))
+    draft = DraftSide.of_model(ModelAdapter(model, num_layers=draft_layers), sampling)
+    return LocalExecutor(TargetSide(ModelAdapter(model), sampling), draft)
 
 
 @pytest.mark.parametrize("schedule", ["pearl", "sps"])

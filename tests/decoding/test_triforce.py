@@ -7,8 +7,9 @@ from conftest import tiny_llama
 from decoding.adapter import KVCache, ModelAdapter
 from decoding.config import ConfigError, SpecConfig
 from decoding.kv_views import RetrievalCache, SparseKVCache, ViewAdapter, chunk_scores_reference, streaming_cache
-from decoding.loop import generate
+from decoding.loop import GREEDY, generate
 from decoding.metrics import chi_square_pvalue
+from decoding.pearl import DraftRequest, DraftSide, LocalExecutor, TargetSide, generate_two_sided
 from decoding.triforce import TriForceDrafter
 from tests.decoding.test_loop import N_TOKENS, PROMPT, SAMPLING, WARPED, exact_joint, sample_counts
 
@@ -172,6 +173,71 @@ def test_middle_level_is_sparse_and_rejected_sometimes(tiny_model):
         accepted += sum(s.accepted for s in out.steps)
         assert isinstance(d.retrieval, SparseKVCache) and d.retrieval.kept == 3
     assert 0.1 < accepted / drafted < 0.95
+
+
+# ---- the levels on two sides (the middle and bottom on a draft side, the full target on a target side) --------
+def two_sided(model, sampling=GREEDY, **knobs):
+    """A target side and a draft side hosting TriForce's lower levels over its own copy of the target."""
+    draft = DraftSide(triforce(model, **knobs), sampling, target=ModelAdapter(model))
+    return LocalExecutor(TargetSide(ModelAdapter(model), sampling), draft)
+
+
+@pytest.mark.parametrize("schedule", ["sps", "pearl"])
+@pytest.mark.parametrize("bottom", ["layers", "ngram", "model"])
+def test_two_sided_greedy_equals_ar(tiny_model, schedule, bottom):
+    ref = generate(ModelAdapter(tiny_model), LONG, max_new_tokens=30).token_ids
+    ex = two_sided(tiny_model, bottom=bottom, budget=8, chunk_size=4, gamma=2)
+    out = generate_two_sided(ex, LONG, schedule=schedule, k=3, max_new_tokens=30, ship_kv=True)
+    assert out.token_ids == ref
+    stats = ex.draft.level_stats()
+    assert stats["middle_drafted"] > 0 and stats["kv_bytes"]["middle"] > 0
+
+
+def test_shipped_kv_makes_the_draft_side_draft_as_in_one_process(tiny_model):
+    # sequential schedule + the verdicts' exact KV: the middle level sees what it sees in process, step for step
+    local = triforce(tiny_model, budget=8, chunk_size=4, gamma=2)
+    generate(ModelAdapter(tiny_model), LONG, drafter=local, k=3, max_new_tokens=30)
+    ex = two_sided(tiny_model, budget=8, chunk_size=4, gamma=2)
+    generate_two_sided(ex, LONG, schedule="sps", k=3, max_new_tokens=30, ship_kv=True)
+    remote = ex.draft.drafter
+    assert [(s.drafted, s.accepted) for s in remote.inner_steps] == [(s.drafted, s.accepted) for s in local.inner_steps]
+    full = ex.draft.state.target_cache
+    top = ex.target.cache
+    # the draft side's copy of the full cache followed the verifier's, up to the last verdict (no request after it)
+    assert LONG.shape[1] < full.length < top.length
+    torch.testing.assert_close(full.k[1][:, :, : full.length], top.k[1][:, :, : full.length], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("schedule", ["sps", "pearl"])
+def test_without_shipped_kv_the_middle_keeps_its_own_kv_and_stays_lossless(tiny_model, schedule):
+    ref = generate(ModelAdapter(tiny_model), LONG, max_new_tokens=24).token_ids
+    ex = two_sided(tiny_model, budget=8, chunk_size=4, gamma=2)
+    out = generate_two_sided(ex, LONG, schedule=schedule, k=3, max_new_tokens=24)
+    assert out.token_ids == ref
+    assert ex.draft.state.target_cache.length == LONG.shape[1]  # the draft side's full cache never moved past the prompt
+
+
+def test_draft_side_catches_up_on_tokens_it_never_drafted_after(tiny_model):
+    # a request that only syncs (k=0) leaves its appended token unfed; the next one must feed it (and its own) first.
+    # With the whole prompt retrieved the middle level is the target itself: its drafts are the target's greedy tokens.
+    side = DraftSide(triforce(tiny_model, budget=20, chunk_size=4, window=8), target=ModelAdapter(tiny_model))
+    prompt = LONG[0].tolist()
+    side.prefill(prompt, 48)
+    side.draft(DraftRequest(keep=len(prompt), append=[5], k=0))
+    drafts = side.draft(DraftRequest(keep=len(prompt) + 1, append=[9, 2, 11, 4], k=6)).tokens
+    ref = generate(ModelAdapter(tiny_model), torch.tensor([prompt + [5, 9, 2, 11, 4]]), max_new_tokens=6).token_ids
+    assert drafts == ref
+
+
+@pytest.mark.parametrize("schedule, draws", [("sps", 1200), ("pearl", 1200)])
+def test_two_sided_sampled_distribution_matches_target(tiny_model, schedule, draws):
+    ex = two_sided(tiny_model, SAMPLING)
+    counts = torch.zeros([tiny_model.config.vocab_size] * N_TOKENS, dtype=torch.long)
+    for i in range(draws):
+        out = generate_two_sided(ex, PROMPT, schedule=schedule, k=3, sampling=SAMPLING, max_new_tokens=N_TOKENS + 1, seed=i, ship_kv=True)
+        counts[tuple(out.token_ids[:N_TOKENS])] += 1
+    p = chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING))
+    assert p > 1e-4, f"triforce over two sides ({schedule}): sampled tokens do not follow the target (p={p:.2e})"
 
 
 # ---- knobs -----------------------------------------------------------------------------------------------
