@@ -179,6 +179,8 @@ class ActorDecoder:
         stats["rpc"] = round_summary(out.rounds)
         if out.schedule_counts:
             stats["pearl"] = dict(out.schedule_counts, gamma=self.cfg.k)
+        rss = self.executor._get([self.target.peak_rss_mb.remote(), self.draft.peak_rss_mb.remote()], "workers")
+        stats["peak_rss_mb"] = dict(zip(("target", "draft"), rss, strict=True))
         if self.cfg.method == "triforce":
             stats["levels"] = self.executor._get(self.draft.level_stats.remote(), "draft worker")
         return stats

@@ -31,6 +31,7 @@ import torch
 
 import kernels
 from decoding.adapter import ModelAdapter
+from decoding.benchmark import peak_rss_mb, reset_peak_rss
 from decoding.config import ConfigError
 from decoding.engine import SpecDecoder, build_drafter
 from decoding.models import load_model, set_threads
@@ -113,6 +114,7 @@ class ModelWorker:
     # ---- the decoding operations --------------------------------------------------------------
     def prefill(self, prompt: list[int], max_len: int, seed: int = 0, sampling: SamplingParams | None = None):
         """Start a generation: fill the cache, seed this worker's generator, take the generation's sampling params."""
+        reset_peak_rss()  # peak_rss_mb then reports this generation's peak
         return self.side.prefill(prompt, max_len, seed, sampling)
 
     def verify(self, req: TargetRequest, chained: DraftResult | None = None) -> TargetResult:
@@ -120,6 +122,10 @@ class ModelWorker:
 
     def draft(self, req: DraftRequest) -> DraftResult:
         return self.side.draft(req)
+
+    def peak_rss_mb(self) -> float | None:
+        """This worker's peak resident memory since the latest prefill (MiB; None off Linux)."""
+        return peak_rss_mb()
 
     def level_stats(self) -> dict:
         """TriForce's lower levels in the latest generation (draft worker); {} otherwise."""

@@ -92,7 +92,9 @@ def main():
             t["identical"] += out.token_ids == ref
             t["rounds"] += getattr(out, "rounds", [])
             if name in decs and args.method == "triforce":
-                t["levels"].append(dec.stats_of(out)["levels"])
+                stats = dec.stats_of(out)
+                t["levels"].append(stats["levels"])
+                t["rss"] = stats["peak_rss_mb"]
         refs.append(ref)
 
     from decoding.pearl import round_summary
@@ -118,6 +120,7 @@ def main():
         if t["levels"]:
             drafted = sum(lv["middle_drafted"] for lv in t["levels"])
             rows[name]["middle_acceptance"] = round(sum(lv["middle_accepted"] for lv in t["levels"]) / max(drafted, 1), 3)
+            rows[name]["peak_rss_mb_last_prompt"] = {k: round(v or 0) for k, v in t["rss"].items()}
     if args.method == "pearl":
         rows["pearl_over_sps_actors"] = round(rows["pearl[actors]"]["tokens_per_s"] / rows["sps[actors]"]["tokens_per_s"], 3)
     rows["prompt_tokens"] = [int(x.shape[1]) for x in ids]

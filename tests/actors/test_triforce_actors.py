@@ -59,5 +59,7 @@ def test_greedy_identical_to_ar(workers, long_prompt_and_ar, schedule):
     # the middle level's cache is the retrieval view: far smaller than the prompt's full KV
     assert 0 < levels["kv_bytes"]["middle"] < 30 * 2 * 3 * 64 * 4 * ids.shape[1] / 2
     assert out.stats.mean_accepted_tokens > 1.5  # the middle level's drafts reach the full target
+    # memory per level: each worker holds a whole float32 SmolLM2-135M (~540 MB) plus its caches
+    assert all(stats["peak_rss_mb"][role] > 500 for role in ("target", "draft")), stats["peak_rss_mb"]
     if schedule == "pearl":
         assert out.schedule_counts["first_draft_checks"] > 0
