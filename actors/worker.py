@@ -62,8 +62,10 @@ class ModelWorker:
         gpu_ids = ray.get_gpu_ids()
         self.device = "cuda" if gpu_ids and torch.cuda.is_available() else "cpu"
         t0 = time.perf_counter()
-        # TriForce's draft worker hosts the middle level: the target itself (and its bottom drafter)
-        own_model = role == "draft" and cfg.draft_model and cfg.method != "triforce"
+        # the draft worker's model: TriForce's middle level is the target itself (its bottom drafter comes with it),
+        # else the separate draft model or the target's first draft_layers layers
+        draft = role == "draft" and cfg.method != "triforce"
+        own_model = draft and bool(cfg.draft_model)
         loaded = load_model(cfg.draft_model if own_model else cfg.model, cfg.dtype)
         if self.device != "cpu":
             loaded.model.to(self.device)
@@ -71,7 +73,7 @@ class ModelWorker:
         self.eos = loaded.eos_token_ids
         depth = len(loaded.model.model.layers)
         layers = None
-        if role == "draft" and not own_model and cfg.method != "triforce":
+        if draft and not own_model:
             if cfg.draft_layers >= depth:
                 raise ConfigError("draft_layers", f"must be below the model's {depth} layers, got {cfg.draft_layers}")
             layers = cfg.draft_layers

@@ -77,3 +77,17 @@ def tiny_model_dir(tmp_path_factory, smollm2_fp32):
     LlamaForCausalLM(cfg).save_pretrained(out)
     smollm2_fp32.tokenizer.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def long_prompt_and_ar(smollm2_fp32):
+    """A Spec-Bench long-context prompt of 1.1-1.2K tokens (chat template included) and AR's 32 greedy float32 tokens."""
+    from decoding.config import SpecConfig
+    from decoding.engine import SpecDecoder
+    from decoding.workloads import load_prompts, long_context_prompt
+
+    ar = SpecDecoder(SpecConfig(dtype="float32", max_new_tokens=32, threads=1))
+    prompt = long_context_prompt(load_prompts(), 1200, lambda text: ar.encode(text, chat=True).shape[1])
+    ids = ar.encode(prompt.prompt, chat=True)
+    assert 1100 <= ids.shape[1] <= 1200
+    return ids, ar.generate_ids(ids).token_ids

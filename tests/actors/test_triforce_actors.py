@@ -11,12 +11,10 @@ ray = pytest.importorskip("ray")
 
 from actors.driver import ActorDecoder  # noqa: E402
 from decoding.config import SpecConfig  # noqa: E402
-from decoding.engine import SpecDecoder  # noqa: E402
-from decoding.workloads import load_prompts, long_context_prompt  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-NEW = 32
+NEW = 32  # conftest.long_prompt_and_ar: AR's 32 tokens on a 1.1K-token prompt
 BASE = SpecConfig(
     method="triforce",
     dtype="float32",
@@ -30,14 +28,6 @@ BASE = SpecConfig(
     triforce_window=124,
     rpc_timeout_s=300,
 )
-
-
-@pytest.fixture(scope="module")
-def long_prompt_and_ar(smollm2_fp32):
-    ar = SpecDecoder(SpecConfig(dtype="float32", max_new_tokens=NEW, threads=1))
-    prompt = long_context_prompt(load_prompts(), 1200, lambda text: ar.encode(text, chat=True).shape[1])
-    ids = ar.encode(prompt.prompt, chat=True)
-    return ids, ar.generate_ids(ids).token_ids
 
 
 def test_both_workers_hold_the_whole_target(workers):

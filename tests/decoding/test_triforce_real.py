@@ -4,21 +4,11 @@ import pytest
 
 from decoding.config import SpecConfig
 from decoding.engine import SpecDecoder
-from decoding.workloads import load_prompts, long_context_prompt
 
 pytestmark = pytest.mark.slow
 
-BASE = SpecConfig(dtype="float32", max_new_tokens=32, threads=1)
+BASE = SpecConfig(dtype="float32", max_new_tokens=32, threads=1)  # the AR reference: conftest.long_prompt_and_ar
 SPARSE = dict(method="triforce", k=6, triforce_gamma=4, triforce_budget=256, triforce_chunk_size=16, triforce_sinks=4, triforce_window=124)
-
-
-@pytest.fixture(scope="module")
-def long_prompt_and_ar():
-    ar = SpecDecoder(BASE)
-    prompt = long_context_prompt(load_prompts(), 1200, lambda text: ar.encode(text, chat=True).shape[1])
-    ids = ar.encode(prompt.prompt, chat=True)
-    assert 1100 <= ids.shape[1] <= 1200
-    return ids, ar.generate_ids(ids).token_ids
 
 
 @pytest.mark.parametrize("bottom", ["layers", "ngram"])
