@@ -27,7 +27,14 @@ class KVCache:
 
     ``k[l]``/``v[l]``: [batch, kv_heads, max_len, head_dim]. ``length`` is the
     number of committed positions (the caller moves it to roll back).
-    ``cursor`` is where the current forward writes; the adapter sets it.
+    ``cursor`` is where the current forward writes; the adapter sets it: an int
+    (every row writes at the same slots) or a LongTensor [batch] (ragged rows,
+    each writing at its own length; see :meth:`ModelAdapter.forward`).
+
+    A batch of sequences shares one cache: :meth:`rows` is a view of the first
+    R rows (what a batched forward writes), :meth:`row` a one-row view with its
+    own ``length`` (what a sequence's drafter and verdict see). Views share the
+    storage; nothing is copied.
     """
 
     def __init__(self, num_layers, batch, kv_heads, head_dim, max_len, dtype, device):
@@ -38,15 +45,49 @@ class KVCache:
         self.length = 0
         self.cursor = 0
 
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+    def rows(self, begin: int, end: int | None = None) -> KVCache:
+        """A view of rows [begin, end) (storage shared, ``length`` 0)."""
+        end = begin + 1 if end is None else end
+        view = KVCache.__new__(KVCache)
+        view.k = [k[begin:end] for k in self.k]
+        view.v = [v[begin:end] for v in self.v]
+        view.max_len, view.length, view.cursor = self.max_len, 0, 0
+        return view
+
+    def row(self, index: int) -> KVCache:
+        return self.rows(index, index + 1)
+
     def update(self, key, value, layer_idx, *args, **kwargs):  # called by HF attention
         # key/value: [batch, kv_heads, T, head_dim]
         t = key.shape[2]
+        if isinstance(self.cursor, torch.Tensor):  # ragged rows: row b writes at cursor[b] .. cursor[b]+T
+            end = self._ragged_end
+            index = self._ragged_index  # [B, H, T, D] slot of each written element
+            self.k[layer_idx].scatter_(2, index, key)
+            self.v[layer_idx].scatter_(2, index, value)
+            return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
         end = self.cursor + t
         if end > self.max_len:
             raise IndexError(f"KV cache full: writing positions {self.cursor}..{end} of {self.max_len}")
         self.k[layer_idx][:, :, self.cursor : end] = key
         self.v[layer_idx][:, :, self.cursor : end] = value
         return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
+
+    def set_ragged_cursor(self, starts: torch.Tensor, t: int) -> int:
+        """Prepare a ragged write of T tokens per row at ``starts`` [B]; returns the slots attention reads (max start + T)."""
+        end = int(starts.max()) + t
+        if end > self.max_len:
+            raise IndexError(f"KV cache full: writing positions up to {end} of {self.max_len}")
+        slots = starts[:, None] + torch.arange(t, device=starts.device)  # [B, T]
+        k0 = self.k[0]
+        self._ragged_index = slots[:, None, :, None].expand(k0.shape[0], k0.shape[1], t, k0.shape[3]).to(k0.device)
+        self._ragged_end = end
+        self.cursor = starts
+        return end
 
     def compact(self, start: int, slots: torch.Tensor) -> None:
         """Move the KV at ``slots`` ([m] ascending, >= start) to the contiguous slots start..start+m, every layer.
@@ -136,6 +177,11 @@ class ModelAdapter:
     ) -> torch.Tensor:
         """Run layers [first, last) on T new tokens written at cache slots start..start+T.
 
+        ``start`` may be a LongTensor [batch]: ragged rows, row b writing at start[b]..start[b]+T and seeing
+        its own slots < start[b] plus its block (causal, or ``tree_mask`` [B, T, T] over the block); the
+        slots a shorter row does not own are masked out. Rows shorter than T pad their tail: the padded
+        queries write KV beyond the row's committed length, which the next write overwrites.
+
         Returns the hidden state after layer ``last - 1``: [batch, T, hidden]. A token tree passes
         ``tree_mask`` (the ancestor-or-self mask; W > T when earlier tree nodes already sit in the cache
         before ``start``: the W columns are the slots start+T-W .. start+T) and ``positions`` (root position
@@ -147,11 +193,18 @@ class ModelAdapter:
                 raise ValueError("input_ids only enter at layer 0; pass hidden for first > 0")
             hidden = self.embed(input_ids)
         bsz, t = hidden.shape[:2]
-        if positions is None:
-            positions = torch.arange(start, start + t, device=hidden.device).unsqueeze(0).expand(bsz, t)
+        if isinstance(start, torch.Tensor):
+            start = start.to(hidden.device)
+            if positions is None:
+                positions = start[:, None] + torch.arange(t, device=hidden.device)
+            end = cache.set_ragged_cursor(start, t)
+            mask = self._ragged_mask(start, t, end, tree_mask, hidden.device)
+        else:
+            if positions is None:
+                positions = torch.arange(start, start + t, device=hidden.device).unsqueeze(0).expand(bsz, t)
+            mask = self._mask(start, t, tree_mask, hidden.device)
+            cache.cursor = start
         cos_sin = self.rotary(hidden, positions)
-        mask = self._mask(start, t, tree_mask, hidden.device)
-        cache.cursor = start
         for layer in self.layers[first:last]:
             hidden = layer(
                 hidden,
@@ -174,6 +227,25 @@ class ModelAdapter:
             block = block[None]  # [1 or B, T, W]
         prefix = torch.ones(*block.shape[:2], start + t - block.shape[-1], dtype=torch.bool, device=device)
         return torch.cat([prefix, block], dim=-1)[:, None]  # [1 or B, 1, T, start+T]
+
+    @staticmethod
+    def _ragged_mask(start: torch.Tensor, t: int, end: int, tree_mask, device):
+        """[B, 1, T, end] bool: row b's query i sees slots < start[b] and its own block by the causal or tree rule.
+
+        >>> ModelAdapter._ragged_mask(torch.tensor([1, 2]), 2, 4, None, "cpu")[:, 0].int().tolist()
+        [[[1, 1, 0, 0], [1, 1, 1, 0]], [[1, 1, 1, 0], [1, 1, 1, 1]]]
+        """
+        rel = torch.arange(end, device=device)[None, :] - start[:, None]  # [B, end] slot - start
+        query = torch.arange(t, device=device)[None, :, None]  # [1, T, 1]
+        if tree_mask is None:
+            allowed = rel[:, None, :] <= query
+        else:
+            block = tree_mask.to(device)
+            block = block.expand(start.shape[0], t, t) if block.dim() == 2 else block
+            inside = (rel >= 0) & (rel < t)
+            picked = block.gather(2, rel.clamp(0, t - 1)[:, None, :].expand(-1, t, -1))
+            allowed = (rel[:, None, :] < 0) | (picked & inside[:, None, :])
+        return allowed[:, None]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

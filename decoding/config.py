@@ -55,7 +55,14 @@ class SpecConfig:
     draft_model: for ``sps``, a separate model with the same tokenizer. When
         unset, the draft is a shallow model made of the target's first
         ``draft_layers`` layers plus its final norm and LM head.
-    k: draft length (tokens proposed per target forward).
+    k: draft length (tokens proposed per target forward); with
+        ``adaptive_k`` the most a step may draft. ``k=auto`` (``--set k=auto``,
+        ``{"k": "auto"}``) sets ``adaptive_k`` and keeps k's value as that cap.
+    adaptive_k: choose the draft length per step and per sequence, 0 to k,
+        maximising expected committed tokens per second from the sequence's
+        measured acceptance and the measured cost of a target forward by batch
+        rows and tokens (``decoding.goodput``): long drafts at low load, none at
+        high load. Chains only; trees draft whole or not at all.
     exit_layer: for ``early-exit``, the number of target layers that draft.
     confidence_threshold: stop drafting when the drafter's top-1 probability
         falls below it (Kangaroo's double early exit); 0 disables the stop.
@@ -119,6 +126,7 @@ class SpecConfig:
     draft_model: str | None = None
     draft_layers: int = 8
     k: int = 4
+    adaptive_k: bool = False
     exit_layer: int = 24
     confidence_threshold: float = 0.0
     ngram_max: int = 3
@@ -261,7 +269,7 @@ class SpecConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(unknown[0], f"unknown field; known fields: {', '.join(sorted(known))}")
-        return cls(**{k: _coerce(k, v) for k, v in data.items()})
+        return cls(**{k: _coerce(k, v) for k, v in _auto_k(data).items()})
 
     @classmethod
     def from_json(cls, text: str) -> SpecConfig:
@@ -272,7 +280,7 @@ class SpecConfig:
         return cls.from_dict(data)
 
     def replace(self, **changes) -> SpecConfig:
-        return dataclasses.replace(self, **{k: _coerce(k, v) for k, v in changes.items()})
+        return dataclasses.replace(self, **{k: _coerce(k, v) for k, v in _auto_k(changes).items()})
 
     def with_overrides(self, assignments: list[str], **changes) -> SpecConfig:
         """Apply ``key=value`` strings (the CLI's ``--set``), parsed by field type, over ``changes``, in one step
@@ -283,11 +291,23 @@ class SpecConfig:
             key = key.strip().replace("-", "_")
             if not sep:
                 raise ConfigError(key or "set", f"expected key=value, got {item!r}")
-            changes[key] = _parse_value(key, value.strip())
+            changes[key] = value.strip() if key == "k" and value.strip().lower() == "auto" else _parse_value(key, value.strip())
         return self.replace(**changes)
 
 
 _FIELD_TYPES = typing.get_type_hints(SpecConfig)
+
+
+def _auto_k(changes: dict) -> dict:
+    """``k="auto"`` means adaptive_k=True with k left as it is (the cap).
+
+    >>> _auto_k({"k": "auto"})
+    {'adaptive_k': True}
+    """
+    if isinstance(changes.get("k"), str) and changes["k"].lower() == "auto":
+        changes = {key: v for key, v in changes.items() if key != "k"}
+        changes["adaptive_k"] = True
+    return changes
 
 
 def _coerce(name: str, value):
@@ -319,6 +339,10 @@ def _parse_value(name: str, text: str):
     base = args[0] if args else hint
     if text.lower() in ("none", "null") and type(None) in typing.get_args(hint):
         return None
+    if base is bool:
+        if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ConfigError(name, f"expected true or false, got {text!r}")
+        return text.lower() in ("true", "1", "yes")
     try:
         if base is int:
             return int(text)

@@ -6,7 +6,8 @@ forward, ``update`` after the verdict. A drafter that ran the target's own
 first layers on the proposed tokens (self-speculation) hands back their hidden
 states so verification continues from that layer instead of recomputing it.
 
-Shapes keep the batch dimension; the loop currently runs batch 1.
+Shapes keep the batch dimension; the loop hands each drafter one sequence (B = 1) and batches the
+target's verification across sequences (``decoding.loop.Batch``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class Drafter:
     """Base class: the no-op drafter proposes nothing (that is the AR baseline)."""
 
     name = "none"
+    model_free = False  # proposing costs (next to) nothing: k=auto lets it propose first, then cuts the proposal
+    batchable = True  # False: it keeps the target cache for itself and decodes one sequence at a time
 
     def start(self, state: DecodeState) -> None:
         pass
@@ -350,6 +353,7 @@ class NgramDrafter(Drafter):
     """
 
     name = "ngram"
+    model_free = True
 
     def __init__(self, ngram_max: int = 3, ngram_min: int = 1, tree_budget: int | None = None):
         self.ngram_max, self.ngram_min = ngram_max, ngram_min

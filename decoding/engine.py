@@ -8,16 +8,56 @@
 from __future__ import annotations
 
 import copy
+import json
+import logging
+import threading
 
 import torch
 
 from decoding.adapter import ModelAdapter
 from decoding.config import ConfigError, SpecConfig
 from decoding.drafters import Drafter, DraftModelDrafter, EarlyExitDrafter, NgramDrafter, max_nodes_of
-from decoding.loop import ContextTooLong, Generation, generate
+from decoding.goodput import CALIBRATION_ROWS, CostModel
+from decoding.loop import ContextTooLong, Generation, Sequence, generate, generate_many
 from decoding.models import LoadedModel, load_model, set_threads
+from decoding.paths import specray_home
 from decoding.sampling import SamplingParams
 from decoding.trees import build_shape
+
+log = logging.getLogger(__name__)
+_COSTS: dict[tuple, CostModel] = {}
+_COSTS_LOCK = threading.Lock()
+
+
+def cost_model(target: ModelAdapter, model: str, dtype: str, max_rows: int = 1) -> CostModel:
+    """The measured cost of a target forward by rows and tokens (``decoding.goodput``) for k=auto.
+
+    Measured once per model, dtype, threads and device (a few seconds on this kind of CPU) and kept in the
+    process and under ``$SPECRAY_HOME/calibration`` (delete the file to measure again); the batch refreshes it
+    online from the steps it runs.
+    """
+    rows = tuple(r for r in CALIBRATION_ROWS if r <= max(1, max_rows))
+    key = (model, dtype, torch.get_num_threads(), str(target.device), rows)
+    with _COSTS_LOCK:
+        if key in _COSTS:
+            return _COSTS[key]
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)[-80:]
+        path = specray_home() / "calibration" / f"{safe}-{dtype}-t{key[2]}-{key[3].replace(':', '')}-r{rows[-1]}.json"
+        cost = None
+        try:
+            cost = CostModel.from_dict(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            cost = None
+        if cost is None:
+            log.info("specray: measuring the target's forward cost by rows and tokens (once per model, dtype, threads)")
+            cost = CostModel.measure(target, rows=rows)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(cost.to_dict()))
+            except OSError:
+                pass  # a read-only home: measure again next time
+        _COSTS[key] = cost
+        return cost
 
 
 def tree_shape(cfg: SpecConfig):
@@ -161,7 +201,39 @@ class SpecDecoder:
                 eos_token_ids=self.loaded.eos_token_ids,
                 generator=gen,
                 on_step=on_step,
+                adaptive=self.cfg.adaptive_k,
+                cost=self.cost_model() if self.cfg.adaptive_k else None,
             )
+        except ContextTooLong as e:
+            raise ConfigError("max_new_tokens", str(e)) from None
+
+    def cost_model(self, max_rows: int = 1) -> CostModel:
+        return cost_model(self.target, self.cfg.model, self.cfg.dtype, max_rows)
+
+    def sequence(self, prompt_ids: torch.Tensor, max_new_tokens: int | None = None, seed: int | None = None, on_step=None, tag=None):
+        """A :class:`decoding.loop.Sequence` of this configuration (its own drafter, sampling and seeded generator),
+        to run in a :class:`decoding.loop.Batch` beside sequences of other configurations of the same target."""
+        return Sequence(
+            prompt_ids,
+            drafter=build_drafter(self.cfg, self.loaded),
+            k=draft_depth(self.cfg),
+            adaptive=self.cfg.adaptive_k,
+            sampling=self.sampling,
+            max_new_tokens=max_new_tokens or self.cfg.max_new_tokens,
+            eos_token_ids=self.loaded.eos_token_ids,
+            generator=torch.Generator().manual_seed(self.cfg.seed if seed is None else seed),
+            on_step=on_step,
+            tag=tag,
+        )
+
+    def generate_batch(
+        self, prompts: list[torch.Tensor], max_new_tokens: int | None = None, max_rows: int = 16, max_step_tokens: int | None = None
+    ) -> list[Generation]:
+        """Generate for every prompt ([1, T] each) in one continuous batch of up to ``max_rows`` rows."""
+        seqs = [self.sequence(p, max_new_tokens) for p in prompts]
+        cost = self.cost_model(max_rows) if self.cfg.adaptive_k else None
+        try:
+            return generate_many(self.target, seqs, max_rows=max_rows, max_step_tokens=max_step_tokens, cost=cost)
         except ContextTooLong as e:
             raise ConfigError("max_new_tokens", str(e)) from None
 

@@ -11,6 +11,8 @@ class StepRecord:
     accepted: int  # drafts accepted (m); the step commits m + 1 tokens (fewer only at EOS)
     draft_s: float
     verify_s: float
+    rows: int = 1  # sequences that shared this step's target forward
+    k: int = -1  # the draft budget the step gave this row (k=auto: the goodput choice); -1 = not recorded
 
 
 @dataclass

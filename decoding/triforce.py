@@ -56,6 +56,8 @@ class TriForceDrafter(Drafter):
     tokens are retrieved in chunks of ``chunk_size``.
     """
 
+    batchable = False  # its middle level keeps a retrieval view of the target cache
+
     name = "triforce"
 
     def __init__(
