@@ -9,6 +9,7 @@ COMMANDS = {
     "generate": "jobs.generate",
     "pipeline": "jobs.pipeline",
     "bench": "jobs.bench",
+    "bench-serve": "serving.loadbench",
     "registry": "jobs.registry",
     "serve": "jobs.serve",
     "tune": "jobs.tune",

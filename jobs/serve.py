@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="SERVE_YAML", help="a Serve config file (infra/serve.yaml) or a YAML/JSON mapping of serve settings")
     p.add_argument("--base-model", help="the model served as plain AR (default smollm2-135m)")
     p.add_argument("--dtype", help="dtype of the plain-AR models: bfloat16 (default) or float32")
-    p.add_argument("--max-ongoing-requests", type=int, help="concurrent generations per model replica (default 4)")
+    p.add_argument("--max-ongoing-requests", type=int, help="requests a model replica takes at once (default 64)")
+    p.add_argument("--max-batch-rows", type=int, help="sequences one model's batch decodes together (default 32)")
     p.add_argument("--max-queued-requests", type=int, help="admission limit of the ingress; beyond it 429 (default 64)")
     p.add_argument("--num-replicas", type=int, help="a fixed number of model replicas (default: autoscaling 1..2)")
     p.add_argument("--preload", action="append", default=[], metavar="MODEL", help="load this model name at start (repeatable)")
@@ -84,6 +85,7 @@ def settings_from_args(args):
         "base_model": args.base_model,
         "dtype": args.dtype,
         "max_ongoing_requests": args.max_ongoing_requests,
+        "max_batch_rows": args.max_batch_rows,
         "max_queued_requests": args.max_queued_requests,
         "num_replicas": args.num_replicas,
     }

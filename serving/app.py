@@ -419,9 +419,12 @@ def build_app(settings: ServeSettings | dict | None = None) -> Application:
     model = ModelServer.options(**settings.model_deployment_options()).bind(
         max_ongoing_requests=settings.max_ongoing_requests,
         max_loaded_configs=settings.max_loaded_configs,
-        threads=settings.threads,
+        threads=settings.model_threads,
         preload=preload,
         request_log_size=settings.request_log_size,
+        max_batch_rows=settings.max_batch_rows,
+        max_step_tokens=settings.max_step_tokens,
+        adaptive_k=settings.adaptive_k,
     )
     return Ingress.options(**settings.ingress_deployment_options()).bind(model, settings.to_dict())
 

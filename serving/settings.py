@@ -24,7 +24,8 @@ from decoding.config import DTYPES, ConfigError
 
 def _default_autoscaling() -> dict:
     # one replica per CPU worker is the useful unit on CPU; scale out under sustained queueing
-    return {"min_replicas": 1, "initial_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2}
+    # (a replica batches its requests, so it takes many before another replica helps)
+    return {"min_replicas": 1, "initial_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 24}
 
 
 @dataclass(frozen=True)
@@ -35,12 +36,22 @@ class ServeSettings:
         ``None``: ``SPECRAY_REDIS_URL`` if set, else ``$SPECRAY_HOME/registry``.
     base_model / dtype: the plain-AR model always served (also every entry's
         ``config.model`` is served as plain AR under its own id), and its dtype.
-    max_ongoing_requests: concurrent generations per model replica (each runs in
-        its own thread); Serve queues the rest.
+    max_ongoing_requests: requests a model replica takes at once (Serve queues the
+        rest); up to ``max_batch_rows`` of them decode together, the others wait
+        in the replica's batch queue.
+    max_batch_rows: sequences one model's batch decodes together (continuous
+        batching: they join and leave between steps).
+    max_step_tokens: the most tokens one step feeds the target (rows x tokens per
+        row) when k=auto widens the step; ``None``: no cap.
+    adaptive_k: served entries draft k=auto (per step and per request, 0 to the
+        entry's k, by expected committed tokens per second from the request's
+        acceptance and the measured cost of a forward by rows and tokens), so
+        speculation switches itself off under load; ``false`` keeps each entry's k.
     num_replicas: a fixed number of model replicas; ``None`` uses ``autoscaling``.
     autoscaling: Serve's ``autoscaling_config`` for the model deployment.
     model_num_cpus / ingress_num_cpus: Ray CPUs reserved per replica.
-    threads: torch intra-op threads per model replica (``None``: torch/Ray's default).
+    threads: torch intra-op threads per model replica (``None``: as many as the
+        replica's ``model_num_cpus``, at least 1).
     max_queued_requests: admission limit of one ingress replica: requests it holds at
         once (generating or waiting for a model replica). Beyond it: 429 + Retry-After.
     retry_after_s: the Retry-After value sent with a 429.
@@ -58,10 +69,13 @@ class ServeSettings:
     registry: str | None = None
     base_model: str = "smollm2-135m"
     dtype: str = "bfloat16"
-    max_ongoing_requests: int = 4
+    max_ongoing_requests: int = 64
+    max_batch_rows: int = 32
+    max_step_tokens: int | None = 512
+    adaptive_k: bool = True
     num_replicas: int | None = None
     autoscaling: dict = field(default_factory=_default_autoscaling)
-    model_num_cpus: float = 1.0
+    model_num_cpus: float = 2.0
     ingress_num_cpus: float = 0.0
     threads: int | None = None
     max_queued_requests: int = 64
@@ -87,11 +101,20 @@ class ServeSettings:
             raise ConfigError("base_model", "must name a model")
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
-        for name in ("max_ongoing_requests", "max_queued_requests", "max_loaded_configs", "request_log_size", "ingress_replicas"):
+        for name in (
+            "max_ongoing_requests",
+            "max_queued_requests",
+            "max_loaded_configs",
+            "request_log_size",
+            "ingress_replicas",
+            "max_batch_rows",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.num_replicas is not None and self.num_replicas < 1:
             raise ConfigError("num_replicas", f"must be >= 1, got {self.num_replicas}")
+        if self.max_step_tokens is not None and self.max_step_tokens < 1:
+            raise ConfigError("max_step_tokens", f"must be >= 1, got {self.max_step_tokens}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError("threads", f"must be >= 1, got {self.threads}")
         for name in ("model_num_cpus", "ingress_num_cpus", "registry_refresh_s"):
@@ -125,6 +148,11 @@ class ServeSettings:
 
     def replace(self, **changes) -> ServeSettings:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def model_threads(self) -> int:
+        """Torch threads of a model replica: ``threads``, else the CPUs it reserves (a replica uses its cores)."""
+        return self.threads or max(1, int(self.model_num_cpus))
 
     # ---- what the deployments get -----------------------------------------
     def model_deployment_options(self) -> dict:

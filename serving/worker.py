@@ -14,9 +14,14 @@ A request is a dict (``GenerationRequest.to_worker()`` plus ``request_id``,
 - ``{"type": "end", "finish_reason", "completion_tokens", "stats"}``;
 - ``{"type": "error", "status", "message", "param", "code"}`` instead of any of them.
 
-Generation runs in a thread; its ``on_step`` callback hands tokens to the event
-loop with ``call_soon_threadsafe`` and raises :class:`GenerationCancelled` once
-the consumer is gone, which ends the decoding loop at the next step.
+Generation is batched: a replica runs one :class:`serving.batching.EngineLoop`
+per model and dtype, a thread that steps one ``decoding.loop.Batch`` whose rows
+are the in-flight requests, whatever their configuration's drafter. A request
+becomes a ``Sequence`` with its own drafter, sampling and seeded generator;
+its ``on_step`` callback hands tokens to the event loop with
+``call_soon_threadsafe`` and ends the row (returns a finish reason) at a stop
+sequence or once the consumer is gone. Drafters that decode one sequence at a
+time (TriForce in process) run alone in a thread.
 """
 
 from __future__ import annotations
@@ -30,38 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import kernels
 from decoding.config import ConfigError, SpecConfig
+from serving.batching import EngineFailed, EngineLoop, run_alone
 from serving.textstream import TextAssembler
 
 log = logging.getLogger("ray.serve")
-
-
-class GenerationCancelled(Exception):
-    """Raised from ``on_step`` when the client went away: it aborts the decoding loop."""
-
-
-class _StopSequence(Exception):
-    """Raised from ``on_step`` when a stop sequence appeared."""
-
-
-class CountingDrafter:
-    """Delegates to a drafter and counts proposed/accepted drafts (for partial stats on stop/cancel)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.drafted = 0
-        self.accepted = 0
-
-    def start(self, state):
-        self.inner.start(state)
-
-    def propose(self, state, k):
-        p = self.inner.propose(state, k)
-        self.drafted += int(p.tokens.shape[1])
-        return p
-
-    def update(self, state, num_accepted):
-        self.accepted += int(num_accepted)
-        self.inner.update(state, num_accepted)
 
 
 def encode_chat(tokenizer, messages: list[dict]):
@@ -84,12 +61,18 @@ class ModelWorker:
         threads: int | None = None,
         preload: list[dict] | None = None,
         request_log_size: int = 1024,
+        max_batch_rows: int = 32,
+        max_step_tokens: int | None = None,
+        adaptive_k: bool = True,
     ):
         if threads:
             import torch
 
             torch.set_num_threads(threads)
         kernels.install()
+        self.max_batch_rows, self.max_step_tokens, self.adaptive_k = max_batch_rows, max_step_tokens, adaptive_k
+        self._engines: dict[tuple[str, str], EngineLoop] = {}
+        self._engine_lock = threading.Lock()
         self.max_loaded = max_loaded_configs
         self._decoders: OrderedDict[str, object] = OrderedDict()
         self._load_locks: dict[str, asyncio.Lock] = {}
@@ -146,15 +129,43 @@ class ModelWorker:
 
     def stats(self) -> dict:
         with self._lock:
-            return {"active_generations": self.active, "totals": dict(self.totals), "loaded": self.loaded_configs()}
+            out = {"active_generations": self.active, "totals": dict(self.totals), "loaded": self.loaded_configs()}
+        out["engines"] = {f"{m}/{d}": e.stats() for (m, d), e in list(self._engines.items())}
+        return out
 
     # ---- generation -------------------------------------------------------
+    def _engine(self, dec) -> EngineLoop:
+        """The batch of this decoder's model and dtype (started on first use; k=auto needs its cost model)."""
+        key = (dec.cfg.model, dec.cfg.dtype)
+        with self._engine_lock:
+            engine = self._engines.get(key)
+            if engine is None or not engine.alive:
+                engine = EngineLoop(dec.target, f"{key[0]}/{key[1]}", max_rows=self.max_batch_rows, max_step_tokens=self.max_step_tokens)
+                self._engines[key] = engine
+                if self.adaptive_k:  # measured (or read from its cache file) beside the first requests, not before them
+
+                    def measure(engine=engine):
+                        try:
+                            engine.set_cost(dec.cost_model(self.max_batch_rows))
+                        except Exception:
+                            log.exception("specray: measuring the forward cost failed; k=auto rows draft their full k")
+
+                    threading.Thread(target=measure, name="specray-calibrate", daemon=True).start()
+            return engine
+
+    def served_config(self, cfg: SpecConfig) -> SpecConfig:
+        """Served entries draft k=auto (the goodput choice, capped at the entry's k) unless the settings say otherwise;
+        trees and methods that keep a fixed schedule (pearl, triforce) keep their k."""
+        if self.adaptive_k and not cfg.adaptive_k and cfg.method not in ("ar", "pearl", "triforce") and cfg.tree == "chain":
+            return cfg.replace(adaptive_k=True)
+        return cfg
+
     async def stream(self, req: dict):
         """Async generator of events for one request (see the module docstring)."""
         rid = req.get("request_id", "?")
         t_arrive = time.perf_counter()
         try:
-            cfg = SpecConfig.from_dict(req["config"])
+            cfg = self.served_config(SpecConfig.from_dict(req["config"]))
             dec = await self._decoder(cfg)
         except ConfigError as e:
             yield {"type": "error", "status": 400, "message": f"model {req.get('model')!r} cannot be served: {e}", "param": "model"}
@@ -205,12 +216,7 @@ class ModelWorker:
         # a per-request view of the decoder: same weights and tokenizer, its own drafter and sampling
         temperature = cfg.temperature if req.get("temperature") is None else req["temperature"]
         top_p = cfg.top_p if req.get("top_p") is None else req["top_p"]
-        view = dec.fork(temperature=temperature, top_p=top_p)
-        counting = CountingDrafter(view.drafter) if view.drafter is not None else None
-        view.drafter = counting
-        seed = req.get("seed")
-
-        yield {"type": "start", "prompt_tokens": prompt_len, "max_tokens": max_tokens}
+        view = dec if (temperature, top_p) == (cfg.temperature, cfg.top_p) else dec.fork(temperature=temperature, top_p=top_p)
 
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -219,101 +225,112 @@ class ModelWorker:
         progress = {"tokens": 0, "steps": 0, "first_token_s": None}
         t_start = time.perf_counter()
 
-        def on_step(new_ids: list[int]) -> None:
+        def on_step(new_ids: list[int]) -> str | None:  # runs in the engine thread
             if cancel.is_set():
-                raise GenerationCancelled()
+                return "cancelled"
             progress["tokens"] += len(new_ids)
             progress["steps"] += 1
             if progress["first_token_s"] is None:
                 progress["first_token_s"] = time.perf_counter() - t_start
             text = assembler.feed(new_ids)
             loop.call_soon_threadsafe(queue.put_nowait, ("delta", text, len(new_ids)))
-            if assembler.stopped:
-                raise _StopSequence()
+            return "stopped" if assembler.stopped else None
 
-        def run() -> None:
-            with self._lock:
-                self.active += 1
-            self._record(rid, model=req.get("model"), state="running", tokens=0, max_tokens=max_tokens, started=time.time())
-            outcome, gen, error = "completed", None, None
-            try:
-                if cancel.is_set():
-                    raise GenerationCancelled()
-                gen = view.generate_ids(prompt_ids, max_new_tokens=max_tokens, seed=seed, on_step=on_step)
-            except GenerationCancelled:
-                outcome = "cancelled"
-            except _StopSequence:
-                outcome = "stopped"
-            except ConfigError as e:
-                outcome, error = "error", (400, str(e))
-            except Exception as e:  # a bug or resource error: report it, keep the replica alive
-                log.exception("specray: generation %s failed", rid)
-                outcome, error = "error", (500, f"generation failed: {type(e).__name__}: {e}")
+        def done(seq, error: Exception | None) -> None:  # runs in the engine (or the alone) thread
+            outcome = {"stopped": "stopped", "cancelled": "cancelled", "error": "error"}.get(seq.finish_reason, "completed")
+            if error is not None:
+                outcome = "error"
+                if isinstance(error, EngineFailed):
+                    err = (503, str(error))
+                elif isinstance(error, ConfigError | ValueError):
+                    err = (400, str(error))
+                else:
+                    err = (500, f"generation failed: {type(error).__name__}: {error}")
+            else:
+                err = None
+            ended.set()
             wall = time.perf_counter() - t_start
             with self._lock:
                 self.active -= 1
                 self.totals[outcome] += 1
                 self.totals["tokens"] += progress["tokens"]
             self._record(rid, state=outcome, tokens=progress["tokens"], steps=progress["steps"], wall_s=wall, finished=time.time())
-            loop.call_soon_threadsafe(queue.put_nowait, ("end", outcome, gen, error, wall))
+            loop.call_soon_threadsafe(queue.put_nowait, ("end", outcome, seq, err, wall))
 
-        fut = loop.run_in_executor(self._pool, run)
+        try:
+            seq = view.sequence(prompt_ids, max_new_tokens=max_tokens, seed=req.get("seed"), on_step=on_step, tag=rid)
+        except ConfigError as e:
+            yield {"type": "error", "status": 400, "message": str(e), "param": "model"}
+            return
+        yield {"type": "start", "prompt_tokens": prompt_len, "max_tokens": max_tokens}
+        with self._lock:
+            self.active += 1
+        self._record(rid, model=req.get("model"), state="running", tokens=0, max_tokens=max_tokens, started=time.time())
+        ended = threading.Event()
+        if seq.drafter.batchable:
+            self._engine(dec).submit(seq, done)
+        else:
+
+            def alone() -> None:
+                try:
+                    run_alone(dec.target, seq)
+                except Exception as e:
+                    log.exception("specray: generation %s failed", rid)
+                    done(seq, e)
+                    return
+                done(seq, None)
+
+            loop.run_in_executor(self._pool, alone)
         try:
             while True:
                 item = await queue.get()
                 if item[0] == "delta":
                     text, ntok = item[1], item[2]
-                    while not queue.empty() and queue._queue[0][0] == "delta":  # coalesce what is already there
+                    while not queue.empty():  # coalesce the deltas that are already there
                         nxt = queue.get_nowait()
+                        if nxt[0] != "delta":
+                            queue.put_nowait(nxt)  # the end stays last: nothing is queued after it
+                            break
                         text, ntok = text + nxt[1], ntok + nxt[2]
                     yield {"type": "delta", "text": text, "tokens": ntok}
                     continue
-                _, outcome, gen, error, wall = item
+                _, outcome, seq, error, wall = item
                 if error is not None:
                     yield {"type": "error", "status": error[0], "message": error[1], "code": "generation_failed"}
                     return
                 tail = assembler.finish()
                 if tail:
                     yield {"type": "delta", "text": tail, "tokens": 0}
-                stats = self._stats(cfg, gen, counting, progress, wall, load_s, outcome)
-                finish = "stop" if outcome == "stopped" else gen.finish_reason if gen else "length"
+                stats = self._stats(cfg, seq, outcome, load_s)
+                finish = "stop" if outcome == "stopped" else (seq.finish_reason if seq.finish_reason in ("stop", "length") else "length")
                 yield {"type": "end", "finish_reason": finish, "completion_tokens": progress["tokens"], "stats": stats}
                 return
         finally:
-            cancel.set()  # the consumer is gone (or done): the next on_step raises
-            if not fut.done():
+            cancel.set()  # the consumer is gone (or done): the row ends at its next step
+            if not ended.is_set():
                 self._record(rid, cancel_requested=time.time())
 
     @staticmethod
-    def _stats(cfg, gen, counting, progress, wall, load_s, outcome) -> dict:
-        if gen is not None:
-            s = gen.stats
-            out = {
-                "new_tokens": s.new_tokens,
-                "wall_s": s.wall_s,
-                "tokens_per_s": s.tokens_per_s,
-                "prefill_s": s.prefill_s,
-                "target_forwards": s.target_forwards,
-                "mean_accepted_tokens": s.mean_accepted_tokens,
-                "acceptance_rate": s.acceptance_rate,
-                "per_position_acceptance": s.per_position_acceptance,
-                "draft_s": s.draft_s,
-                "verify_s": s.verify_s,
-            }
-        else:  # stopped at a stop sequence: the loop returned nothing, use what on_step saw
-            steps = max(progress["steps"] - 1, 0)  # the first call is the prefill's token
-            decoded = max(progress["tokens"] - 1, 0)
-            out = {
-                "new_tokens": progress["tokens"],
-                "wall_s": wall,
-                "tokens_per_s": progress["tokens"] / wall if wall > 0 else 0.0,
-                "prefill_s": progress["first_token_s"] or 0.0,
-                "target_forwards": steps + 1,
-                "mean_accepted_tokens": decoded / steps if steps else 1.0,
-                "acceptance_rate": (counting.accepted / counting.drafted) if counting and counting.drafted else 0.0,
-            }
-        out["drafted_tokens"] = counting.drafted if counting else 0
-        out["accepted_tokens"] = counting.accepted if counting else 0
+    def _stats(cfg, seq, outcome, load_s) -> dict:
+        gen = seq.result()
+        s = gen.stats
+        out = {
+            "new_tokens": s.new_tokens,
+            "wall_s": s.wall_s,
+            "tokens_per_s": s.tokens_per_s,
+            "prefill_s": s.prefill_s,
+            "target_forwards": s.target_forwards,
+            "mean_accepted_tokens": s.mean_accepted_tokens,
+            "acceptance_rate": s.acceptance_rate,
+            "per_position_acceptance": s.per_position_acceptance,
+            "draft_s": s.draft_s,
+            "verify_s": s.verify_s,
+            "drafted_tokens": sum(r.drafted for r in gen.steps),
+            "accepted_tokens": sum(r.accepted for r in gen.steps),
+            "batch_rows_mean": sum(r.rows for r in gen.steps) / len(gen.steps) if gen.steps else 1.0,
+            "k_chosen": [r.k for r in gen.steps] if cfg.adaptive_k else None,
+            "adaptive_k": cfg.adaptive_k,
+        }
         out["method"] = cfg.method
         if cfg.method == "pearl" or cfg.placement == "actors":
             out["placement"] = "local"  # served in the replica with the sequential schedule (same output, lossless)
@@ -325,3 +342,6 @@ class ModelWorker:
         """Serve calls this periodically; raising marks the replica unhealthy (and Serve replaces it)."""
         if self._pool._shutdown:
             raise RuntimeError("generation pool is shut down")
+        for key, engine in list(self._engines.items()):
+            if not engine.alive:
+                raise RuntimeError(f"the batch engine of {key[0]}/{key[1]} stopped")

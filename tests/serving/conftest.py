@@ -79,7 +79,8 @@ def server(tiny_model_dir, tiny_long_model_dir, tmp_path_factory):
         registry=str(reg_dir),
         base_model=str(tiny_model_dir),
         dtype="float32",
-        max_ongoing_requests=4,
+        max_ongoing_requests=48,  # the 32-stream test's requests all reach the replica's batch
+        max_batch_rows=32,
         num_replicas=1,
         model_num_cpus=1,
         threads=THREADS,

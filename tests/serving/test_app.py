@@ -346,12 +346,20 @@ def test_32_concurrent_streams_none_lost_or_mixed(server, in_process):
         finally:
             await client.close()
 
+    with server.client() as c:
+        before = c.get("/v1/specray/stats").json()["worker"]["engines"]
     results, wall = asyncio.run(run())
     assert len(results) == 32
     for (text, ids), ref, job in zip(results, refs, jobs, strict=True):
         assert len(ids) == 1, job
         assert text == ref, job
     assert len({next(iter(ids)) for _, ids in results}) == 32
+    with server.client() as c:
+        engines = c.get("/v1/specray/stats").json()["worker"]["engines"]
+    key = f"{server.tiny}/float32"  # both configurations (ngram and sps) of the tiny model share its one batch
+    steps = engines[key]["steps"] - before.get(key, {}).get("steps", 0)
+    assert steps < 32 * max_tokens // 4, engines  # a step served many streams at once
+    assert engines[key]["restarts"] == 0
     print(f"\nload: 32 streams x {max_tokens} tokens in {wall:.2f}s = {32 / wall:.2f} req/s, {32 * max_tokens / wall:.1f} tokens/s")
 
 

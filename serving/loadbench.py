@@ -1,0 +1,366 @@
+"""Many users at once: a load benchmark of the Serve endpoints through real HTTP.
+
+    specray bench-serve --methods ar,ngram --concurrency 1,2,4,8,16,32 --max-tokens 64 --peer hf
+    specray bench-serve --methods ar,ngram --rate 2 --requests 32          # Poisson arrivals at 2 req/s
+
+Starts an embedded Ray with the app on a free loopback port (``--address`` /
+``RAY_ADDRESS`` joins a cluster instead) and a temporary registry with one entry
+per method (``ar`` is the plain model id: batched AR, the denominator). For
+each concurrency C of the sweep and each method it sends C streaming chat
+completions at once (Spec-Bench prompts, one per request, greedy) with the
+``openai`` client; with ``--rate`` it sends ``--requests`` requests with
+exponential gaps instead. Reported per (method, C): aggregate tokens/s,
+requests/s, time to first token and inter-token latency p50/p99, goodput
+(tokens/s of the requests that met ``--slo-ttft-s`` and ``--slo-itl-s``), and the
+speedup over batched AR at the same C. ``--check`` compares each stream's text
+with its own in-process greedy output (float32 makes it exact; in bfloat16
+near-ties may differ and are counted, not hidden). ``--peer hf`` runs
+transformers' ``generate()`` on a left-padded batch of the same prompts (same
+model object, dtype and threads) next to specray's in-process batched AR.
+
+Writes ``OUT/load.parquet`` (one row per method and concurrency),
+``OUT/requests.parquet`` (one row per request), ``OUT/summary.json`` and
+``OUT/load.png`` (throughput and p99 latency against concurrency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from jobs.common import Parser, fail, parse_ints, run_cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="specray bench-serve", description="Load benchmark of the OpenAI endpoints: concurrency sweep or Poisson arrivals.")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--methods", default="ar,ngram", help="comma-separated; ar is the plain model (batched AR)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config field for the method entries (default k=auto)")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated concurrent streams (the sweep)")
+    p.add_argument("--rate", type=float, help="Poisson mode: mean requests per second (instead of the sweep)")
+    p.add_argument("--requests", type=int, default=32, help="Poisson mode: how many requests")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompts", help="Spec-Bench JSONL (default: the bundled questions)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the replica and of the in-process peers")
+    p.add_argument("--max-batch-rows", type=int, default=32)
+    p.add_argument("--slo-ttft-s", type=float, default=10.0)
+    p.add_argument("--slo-itl-s", type=float, default=0.5)
+    p.add_argument("--check", action="store_true", help="compare every stream with its in-process greedy output")
+    p.add_argument("--peer", choices=["hf"], help="also run transformers generate() on a padded batch")
+    p.add_argument("--out", default="runs/load", help="output folder")
+    p.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray)")
+    return p
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100) by linear interpolation; None for no values.
+
+    >>> percentile([1.0, 2.0, 3.0, 4.0], 50)
+    2.5
+    """
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize_wave(requests: list[dict], wall: float, slo_ttft: float, slo_itl: float) -> dict:
+    """Aggregate figures of one wave of requests (each: tokens, ttft_s, itl_s list, ok)."""
+    done = [r for r in requests if r["ok"]]
+    tokens = sum(r["tokens"] for r in done)
+    itls = [x for r in done for x in r["itl_s"]]
+    ttfts = [r["ttft_s"] for r in done if r["ttft_s"] is not None]
+    good = [
+        r
+        for r in done
+        if r["ttft_s"] is not None and r["ttft_s"] <= slo_ttft and (not r["itl_s"] or statistics.mean(r["itl_s"]) <= slo_itl)
+    ]
+    return {
+        "requests": len(requests),
+        "completed": len(done),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "requests_per_s": len(done) / wall if wall > 0 else 0.0,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "itl_p50_s": percentile(itls, 50),
+        "itl_p99_s": percentile(itls, 99),
+        "goodput_tokens_per_s": sum(r["tokens"] for r in good) / wall if wall > 0 else 0.0,
+    }
+
+
+def run(args) -> dict:
+    import openai
+    import ray
+    import torch
+    from ray import serve
+
+    from cluster.registry import Entry, open_registry
+    from decoding.config import ConfigError, SpecConfig
+    from decoding.engine import SpecDecoder
+    from decoding.workloads import WorkloadError, load_prompts
+    from serving.app import build_app
+    from serving.settings import ServeSettings
+
+    concurrency = parse_ints(args.concurrency, "--concurrency", 1)
+    if args.rate is not None and args.rate <= 0:
+        fail(f"--rate: must be > 0, got {args.rate}")
+    if args.max_tokens < 1 or args.requests < 1 or args.threads < 1 or args.max_batch_rows < 1:
+        fail("--max-tokens, --requests, --threads and --max-batch-rows must be >= 1")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if "ar" not in methods:
+        methods.insert(0, "ar")
+    try:
+        prompts = [p.prompt for p in load_prompts(args.prompts)]
+        base = SpecConfig(model=args.model, dtype=args.dtype, max_new_tokens=args.max_tokens, threads=args.threads)
+        entries = {m: base.for_method(m).with_overrides(args.set or ["k=auto"]) for m in methods if m != "ar"}
+    except (ConfigError, WorkloadError) as e:
+        fail(str(e))
+    wave = max(concurrency) if args.rate is None else args.requests
+    if len(prompts) < wave:
+        prompts = (prompts * (wave // len(prompts) + 1))[:wave]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    torch.set_num_threads(args.threads)
+    ar = SpecDecoder(base)
+    chats = [ar.encode(p, chat=True) for p in prompts[:wave]]
+    reference = {}
+    if args.check:  # each prompt alone, in process: what every stream must say
+        for i, ids in enumerate(chats):
+            reference[i] = ar.decode(ar.generate_ids(ids, max_new_tokens=args.max_tokens).token_ids)
+
+    peers = {}
+    for c in concurrency if args.rate is None else []:
+        batch = chats[:c]
+        t0 = time.perf_counter()
+        gens = ar.generate_batch(batch, max_new_tokens=args.max_tokens, max_rows=c)
+        peers.setdefault("specray_inprocess_ar", {})[c] = sum(len(g.token_ids) for g in gens) / (time.perf_counter() - t0)
+        if args.peer == "hf":
+            peers.setdefault("hf_padded_generate", {})[c] = hf_padded_tokens_per_s(ar, batch, args.max_tokens)
+        print(
+            f"in-process c={c}: specray batched AR {peers['specray_inprocess_ar'][c]:.1f} tok/s"
+            + (f", HF padded generate {peers['hf_padded_generate'][c]:.1f} tok/s" if args.peer else ""),
+            file=sys.stderr,
+        )
+
+    reg_dir = tempfile.mkdtemp(prefix="specray-load-reg-")
+    reg = open_registry(reg_dir)
+    for m, cfg in entries.items():
+        reg.put(Entry(f"load/{m}", cfg))
+    settings = ServeSettings(
+        registry=reg_dir,
+        base_model=args.model,
+        dtype=args.dtype,
+        num_replicas=1,
+        model_num_cpus=0,
+        threads=args.threads,
+        max_batch_rows=args.max_batch_rows,
+        max_ongoing_requests=max(64, wave + 8),
+        max_queued_requests=max(64, wave + 8),
+        preload=[f"load/{m}" for m in entries],
+    )
+    from cluster.runtime import connect
+
+    connect(args.address)
+    port = _free_port()
+    rows, request_rows = [], []
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(settings), name="specray-load", route_prefix="/")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=1800, max_retries=0)
+        names = {m: (args.model if m == "ar" else f"load/{m}") for m in methods}
+        _stream(client, names["ar"], prompts[0], 4, None)  # warm-up: loads, calibrates, compiles
+        for m in methods[1:]:
+            _stream(client, names[m], prompts[0], 4, None)
+        levels = concurrency if args.rate is None else [args.requests]
+        for c in levels:
+            for m in methods:
+                t0 = time.perf_counter()
+                reqs = _wave(client, names[m], prompts[:c], args.max_tokens, None if args.rate is None else args.rate)
+                wall = time.perf_counter() - t0
+                fig = summarize_wave(reqs, wall, args.slo_ttft_s, args.slo_itl_s)
+                mismatched = [i for i, r in enumerate(reqs) if reference and r["ok"] and r["text"] != reference[i]]
+                row = {"method": m, "concurrency": c, "mode": "sweep" if args.rate is None else f"poisson@{args.rate}", **fig}
+                row["mismatched"] = len(mismatched) if reference else None
+                rows.append(row)
+                for i, r in enumerate(reqs):
+                    request_rows.append({"method": m, "concurrency": c, "index": i, **{k: v for k, v in r.items() if k != "itl_s"}})
+                print(
+                    f"{m:>10} c={c:<3} {fig['tokens_per_s']:7.1f} tok/s {fig['requests_per_s']:6.2f} req/s "
+                    f"TTFT p50/p99 {fig['ttft_p50_s'] or 0:.2f}/{fig['ttft_p99_s'] or 0:.2f}s "
+                    f"ITL p50/p99 {1000 * (fig['itl_p50_s'] or 0):.0f}/{1000 * (fig['itl_p99_s'] or 0):.0f}ms "
+                    f"done {fig['completed']}/{fig['requests']}" + (f" mismatched {len(mismatched)}" if reference else ""),
+                    file=sys.stderr,
+                )
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    ar_by_c = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["method"] == "ar"}
+    one = ar_by_c.get(1)
+    for r in rows:
+        r["speedup_vs_batched_ar"] = r["tokens_per_s"] / ar_by_c[r["concurrency"]] if ar_by_c.get(r["concurrency"]) else None
+        r["vs_one_stream_ar"] = r["tokens_per_s"] / one if one else None
+    summary = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "max_tokens": args.max_tokens,
+        "max_batch_rows": args.max_batch_rows,
+        "entries": {m: cfg.to_dict() for m, cfg in entries.items()},
+        "rows": rows,
+        "in_process": {k: {str(c): v for c, v in d.items()} for k, d in peers.items()},
+    }
+    if "hf_padded_generate" in peers:
+        summary["batched_ar_vs_hf"] = {
+            str(c): peers["specray_inprocess_ar"][c] / peers["hf_padded_generate"][c] for c in peers["hf_padded_generate"]
+        }
+    write_outputs(out, summary, request_rows)
+    return summary
+
+
+def hf_padded_tokens_per_s(dec, batch, max_new_tokens: int) -> float:
+    """transformers generate() on the prompts left-padded into one batch (greedy); tokens up to each row's EOS / wall."""
+    import torch
+
+    model, tok = dec.loaded.model, dec.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else dec.loaded.eos_token_ids[0]
+    width = max(ids.shape[1] for ids in batch)
+    input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, ids in enumerate(batch):
+        input_ids[i, width - ids.shape[1] :] = ids[0]
+        mask[i, width - ids.shape[1] :] = 1
+    eos = list(dec.loaded.eos_token_ids)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad
+        )
+    wall = time.perf_counter() - t0
+    new = out[:, width:].tolist()
+    tokens = sum(next((i + 1 for i, t in enumerate(row) if t in eos), len(row)) for row in new)
+    return tokens / wall
+
+
+def _stream(client, model: str, prompt: str, max_tokens: int, start_at: float | None) -> dict:
+    """One streaming chat completion: text, tokens, TTFT and the gaps between content chunks per token."""
+    if start_at is not None:
+        time.sleep(max(0.0, start_at - time.perf_counter()))
+    t0 = time.perf_counter()
+    parts, ttft, last, itl, tokens = [], None, None, [], 0
+    try:
+        stream = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            if chunk.choices and chunk.choices[0].delta.content:
+                parts.append(chunk.choices[0].delta.content)
+                if ttft is None:
+                    ttft = now - t0
+                elif last is not None:
+                    itl.append(now - last)
+                last = now
+        return {"ok": True, "text": "".join(parts), "tokens": tokens, "ttft_s": ttft, "itl_s": itl, "e2e_s": time.perf_counter() - t0}
+    except Exception as e:  # counted, never hidden
+        return {"ok": False, "text": "", "tokens": 0, "ttft_s": None, "itl_s": [], "e2e_s": time.perf_counter() - t0, "error": str(e)[:200]}
+
+
+def _wave(client, model: str, prompts: list[str], max_tokens: int, rate: float | None) -> list[dict]:
+    """All prompts at once (rate None) or with exponential gaps of mean 1/rate; one thread per request."""
+    results: list[dict | None] = [None] * len(prompts)
+    rng = random.Random(0)
+    t, starts = time.perf_counter(), []
+    for _ in prompts:
+        starts.append(t if rate is None else t)
+        if rate:
+            t += rng.expovariate(rate)
+
+    def one(i):
+        results[i] = _stream(client, model, prompts[i], max_tokens, starts[i] if rate else None)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return results
+
+
+def write_outputs(out: Path, summary: dict, request_rows: list[dict]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(summary["rows"]), out / "load.parquet")
+    if request_rows:
+        pq.write_table(pa.Table.from_pylist(request_rows), out / "requests.parquet")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot(summary, out / "load.png")
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["rows"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for m in dict.fromkeys(r["method"] for r in rows):
+        mine = sorted((r for r in rows if r["method"] == m), key=lambda r: r["concurrency"])
+        xs = [r["concurrency"] for r in mine]
+        a.plot(xs, [r["tokens_per_s"] for r in mine], marker="o", label=m)
+        b.plot(xs, [1000 * (r["itl_p99_s"] or 0) for r in mine], marker="o", label=f"{m} ITL p99")
+        b.plot(xs, [1000 * (r["ttft_p99_s"] or 0) for r in mine], marker="x", linestyle="--", label=f"{m} TTFT p99")
+    for name, by_c in summary.get("in_process", {}).items():
+        xs = sorted(int(c) for c in by_c)
+        a.plot(xs, [by_c[str(c)] for c in xs], linestyle=":", marker=".", label=name.replace("_", " "))
+    a.set(xscale="log", xlabel="concurrent streams", ylabel="aggregate tokens/s", title="throughput")
+    b.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="ms", title="p99 latency")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{summary['model']} {summary['dtype']}, {summary['threads']} threads, {summary['max_tokens']} tokens per request")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    def body(args):
+        print(json.dumps(run(args)["rows"]))
+        return 0
+
+    return run_cli(build_parser(), body, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
