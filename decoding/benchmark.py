@@ -59,7 +59,22 @@ GEN_COLUMNS = (
 )
 
 # step rows: one per decoding step of a specray method
-STEP_COLUMNS = ("method", "prompt_id", "category", "repeat", "worker", "step", "drafted", "accepted", "draft_s", "verify_s", "config")
+# k: the draft budget of the step (k=auto: the goodput choice); rows: sequences that shared its target forward
+STEP_COLUMNS = (
+    "method",
+    "prompt_id",
+    "category",
+    "repeat",
+    "worker",
+    "step",
+    "drafted",
+    "accepted",
+    "draft_s",
+    "verify_s",
+    "k",
+    "rows",
+    "config",
+)
 
 # A divergence at a margin up to this is numerics (one or two rounding steps of the dtype), above it a bug.
 MARGIN_TOLERANCE = {"bfloat16": 0.5, "float16": 0.05, "float32": 1e-3}
@@ -89,6 +104,8 @@ def step_rows(method: str, prompt_id, category: str, steps: Iterable[StepRecord]
             "accepted": s.accepted,
             "draft_s": s.draft_s,
             "verify_s": s.verify_s,
+            "k": s.k,
+            "rows": s.rows,
             "config": config,
         }
         for i, s in enumerate(steps)
