@@ -594,8 +594,9 @@ class BenchWorker:
 def run_cluster(cfg, methods, peer, jobs, writer, new_progress, on_prompt_done, warmup, meta, workers=None) -> None:
     import ray  # only here: decoding/ never sees Ray
 
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, ignore_reinit_error=True, log_to_driver=False)
+    from cluster.runtime import connect
+
+    connect(None, log_to_driver=False)  # RAY_ADDRESS, else an embedded Ray on loopback
     n = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
     n = min(n, len(jobs))
     actor_cls = ray.remote(num_cpus=1)(BenchWorker)
