@@ -39,7 +39,7 @@ from pathlib import Path
 from decoding import benchmark as bm
 from decoding.config import METHODS, SpecConfig
 from decoding.workloads import DEFAULT_PROMPTS, Prompt, WorkloadError, load_prompts, long_context_prompt, select
-from jobs.common import Parser, add_config_args, config_from_args, fail, parse_ints, run_cli
+from jobs.common import Parser, add_config_args, config_from_args, fail, output_dir, parse_ints, run_cli
 
 SHORT_CONTEXT = 16  # the reference context of a decoding forward whose time is (almost) all weights
 PEER_MODES = ("hf-plain", "hf-prompt-lookup", "hf-assistant", "hf-early-exit")
@@ -636,6 +636,7 @@ def run_bench(args, on_prompt_done: Callable[[int, Prompt], None] | None = None)
         fail(f"--warmup must be >= 0, got {args.warmup}")
     if args.workers is not None and args.workers < 1:
         fail(f"--workers must be >= 1, got {args.workers}")
+    output_dir(args.out, "--out")  # before any work: a file or an unwritable place fails here
     prompts = load_workload(args, base)
     if not prompts:
         fail("no prompts selected")
