@@ -167,7 +167,7 @@ class Guard:
             if not message.get("more_body"):
                 break
         body = b"".join(chunks)
-        if scope["path"] in GENERATION_PATHS:
+        if scope["method"] == "POST" and scope["path"] in GENERATION_PATHS:
             try:  # a clear 400 for what FastAPI's own parse would turn into a vague one (depth, huge integers, NaN)
                 P.parse_body(body)
             except P.ApiError as e:
