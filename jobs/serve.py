@@ -5,7 +5,15 @@
 
 Serves every registry entry under its name and the base model (plus every
 entry's model) as plain AR; blocks, printing the URL and the served models;
-Ctrl-C (or SIGTERM) shuts Serve and the local Ray down.
+Ctrl-C (or SIGTERM) drains in-flight requests for ``--drain-timeout-s`` and shuts
+Serve and the local Ray down, in bounded time.
+
+Before Ray starts it checks, each failing with one line and exit 2: the
+registry, the base model and every ``--preload`` (their config reads and their
+weights are there), and that ``--host``/``--port`` can be listened on (Ray's proxy
+binds with port reuse, so a second server would otherwise share a busy port).
+``--api-key`` or ``SPECRAY_API_KEY``: ``/v1/*`` requires ``Authorization: Bearer KEY``
+(only the key's SHA-256 goes into the Serve config).
 
 ``--config`` takes a Serve config file (``infra/serve.yaml``: its
 ``http_options`` and the ``args`` of the application whose ``import_path`` is

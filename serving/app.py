@@ -187,6 +187,29 @@ class Guard:
 api.add_middleware(Guard)
 
 
+def keep_replica_grpc_on_loopback() -> None:
+    """Ray Serve (2.60) starts each replica's inter-deployment gRPC server on ``[::]:0``, all interfaces, whatever
+    the node's address (token authentication guards it). On a node whose address is 127.0.0.1 (the embedded Ray
+    of ``cluster.runtime``, where every other server listens on loopback) bind it to loopback too. Runs in the
+    replica's constructor, before Serve starts that server; a Ray without this hook is left as it is."""
+    try:
+        import ray
+        from ray.serve._private import replica as serve_replica
+    except ImportError:
+        return
+    add = getattr(serve_replica, "add_port_to_grpc_server", None)
+    if add is None or getattr(add, "specray_loopback", False) or ray.util.get_node_ip_address() != "127.0.0.1":
+        return
+
+    def add_on_loopback(server, address: str):
+        if address.startswith("[::]:"):
+            address = "127.0.0.1:" + address.rsplit(":", 1)[1]
+        return add(server, address)
+
+    add_on_loopback.specray_loopback = True
+    serve_replica.add_port_to_grpc_server = add_on_loopback
+
+
 def _worker_error(ev: dict, rid: str) -> P.ApiError:
     """The model replica's error event as an answer; a server fault's own words stay in the log."""
     if ev["status"] < 500:
@@ -344,6 +367,7 @@ class _Run:
 @serve.ingress(api)
 class OpenAIIngress:
     def __init__(self, model: DeploymentHandle, settings: dict):
+        keep_replica_grpc_on_loopback()
         self.settings = ServeSettings.from_dict(settings)
         Guard.configure(self.settings)
         self.model = model
@@ -535,7 +559,15 @@ class OpenAIIngress:
 
 
 # ---- the application ---------------------------------------------------------
-ModelServer = serve.deployment(ModelWorker, name=MODEL_NAME)
+class LoopbackModelWorker(ModelWorker):
+    """The model replica: ``ModelWorker``, its inter-deployment gRPC server kept on loopback under the embedded Ray."""
+
+    def __init__(self, *args, **kwargs):
+        keep_replica_grpc_on_loopback()
+        super().__init__(*args, **kwargs)
+
+
+ModelServer = serve.deployment(LoopbackModelWorker, name=MODEL_NAME)
 Ingress = serve.deployment(OpenAIIngress, name=INGRESS_NAME)
 
 
