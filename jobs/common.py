@@ -50,16 +50,24 @@ def input_file(path: str | Path, what: str) -> Path:
 
 
 def output_dir(path: str | Path, flag: str) -> Path:
-    """Create (or accept) the output directory ``path`` before any work starts; a file there, or a place that
-    cannot be written, fails in one line naming ``flag``."""
+    """Check the output directory ``path`` before any work starts: a file there, or a place where it cannot be
+    created or written, fails in one line naming ``flag``. A directory that did not exist is created to prove it
+    can be, then removed again (a run that fails later leaves nothing behind); the job creates it when it writes."""
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
         fail(f"{flag}: {p} exists and is not a directory")
+    missing = [d for d in (p, *p.parents) if not d.exists()]
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         fail(f"{flag}: cannot create {p}: {e.strerror or e}")
-    if not os.access(p, os.W_OK | os.X_OK):
+    writable = os.access(p, os.W_OK | os.X_OK)
+    for d in missing:  # deepest first
+        try:
+            d.rmdir()
+        except OSError:
+            break
+    if not writable:
         fail(f"{flag}: {p} is not writable")
     return p
 
