@@ -192,7 +192,7 @@ def model_loads(name: str) -> None:
         AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # a broken config.json: any of several transformers errors
         raise ConfigError("model", f"{path}: its config.json does not load ({type(e).__name__})") from None
-    if not any(path.glob(pattern) for pattern in ("*.safetensors", "*.bin", "*.gguf")):
+    if not any(next(path.glob(pattern), None) for pattern in ("*.safetensors", "*.bin", "*.gguf")):
         raise ConfigError("model", f"{path} holds no weights (*.safetensors, *.bin)")
 
 

@@ -22,6 +22,12 @@ def command_cases(tiny: str, tmp: Path) -> list[list[str]]:
     afile = tmp / "a-file"
     afile.write_text("x")
     port = closed_port()
+    noweights = tmp / "no-weights"  # a model directory whose config reads but that holds no weights
+    noweights.mkdir()
+    (noweights / "config.json").write_text((Path(tiny) / "config.json").read_text())
+    broken = tmp / "broken-config"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
     gen = ["generate", "--model", tiny, "--max-new-tokens", "2"]
     return [
         [*gen, "--prompt", "hi \udcff\udcfe"],  # bytes that are not UTF-8, as Python hands them over from argv
@@ -63,6 +69,8 @@ def command_cases(tiny: str, tmp: Path) -> list[list[str]]:
         ["serve", "--port", "99999"],
         ["serve", "--base-model", "/nonexistent"],
         ["serve", "--base-model", str(tmp)],
+        ["serve", "--base-model", str(noweights)],
+        ["serve", "--base-model", str(broken)],
         ["serve", "--base-model", tiny, "--max-body-bytes", "10"],
         ["serve", "--base-model", tiny, "--api-key", "has space"],
         ["serve", "--base-model", tiny, "--preload", "no/such/entry", "--registry", str(tmp / "emptyreg")],
@@ -74,9 +82,18 @@ def command_cases(tiny: str, tmp: Path) -> list[list[str]]:
 
 
 def test_bad_commands_exit_2_with_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    import cluster.runtime as runtime
     from jobs.cli import main
 
     monkeypatch.setenv("RAY_ADDRESS", "")
+    real_connect = runtime.connect
+
+    def no_embedded_ray(address=None, *args, **kwargs):  # a bad command must fail before it starts Ray
+        if not address:
+            raise AssertionError("a bad command got as far as starting Ray")
+        return real_connect(address, *args, **kwargs)
+
+    monkeypatch.setattr(runtime, "connect", no_embedded_ray)
     monkeypatch.setenv("SPECRAY_HOME", str(tmp_path / "home"))
     for argv in command_cases(str(tiny_model_dir), tmp_path):
         t0 = time.monotonic()
