@@ -39,7 +39,7 @@ from pathlib import Path
 from decoding import benchmark as bm
 from decoding.config import METHODS, SpecConfig
 from decoding.workloads import DEFAULT_PROMPTS, Prompt, WorkloadError, load_prompts, long_context_prompt, select
-from jobs.common import Parser, add_config_args, config_from_args, fail, parse_ints, run_cli
+from jobs.common import Parser, add_config_args, config_from_args, fail, output_dir, parse_ints, run_cli
 
 SHORT_CONTEXT = 16  # the reference context of a decoding forward whose time is (almost) all weights
 PEER_MODES = ("hf-plain", "hf-prompt-lookup", "hf-assistant", "hf-early-exit")
@@ -594,8 +594,9 @@ class BenchWorker:
 def run_cluster(cfg, methods, peer, jobs, writer, new_progress, on_prompt_done, warmup, meta, workers=None) -> None:
     import ray  # only here: decoding/ never sees Ray
 
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, ignore_reinit_error=True, log_to_driver=False)
+    from cluster.runtime import connect
+
+    connect(None, log_to_driver=False)  # RAY_ADDRESS, else an embedded Ray on loopback
     n = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
     n = min(n, len(jobs))
     actor_cls = ray.remote(num_cpus=1)(BenchWorker)
@@ -635,6 +636,7 @@ def run_bench(args, on_prompt_done: Callable[[int, Prompt], None] | None = None)
         fail(f"--warmup must be >= 0, got {args.warmup}")
     if args.workers is not None and args.workers < 1:
         fail(f"--workers must be >= 1, got {args.workers}")
+    output_dir(args.out, "--out")  # before any work: a file or an unwritable place fails here
     prompts = load_workload(args, base)
     if not prompts:
         fail("no prompts selected")

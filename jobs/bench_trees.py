@@ -24,7 +24,7 @@ from pathlib import Path
 from decoding import benchmark as bm
 from decoding.config import SpecConfig
 from jobs.bench import load_workload
-from jobs.common import Parser, add_config_args, config_from_args, fail, parse_ints, run_cli
+from jobs.common import Parser, add_config_args, config_from_args, fail, output_dir, parse_ints, run_cli
 
 TREE_DRAFTERS = ("sps", "early-exit", "ngram")
 
@@ -104,6 +104,7 @@ def calibrate(cfg: SpecConfig, prompts, width: int, depth: int) -> list[float]:
 
 def main_with_args(args) -> int:
     base = config_from_args(args)
+    output_dir(args.out, "--out")
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
     for d in drafters:
         name = d[len("trained:") :] if d.startswith("trained:") else None

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
 import kernels
 from decoding.config import METHODS, ConfigError, SpecConfig
+from decoding.limits import check_config
 
 
 class UsageError(Exception):
@@ -32,6 +35,69 @@ def parse_ints(text: str, flag: str, minimum: int, unit: str = "") -> list[int]:
     if not values or min(values) < minimum:
         fail(f"{flag}: values must be >= {minimum}{unit}, got {text!r}")
     return values
+
+
+def input_file(path: str | Path, what: str) -> Path:
+    """``path`` if it is a readable file, else a one-line failure saying what is wrong (missing, a directory)."""
+    p = Path(path)
+    if p.is_dir():
+        fail(f"{what} {p} is a directory, not a file")
+    if not p.is_file():
+        fail(f"{what} {p} does not exist")
+    if not os.access(p, os.R_OK):
+        fail(f"{what} {p} is not readable")
+    return p
+
+
+def output_dir(path: str | Path, flag: str) -> Path:
+    """Check the output directory ``path`` before any work starts: a file there, or a place where it cannot be
+    created or written, fails in one line naming ``flag``. A directory that did not exist is created to prove it
+    can be, then removed again (a run that fails later leaves nothing behind); the job creates it when it writes."""
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        fail(f"{flag}: {p} exists and is not a directory")
+    missing = [d for d in (p, *p.parents) if not d.exists()]
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        fail(f"{flag}: cannot create {p}: {e.strerror or e}")
+    writable = os.access(p, os.W_OK | os.X_OK)
+    for d in missing:  # deepest first
+        try:
+            d.rmdir()
+        except OSError:
+            break
+    if not writable:
+        fail(f"{flag}: {p} is not writable")
+    return p
+
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=+-]{0,127}")
+
+
+def path_name(name: str, flag: str) -> str:
+    """``name`` if it can be one folder name under an output directory: letters, digits and ``._=+-``, not
+    starting with a dot, at most 128 characters; anything else (``..``, ``/``, ``~``, spaces) fails naming ``flag``.
+
+    >>> path_name("tune-2026_k=4", "--name")
+    'tune-2026_k=4'
+    >>> path_name("../../x", "--name")
+    Traceback (most recent call last):
+    ...
+    jobs.common.UsageError: --name: '../../x' is not a plain folder name (letters, digits, . _ = + -; no / or ..)
+    """
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        fail(f"{flag}: {name!r} is not a plain folder name (letters, digits, . _ = + -; no / or ..)")
+    return name
+
+
+def check_text(text: str, what: str) -> str:
+    """``text`` if it is valid Unicode; command-line bytes that are not UTF-8 arrive as lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        fail(f"{what} is not valid UTF-8 (byte {ord(text[e.start]) & 0xFF:#04x} at character {e.start})")
+    return text
 
 
 class Parser(argparse.ArgumentParser):
@@ -62,16 +128,18 @@ _FLAG_FIELDS = ("method", "model", "max_new_tokens", "temperature", "top_p", "to
 def config_from_args(args) -> SpecConfig:
     base = {}
     if getattr(args, "config", None):
-        path = Path(args.config)
-        if not path.is_file():
-            fail(f"config file {path} does not exist")
+        path = input_file(args.config, "config file")
         try:
             base = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             fail(f"config file {path} is not valid JSON: {e}")
     cfg = SpecConfig.from_dict(base)
     flags = {f: getattr(args, f) for f in _FLAG_FIELDS if getattr(args, f, None) is not None}
-    return cfg.with_overrides(args.set, **flags)
+    for item in args.set:
+        check_text(item, "--set")
+    cfg = cfg.with_overrides(args.set, **flags)
+    check_config(cfg)  # the same limits as the HTTP API (temperature, top_p, top_k, seed, max tokens)
+    return cfg
 
 
 def run_cli(parser: argparse.ArgumentParser, body, argv=None) -> int:

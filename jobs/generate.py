@@ -10,9 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from jobs.common import Parser, add_config_args, config_from_args, fail, run_cli
+from jobs.common import Parser, add_config_args, check_text, config_from_args, fail, input_file, run_cli
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -32,15 +31,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def read_prompt(args) -> str:
     if args.prompt_file:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            fail(f"prompt file {path} does not exist")
+        path = input_file(args.prompt_file, "prompt file")
         try:
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as e:
             fail(f"cannot read prompt file {path}: {e}")
     else:
-        text = args.prompt
+        text = args.prompt if args.prompt is None else check_text(args.prompt, "--prompt")
     if text is None:
         fail("no prompt: pass --prompt TEXT or --prompt-file F")
     if not text.strip():

@@ -14,9 +14,8 @@ from __future__ import annotations
 import socket
 import sys
 import time
-from pathlib import Path
 
-from jobs.common import Parser, fail, run_cli
+from jobs.common import Parser, fail, output_dir, run_cli
 
 QUESTION = "Summarize in two sentences: the Moon is Earth's only natural satellite. It formed about 4.5 billion years ago."
 
@@ -53,7 +52,7 @@ def free_port() -> int:
 def main_with_args(args) -> int:
     from jobs import bench, tune
 
-    out = Path(args.out)
+    out = output_dir(args.out, "--out")
     common = ["--model", args.model, "--dtype", args.dtype, "--categories", args.categories, "--limit", str(args.limit)]
     common += ["--max-new-tokens", str(args.max_new_tokens)]
     registry = ["--registry", args.registry] if args.registry else []

@@ -101,6 +101,12 @@ def _report(args, op: str, version: int, text: str) -> None:
 
 
 def main_with_args(args) -> int:
+    if args.registry and "://" not in args.registry and args.command in ("list", "show", "delete"):
+        where = Path(args.registry).expanduser()  # a directory named on the command line must be there to be read
+        if not where.exists():
+            fail(f"--registry: {where} does not exist")
+        if not where.is_dir():
+            fail(f"--registry: {where} is not a directory")
     try:
         with open_registry(args.registry) as reg:
             if args.command == "list":

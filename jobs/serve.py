@@ -5,7 +5,15 @@
 
 Serves every registry entry under its name and the base model (plus every
 entry's model) as plain AR; blocks, printing the URL and the served models;
-Ctrl-C (or SIGTERM) shuts Serve and the local Ray down.
+Ctrl-C (or SIGTERM) drains in-flight requests for ``--drain-timeout-s`` and shuts
+Serve and the local Ray down, in bounded time.
+
+Before Ray starts it checks, each failing with one line and exit 2: the
+registry, the base model and every ``--preload`` (their config reads and their
+weights are there), and that ``--host``/``--port`` can be listened on (Ray's proxy
+binds with port reuse, so a second server would otherwise share a busy port).
+``--api-key`` or ``SPECRAY_API_KEY``: ``/v1/*`` requires ``Authorization: Bearer KEY``
+(only the key's SHA-256 goes into the Serve config).
 
 ``--config`` takes a Serve config file (``infra/serve.yaml``: its
 ``http_options`` and the ``args`` of the application whose ``import_path`` is
@@ -17,10 +25,14 @@ flags override it. Ray: ``--address``, else ``RAY_ADDRESS``, else an embedded lo
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import signal
+import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 from jobs.common import Parser, fail, run_cli
@@ -47,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preload", action="append", default=[], metavar="MODEL", help="load this model name at start (repeatable)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any serve setting, value as JSON, e.g. --set threads=2")
     p.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray)")
+    p.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: SPECRAY_API_KEY; prefer the variable, flags show up in ps)",
+    )
+    p.add_argument("--auth-health", action="store_true", help="also require the key on /health and /metrics")
+    p.add_argument("--max-body-bytes", type=int, help="largest request body; bigger ones get 413 (default 4 MiB)")
+    p.add_argument("--drain-timeout-s", type=float, help="on Ctrl-C/SIGTERM, wait this long for in-flight requests (default 10)")
     return p
 
 
@@ -76,7 +95,7 @@ def read_config(path: str) -> tuple[dict, dict]:
 
 
 def settings_from_args(args):
-    from serving.settings import ServeSettings
+    from serving.settings import ServeSettings, api_key_digest
 
     base, http = read_config(args.config) if args.config else ({}, {})
     data = dict(base)
@@ -88,6 +107,8 @@ def settings_from_args(args):
         "max_batch_rows": args.max_batch_rows,
         "max_queued_requests": args.max_queued_requests,
         "num_replicas": args.num_replicas,
+        "max_body_bytes": args.max_body_bytes,
+        "drain_timeout_s": args.drain_timeout_s,
     }
     data.update({k: v for k, v in flags.items() if v is not None})
     if args.preload:
@@ -100,12 +121,97 @@ def settings_from_args(args):
             data[key.strip().replace("-", "_")] = json.loads(value)
         except json.JSONDecodeError:
             data[key.strip().replace("-", "_")] = value
+    if args.auth_health:
+        data["auth_health"] = True
+    key = args.api_key if args.api_key is not None else os.environ.get("SPECRAY_API_KEY")
+    if key is not None:
+        if not key.strip() or any(c.isspace() for c in key) or not key.isprintable():
+            fail("--api-key / SPECRAY_API_KEY: the key must be printable text without spaces")
+        data["api_key_sha256"] = api_key_digest(key)
     settings = ServeSettings.from_dict(data)
     host = args.host or http.get("host") or "127.0.0.1"
-    port = args.port if args.port is not None else int(http.get("port", 8000))
+    try:
+        port = args.port if args.port is not None else int(http.get("port", 8000))
+    except (TypeError, ValueError):
+        fail(f"http_options.port: not a number: {http.get('port')!r}")
     if not 0 < port < 65536:
         fail(f"--port: {port} is not a TCP port")
     return settings, host, port
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail (one line) unless ``host:port`` can be listened on now: Ray's proxy binds with port reuse,
+    so a second server on a busy port would start and share the port with the first."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        fail(f"--host: cannot listen on {host!r}: {getattr(e, 'strerror', None) or e}")
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free; a listener is not
+        try:
+            sock.bind(addr)
+            sock.listen(1)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                fail(f"--port: {host}:{port} is already in use (another server listens there)")
+            if e.errno == errno.EACCES:
+                fail(f"--port: no permission to listen on {host}:{port}")
+            fail(f"--host: cannot listen on {host}:{port}: {e.strerror or e}")
+
+
+def check_models(settings, catalog) -> None:
+    """Fail (one line) when the base model or a preloaded configuration's model does not load, instead of
+    starting a server whose every request fails. Reads each model's config and looks for its weights (no weights loaded)."""
+    from decoding.config import ConfigError
+    from serving.catalog import ModelNotFound
+
+    wanted = [("--base-model", settings.base_model)]
+    for name in settings.preload:
+        try:
+            cfg = catalog.resolve(name).config
+        except ModelNotFound as e:
+            fail(f"--preload {name}: {e}")
+        wanted += [(f"--preload {name}", m) for m in (cfg.model, cfg.draft_model) if m]
+    for flag, model in wanted:
+        try:
+            model_loads(model)
+        except ConfigError as e:
+            fail(f"{flag}: {str(e).removeprefix('model: ')}")
+
+
+def model_loads(name: str) -> None:
+    """Raise ConfigError unless ``name`` resolves to a model whose config reads and whose weights are there."""
+    from decoding.config import ConfigError
+    from decoding.models import resolve
+
+    kind, path, _ = resolve(name)
+    if kind != "dir":
+        return
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # a broken config.json: any of several transformers errors
+        raise ConfigError("model", f"{path}: its config.json does not load ({type(e).__name__})") from None
+    if not any(next(path.glob(pattern), None) for pattern in ("*.safetensors", "*.bin", "*.gguf")):
+        raise ConfigError("model", f"{path} holds no weights (*.safetensors, *.bin)")
+
+
+def _shutdown_serve(timeout_s: float) -> bool:
+    """``serve.shutdown()`` bounded by ``timeout_s``; False when it did not finish in time."""
+    from ray import serve
+
+    done = threading.Event()
+
+    def run():
+        try:
+            serve.shutdown()
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="serve-shutdown", daemon=True).start()
+    return done.wait(timeout_s)
 
 
 def main_with_args(args) -> int:
@@ -119,6 +225,12 @@ def main_with_args(args) -> int:
         fail(str(e))
     if catalog.error:
         fail(catalog.error)
+    try:
+        check_models(settings, catalog)
+        check_port_free(host, port)
+    except BaseException:
+        catalog.close()
+        raise
 
     from ray import serve
 
@@ -131,7 +243,11 @@ def main_with_args(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
+        try:
+            serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
+        except RuntimeError as e:  # a replica's constructor failed (e.g. a preload that does not load)
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            fail(f"the application did not start: {first[:300]} (the Serve logs have the details)")
         url = f"http://{host}:{port}"
         print(f"specray serving at {url}/v1  (health {url}/health, metrics {url}/metrics)", flush=True)
         print(f"registry: {catalog.registry.location}", flush=True)
@@ -147,10 +263,14 @@ def main_with_args(args) -> int:
         print("shutting down", file=sys.stderr, flush=True)
     finally:
         catalog.close()
+        t0 = time.monotonic()
         try:
-            serve.shutdown()
+            # replicas drain for drain_timeout_s (graceful_shutdown_timeout_s); a few seconds more for Serve's own actors
+            if not _shutdown_serve(settings.drain_timeout_s + 5.0):
+                print(f"Serve did not shut down within {settings.drain_timeout_s + 5.0:.0f}s; stopping anyway", file=sys.stderr, flush=True)
         finally:
             shutdown_if_started_here()
+        print(f"stopped in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
     return 0
 
 

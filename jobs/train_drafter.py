@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from decoding.workloads import DEFAULT_PROMPTS, WorkloadError, load_prompts, select
-from jobs.common import Parser, fail, run_cli
+from jobs.common import Parser, fail, output_dir, path_name, run_cli
 
 RECIPE_NAMES = ("kangaroo", "medusa", "hydra", "feature", "distill")
 LOSS_NAMES = ("kl", "tvdpp", "ce")
@@ -93,6 +93,10 @@ def check_args(args) -> None:
         fail(f"--skip: must be >= 0, got {args.skip}")
     if args.max_minutes is not None and args.max_minutes <= 0:
         fail(f"--max-minutes: must be > 0, got {args.max_minutes}")
+    if args.name is not None:
+        path_name(args.name, "--name")  # it becomes a folder under $SPECRAY_HOME/drafters
+    if args.out is not None:
+        output_dir(args.out, "--out")
     for name in ("steps", "batch", "window", "max_new_tokens"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")

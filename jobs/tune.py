@@ -37,7 +37,7 @@ from pathlib import Path
 from decoding.config import SpecConfig
 from decoding.paths import specray_home
 from decoding.workloads import DEFAULT_PROMPTS, WorkloadError, load_prompts, select
-from jobs.common import Parser, add_config_args, config_from_args, fail, run_cli
+from jobs.common import Parser, add_config_args, config_from_args, fail, output_dir, path_name, run_cli
 
 DEFAULT_METHODS = "ngram,early-exit,sps"
 
@@ -125,7 +125,9 @@ def settings_from_args(args):
     ranges = dict(parse_range(r) for r in args.range)
     prompts_file = str(Path(args.prompts).resolve()) if args.prompts else str(DEFAULT_PROMPTS)
     categories = _split(args.categories)
-    out = Path(args.out).resolve() if args.out else specray_home() / "tune"
+    out = output_dir(Path(args.out).resolve() if args.out else specray_home() / "tune", "--out")
+    if args.name is not None:
+        path_name(args.name, "--name")  # the experiment folder under --out
     return TuneSettings(
         base=base.to_dict(),
         methods=methods,

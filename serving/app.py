@@ -1,7 +1,7 @@
 """The Ray Serve application: an OpenAI-compatible ingress composed with a model deployment.
 
     from serving.app import build_app
-    from serving.settings import ServeSettings
+    from serving.settings import ServeSettings, api_key_digest
     serve.run(build_app(ServeSettings(registry="/path/to/registry")), route_prefix="/")
 
 Routes (``OpenAIIngress``, FastAPI via ``@serve.ingress``):
@@ -23,11 +23,16 @@ model deployment's events (``ModelServer.stream``) back as OpenAI JSON.
 """
 
 import asyncio
+import hashlib
+import hmac
+import json
 import logging
+import os
 import time
 import uuid
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve import Application
@@ -37,7 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving import protocol as P
 from serving.catalog import Catalog, ModelNotFound
 from serving.metrics import ServingMetrics
-from serving.settings import ServeSettings
+from serving.settings import ServeSettings, api_key_digest
 from serving.worker import ModelWorker
 
 log = logging.getLogger("ray.serve")
@@ -46,24 +51,173 @@ INGRESS_NAME = "OpenAIIngress"
 MODEL_NAME = "ModelServer"
 HEALTHY_STATES = ("HEALTHY", "UPSCALING", "DOWNSCALING")
 WORKER_QUERY_TIMEOUT_S = 10.0
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
-api = FastAPI(title="specray", description="OpenAI-compatible speculative decoding")
+# /docs and /redoc would load their assets from a CDN (blank on an offline cluster): off; /openapi.json stays
+api = FastAPI(title="specray", description="OpenAI-compatible speculative decoding", docs_url=None, redoc_url=None)
 
 
 def error_response(err: P.ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
+def _request_id(request: Request) -> str:
+    return request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
+
+
 @api.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException):
-    code = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None
-    return error_response(P.ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code))
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    status = exc.status_code if 400 <= exc.status_code < 600 else 400
+    detail = exc.detail if status < 500 else "internal error"
+    return error_response(
+        P.ApiError(status, f"{request.method} {request.url.path}: {detail}", code=code, headers=getattr(exc, "headers", None))
+    )
+
+
+@api.exception_handler(RequestValidationError)
+async def _invalid_request(request: Request, exc: RequestValidationError):
+    return error_response(P.validation_error(list(exc.errors())))
 
 
 @api.exception_handler(Exception)
 async def _server_error(request: Request, exc: Exception):
-    log.exception("specray: unhandled error on %s", request.url.path)
-    return error_response(P.ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
+    rid = _request_id(request)
+    log.error("specray: unhandled error on %s (request %s)", request.url.path, rid, exc_info=exc)
+    return error_response(P.ApiError(500, f"internal error (request {rid}; details in the server log)", code="internal_error"))
+
+
+class Guard:
+    """ASGI middleware in front of every route: the API key (401) and the body size limit (413, before reading it).
+
+    Configured by the ingress replica (:meth:`configure`), so it follows the deployment's settings.
+    """
+
+    key_digest: str | None = None
+    auth_health = False
+    max_body_bytes = 4 * 1024 * 1024
+
+    def __init__(self, app):
+        self.app = app
+
+    @classmethod
+    def configure(cls, settings: ServeSettings) -> None:
+        env_key = os.environ.get("SPECRAY_API_KEY")
+        cls.key_digest = settings.api_key_sha256 or (api_key_digest(env_key) if env_key else None)
+        cls.auth_health = settings.auth_health
+        cls.max_body_bytes = settings.max_body_bytes
+
+    def _needs_key(self, path: str) -> bool:
+        if self.key_digest is None:
+            return False
+        if path in ("/health", "/metrics"):
+            return self.auth_health
+        return True
+
+    def _authorized(self, headers: dict) -> bool:
+        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return False
+        presented = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).hexdigest()
+        return hmac.compare_digest(presented, self.key_digest)
+
+    @staticmethod
+    async def _send(send, err: P.ApiError) -> None:
+        body = json.dumps(err.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers += [(k.lower().encode(), str(v).encode()) for k, v in err.headers.items()]
+        await send({"type": "http.response.start", "status": err.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self._needs_key(scope["path"]) and not self._authorized(headers):
+            err = P.ApiError(
+                401,
+                "a valid API key is required: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                type_="invalid_request_error",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+            return await self._send(send, err)
+        limit = self.max_body_bytes
+        too_big = P.ApiError(413, f"the request body is larger than the limit of {limit} bytes", code="request_too_large")
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                return await self._send(send, P.invalid(None, "the Content-Length header is not a number", code="invalid_header"))
+            if size > limit:
+                return await self._send(send, too_big)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        chunks, total = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > limit:
+                return await self._send(send, too_big)
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        if scope["method"] == "POST" and scope["path"] in GENERATION_PATHS:
+            try:  # a clear 400 for what FastAPI's own parse would turn into a vague one (depth, huge integers, NaN)
+                P.parse_body(body)
+            except P.ApiError as e:
+                return await self._send(send, e)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+api.add_middleware(Guard)
+
+
+def keep_replica_grpc_on_loopback() -> None:
+    """Ray Serve (2.60) starts each replica's inter-deployment gRPC server on ``[::]:0``, all interfaces, whatever
+    the node's address (token authentication guards it). On a node whose address is 127.0.0.1 (the embedded Ray
+    of ``cluster.runtime``, where every other server listens on loopback) bind it to loopback too. Runs in the
+    replica's constructor, before Serve starts that server; a Ray without this hook is left as it is."""
+    try:
+        import ray
+        from ray.serve._private import replica as serve_replica
+    except ImportError:
+        return
+    add = getattr(serve_replica, "add_port_to_grpc_server", None)
+    if add is None or getattr(add, "specray_loopback", False) or ray.util.get_node_ip_address() != "127.0.0.1":
+        return
+
+    def add_on_loopback(server, address: str):
+        if address.startswith("[::]:"):
+            address = "127.0.0.1:" + address.rsplit(":", 1)[1]
+        return add(server, address)
+
+    add_on_loopback.specray_loopback = True
+    serve_replica.add_port_to_grpc_server = add_on_loopback
+
+
+def _worker_error(ev: dict, rid: str) -> P.ApiError:
+    """The model replica's error event as an answer; a server fault's own words stay in the log."""
+    if ev["status"] < 500:
+        return P.ApiError(ev["status"], ev["message"], param=ev.get("param"), code=ev.get("code"))
+    log.error("specray: %s failed on the model replica: %s", rid, ev["message"])
+    return P.ApiError(
+        ev["status"], f"the model replica failed (request {rid}; details in the server log)", code=ev.get("code") or "internal_error"
+    )
 
 
 class _Slot:
@@ -140,7 +294,7 @@ class _Run:
                     parts.append(ev["text"])
                 elif ev["type"] == "error":
                     self.failed = True
-                    return P.ApiError(ev["status"], ev["message"], param=ev.get("param"), code=ev.get("code"))
+                    return _worker_error(ev, self.rid)
                 elif ev["type"] == "end":
                     self._finish(ev)
                     use = P.usage(self.prompt_tokens, self.tokens)
@@ -148,8 +302,8 @@ class _Run:
                     return build(self.rid, self.served.name, self.created, "".join(parts), ev["finish_reason"], use, self._stats(ev))
         except Exception as e:  # the model replica died or failed mid-generation
             self.failed = True
-            log.exception("specray: %s broke mid-generation", self.rid)
-            return P.ApiError(500, f"the generation failed: {type(e).__name__}: {e}", code="generation_failed")
+            log.error("specray: %s broke mid-generation", self.rid, exc_info=e)
+            return P.ApiError(500, f"the generation failed (request {self.rid}; details in the server log)", code="generation_failed")
         self.failed = True
         return P.ApiError(500, "the model deployment ended the stream early", code="internal_error")
 
@@ -176,7 +330,7 @@ class _Run:
                             yield P.sse(self._chunk(ev["text"]))
                     elif ev["type"] == "error":
                         self.failed, status = True, ev["status"]
-                        yield P.sse(P.ApiError(ev["status"], ev["message"], param=ev.get("param"), code=ev.get("code")).body())
+                        yield P.sse(_worker_error(ev, self.rid).body())
                         break
                     elif ev["type"] == "end":
                         self._finish(ev)
@@ -188,8 +342,12 @@ class _Run:
                         break
             except Exception as e:  # the model replica died or failed mid-generation: say so in the stream
                 self.failed, status = True, 500
-                log.exception("specray: %s broke mid-stream", self.rid)
-                yield P.sse(P.ApiError(500, f"the generation failed: {type(e).__name__}: {e}", code="generation_failed").body())
+                log.error("specray: %s broke mid-stream", self.rid, exc_info=e)
+                yield P.sse(
+                    P.ApiError(
+                        500, f"the generation failed (request {self.rid}; details in the server log)", code="generation_failed"
+                    ).body()
+                )
             yield P.DONE
         finally:
             if not self.finished and not self.failed:  # the client went away: stop the generation
@@ -209,7 +367,9 @@ class _Run:
 @serve.ingress(api)
 class OpenAIIngress:
     def __init__(self, model: DeploymentHandle, settings: dict):
+        keep_replica_grpc_on_loopback()
         self.settings = ServeSettings.from_dict(settings)
+        Guard.configure(self.settings)
         self.model = model
         self.metrics = ServingMetrics()
         self.catalog = Catalog(
@@ -236,12 +396,12 @@ class OpenAIIngress:
         return _Slot(self)
 
     # ---- routes -------------------------------------------------------------
-    @api.post("/v1/completions")
-    async def completions(self, request: Request):
+    @api.post("/v1/completions", response_model=P.CompletionResponse, responses=P.ERROR_RESPONSES)
+    async def completions(self, body: P.CompletionRequest, request: Request):
         return await self._generate(request, "completions")
 
-    @api.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request):
+    @api.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses=P.ERROR_RESPONSES)
+    async def chat_completions(self, body: P.ChatCompletionRequest, request: Request):
         return await self._generate(request, "chat")
 
     @api.get("/v1/models")
@@ -369,15 +529,17 @@ class OpenAIIngress:
         except (Exception, StopAsyncIteration) as e:
             stream.cancel()
             slot.release()
-            log.exception("specray: %s failed before its first event", rid)
+            log.error("specray: %s failed before its first event", rid, exc_info=e)
             self.metrics.observe_request(served.name, endpoint, 500)
-            return error_response(P.ApiError(500, f"the model deployment failed: {e}", code="internal_error"))
+            return error_response(
+                P.ApiError(500, f"the model deployment failed (request {rid}; details in the server log)", code="internal_error")
+            )
         except BaseException:  # cancelled: the client went away while waiting
             stream.cancel()
             raise
         if first["type"] == "error":
             slot.release()
-            err = P.ApiError(first["status"], first["message"], param=first.get("param"), code=first.get("code"))
+            err = _worker_error(first, rid)
             self.metrics.observe_request(served.name, endpoint, err.status)
             return error_response(err)
 
@@ -397,7 +559,15 @@ class OpenAIIngress:
 
 
 # ---- the application ---------------------------------------------------------
-ModelServer = serve.deployment(ModelWorker, name=MODEL_NAME)
+class LoopbackModelWorker(ModelWorker):
+    """The model replica: ``ModelWorker``, its inter-deployment gRPC server kept on loopback under the embedded Ray."""
+
+    def __init__(self, *args, **kwargs):
+        keep_replica_grpc_on_loopback()
+        super().__init__(*args, **kwargs)
+
+
+ModelServer = serve.deployment(LoopbackModelWorker, name=MODEL_NAME)
 Ingress = serve.deployment(OpenAIIngress, name=INGRESS_NAME)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 
 from decoding.config import DTYPES, ConfigError
@@ -64,6 +65,15 @@ class ServeSettings:
     request_log_size: finished generations a model replica remembers for
         ``/v1/specray/requests/{id}``.
     ingress_replicas: replicas of the HTTP ingress.
+    max_body_bytes: the largest request body accepted; a bigger one is answered 413
+        before it is read or parsed.
+    api_key_sha256: the SHA-256 (hex) of the API key every ``/v1/*`` request must bring as
+        ``Authorization: Bearer <key>`` (else 401); ``None``: no key (unless the ingress's
+        environment has ``SPECRAY_API_KEY``). ``specray serve --api-key`` / ``SPECRAY_API_KEY``
+        fill it in; the key itself never enters the Serve config.
+    auth_health: also require the key on ``/health`` and ``/metrics`` (open by default, for probes
+        and scrapers).
+    drain_timeout_s: on shutdown, how long replicas wait for in-flight requests to finish.
     """
 
     registry: str | None = None
@@ -86,6 +96,10 @@ class ServeSettings:
     watch_registry: bool = True
     request_log_size: int = 1024
     ingress_replicas: int = 1
+    max_body_bytes: int = 4 * 1024 * 1024
+    api_key_sha256: str | None = None
+    auth_health: bool = False
+    drain_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         types = {f.name: f.type for f in dataclasses.fields(self)}
@@ -117,7 +131,11 @@ class ServeSettings:
             raise ConfigError("max_step_tokens", f"must be >= 1, got {self.max_step_tokens}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError("threads", f"must be >= 1, got {self.threads}")
-        for name in ("model_num_cpus", "ingress_num_cpus", "registry_refresh_s"):
+        if self.max_body_bytes < 1024:
+            raise ConfigError("max_body_bytes", f"must be >= 1024, got {self.max_body_bytes}")
+        if self.api_key_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", self.api_key_sha256):
+            raise ConfigError("api_key_sha256", "must be 64 lowercase hex digits (sha256 of the key)")
+        for name in ("model_num_cpus", "ingress_num_cpus", "registry_refresh_s", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
         if self.retry_after_s < 0:
@@ -161,6 +179,8 @@ class ServeSettings:
             "ray_actor_options": {"num_cpus": self.model_num_cpus},
             # loading a model can take a while on CPU; don't call a slow start a failure
             "health_check_timeout_s": 60,
+            "graceful_shutdown_timeout_s": self.drain_timeout_s,
+            "graceful_shutdown_wait_loop_s": 0.5,
         }
         if self.num_replicas is not None:
             opts["num_replicas"] = self.num_replicas
@@ -175,4 +195,17 @@ class ServeSettings:
             # and keep room for /health and /metrics
             "max_ongoing_requests": self.max_queued_requests + 32,
             "ray_actor_options": {"num_cpus": self.ingress_num_cpus},
+            "graceful_shutdown_timeout_s": self.drain_timeout_s,
+            "graceful_shutdown_wait_loop_s": 0.5,
         }
+
+
+def api_key_digest(key: str) -> str:
+    """What ``api_key_sha256`` holds for ``key``.
+
+    >>> api_key_digest("secret")[:16]
+    '2bb80d537b1da3e3'
+    """
+    import hashlib
+
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 import kernels
 from decoding.config import ConfigError, SpecConfig
 from serving.batching import EngineFailed, EngineLoop, run_alone
+from serving.protocol import prompt_surely_exceeds
 from serving.textstream import TextAssembler
 
 log = logging.getLogger("ray.serve")
@@ -181,16 +182,31 @@ class ModelWorker:
             return
         load_s = time.perf_counter() - t_arrive
 
+        param = "messages" if req.get("messages") is not None else "prompt"
+        context = dec.loaded.max_context
+        chars = sum(len(m["content"]) for m in req["messages"]) if param == "messages" else len(req["prompt"])
+        if prompt_surely_exceeds(dec.tokenizer, chars, context):  # refuse before tokenizing a huge text
+            yield {
+                "type": "error",
+                "status": 400,
+                "message": f"the prompt ({chars} characters) cannot fit the model's context of {context} tokens",
+                "param": param,
+                "code": "context_length_exceeded",
+            }
+            return
         try:
-            if req.get("messages") is not None:
+            if param == "messages":
                 prompt_ids = encode_chat(dec.tokenizer, req["messages"])
             else:
                 prompt_ids = dec.encode(req["prompt"], chat=False)
         except ConfigError as e:
-            yield {"type": "error", "status": 400, "message": str(e), "param": "messages" if req.get("messages") else "prompt"}
+            yield {"type": "error", "status": 400, "message": str(e), "param": param}
+            return
+        except Exception as e:  # the tokenizer refused the text (e.g. a lone surrogate): the request's fault
+            log.warning("specray: %s: the tokenizer refused the %s: %s", rid, param, e)
+            yield {"type": "error", "status": 400, "message": f"'{param}' cannot be tokenized", "param": param, "code": "invalid_value"}
             return
         prompt_len = int(prompt_ids.shape[1])
-        context = dec.loaded.max_context
         max_tokens = req.get("max_tokens")
         if max_tokens is None:
             max_tokens = min(cfg.max_new_tokens, context - prompt_len)
@@ -216,7 +232,10 @@ class ModelWorker:
         # a per-request view of the decoder: same weights and tokenizer, its own drafter and sampling
         temperature = cfg.temperature if req.get("temperature") is None else req["temperature"]
         top_p = cfg.top_p if req.get("top_p") is None else req["top_p"]
-        view = dec if (temperature, top_p) == (cfg.temperature, cfg.top_p) else dec.fork(temperature=temperature, top_p=top_p)
+        top_k = cfg.top_k if req.get("top_k") is None else req["top_k"]
+        sampling = (temperature, top_p, top_k)
+        same = sampling == (cfg.temperature, cfg.top_p, cfg.top_k)
+        view = dec if same else dec.fork(temperature=temperature, top_p=top_p, top_k=top_k)
 
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()

@@ -202,6 +202,10 @@ def parse_range(text: str) -> tuple[str, dict]:
 
 def _narrow(knob: Knob, spec: Mapping) -> Knob:
     if "choices" in spec:
+        if knob.kind != "choice":
+            bad = [v for v in spec["choices"] if isinstance(v, str | bool) or not isinstance(v, int | float)]
+            if bad:
+                raise ConfigError(knob.field, f"--range takes numbers for this knob, got {bad[0]!r}")
         choices = tuple(knob.clamp(v) if knob.kind != "choice" else v for v in spec["choices"])
         return dataclasses.replace(knob, kind="choice", choices=tuple(dict.fromkeys(choices)), low=None, high=None)
     lo, hi = spec.get("low", knob.low), spec.get("high", knob.high)

@@ -224,3 +224,68 @@ def test_catalog_over_redis_follows_published_updates():
         finally:
             cat.close()
             reg.close()
+
+
+# ---- hostile bodies and the shared limits ------------------------------------------
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "nests deeper"),
+        (b'{"a": ' + b"[" * 40 + b"]" * 40 + b"}", "nests deeper"),
+        (b'{"max_tokens": ' + b"9" * 5000 + b"}", "5000 digits"),
+        (b'{"temperature": NaN}', "NaN"),
+        (b'{"prompt": "hi \\ud800"}', "lone UTF-16 surrogate"),
+        (b'{"\\udfff": 1}', "lone UTF-16 surrogate"),
+        (b'{"messages": [{"content": "\\ud83d"}]}', "messages[0].content"),
+        (b'{"prompt": "\xed\xa0\x80"}', "surrogate"),  # json decodes UTF-8 of a surrogate as one
+    ],
+)
+def test_parse_body_refuses_hostile_json_with_a_400(raw, needle):
+    e = err(P.parse_body, raw)
+    assert e.status == 400 and needle in e.message, e.message
+
+
+def test_the_cli_and_http_share_the_sampling_limits():
+    from decoding.limits import check_sampling
+
+    for field, bad in [("temperature", 2.5), ("temperature", -1), ("top_p", 0), ("top_k", -1), ("seed", -1), ("seed", 2**64)]:
+        with pytest.raises(ConfigError) as cli:
+            check_sampling(**{field: bad})
+        http = err(P.parse_completion, {"model": "m", "prompt": "hi", field: bad})
+        assert cli.value.field == field and http.param == field and http.status == 400
+    for field, good in [("temperature", 2.0), ("top_p", 1.0), ("top_k", 0), ("seed", 2**63 - 1)]:
+        check_sampling(**{field: good})
+        assert getattr(P.parse_completion({"model": "m", "prompt": "hi", field: good}), field) == good
+    schema = P.CompletionRequest.model_json_schema()["properties"]
+    assert schema["temperature"]["anyOf"][0]["maximum"] == 2.0 and schema["seed"]["anyOf"][0]["maximum"] == 2**63 - 1
+
+
+def test_top_k_is_applied_and_response_format_refused_rather_than_ignored():
+    assert P.parse_completion({"model": "m", "prompt": "hi", "top_k": 5}).to_worker()["top_k"] == 5
+    assert P.parse_completion({"model": "m", "prompt": "hi", "response_format": {"type": "text"}}).prompt == "hi"
+    assert err(P.parse_completion, {"model": "m", "prompt": "hi", "response_format": {"type": "json_object"}}).param == "response_format"
+
+
+def test_error_types_follow_the_status():
+    assert P.ApiError(405, "x").type == "invalid_request_error"
+    assert P.ApiError(401, "x").type == "invalid_request_error"
+    assert P.ApiError(413, "x").type == "invalid_request_error"
+    assert P.ApiError(429, "x").type == "rate_limit_error"
+    assert P.ApiError(500, "x").type == "server_error"
+
+
+def test_response_builders_match_the_response_models():
+    use = P.usage(3, 2)
+    P.CompletionResponse.model_validate(P.completion_response("cmpl-1", "m", 1, "hi", "stop", use, {"method": "ar"}))
+    P.ChatCompletionResponse.model_validate(P.chat_response("chatcmpl-1", "m", 1, "hi", "length", use, {}))
+    P.ErrorResponse.model_validate(P.invalid("prompt", "bad").body())
+
+
+def test_a_prompt_that_cannot_fit_is_known_before_tokenizing(smollm2_fp32):
+    tok = smollm2_fp32.tokenizer
+    longest = P.longest_token_chars(tok)
+    assert 1 < longest < 200
+    text = "a" * (100 * longest + 1)
+    assert P.prompt_surely_exceeds(tok, len(text), 100)
+    assert len(tok(text, add_special_tokens=False)["input_ids"]) > 100  # the bound is never wrong about that
+    assert not P.prompt_surely_exceeds(tok, 100, 100)
