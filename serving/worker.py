@@ -73,7 +73,7 @@ def encode_chat(tokenizer, messages: list[dict]):
         raise ConfigError("messages", "this model has no chat template; use /v1/completions")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return torch.tensor([ids], dtype=torch.long)
+    return torch.tensor([ids], dtype=torch.long, device="cpu")  # host ids; SpecDecoder.generate_ids moves them
 
 
 class ModelWorker:
