@@ -40,6 +40,8 @@ class ServeSettings:
     num_replicas: a fixed number of model replicas; ``None`` uses ``autoscaling``.
     autoscaling: Serve's ``autoscaling_config`` for the model deployment.
     model_num_cpus / ingress_num_cpus: Ray CPUs reserved per replica.
+    model_num_gpus: Ray GPUs reserved per model replica (a fraction shares one GPU); a replica given a GPU
+        decodes on it (configs with ``device=auto``, the default), one given none decodes on the CPU.
     threads: torch intra-op threads per model replica (``None``: torch/Ray's default).
     max_queued_requests: admission limit of one ingress replica: requests it holds at
         once (generating or waiting for a model replica). Beyond it: 429 + Retry-After.
@@ -62,6 +64,7 @@ class ServeSettings:
     num_replicas: int | None = None
     autoscaling: dict = field(default_factory=_default_autoscaling)
     model_num_cpus: float = 1.0
+    model_num_gpus: float = 0.0
     ingress_num_cpus: float = 0.0
     threads: int | None = None
     max_queued_requests: int = 64
@@ -94,7 +97,7 @@ class ServeSettings:
             raise ConfigError("num_replicas", f"must be >= 1, got {self.num_replicas}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError("threads", f"must be >= 1, got {self.threads}")
-        for name in ("model_num_cpus", "ingress_num_cpus", "registry_refresh_s"):
+        for name in ("model_num_cpus", "model_num_gpus", "ingress_num_cpus", "registry_refresh_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
         if self.retry_after_s < 0:
@@ -130,7 +133,7 @@ class ServeSettings:
     def model_deployment_options(self) -> dict:
         opts = {
             "max_ongoing_requests": self.max_ongoing_requests,
-            "ray_actor_options": {"num_cpus": self.model_num_cpus},
+            "ray_actor_options": {"num_cpus": self.model_num_cpus, "num_gpus": self.model_num_gpus},
             # loading a model can take a while on CPU; don't call a slow start a failure
             "health_check_timeout_s": 60,
         }
