@@ -27,9 +27,9 @@ import os
 import time
 
 import ray
-import torch
 
 import kernels
+from actors.devices import placed_device
 from decoding.adapter import ModelAdapter
 from decoding.benchmark import peak_rss_mb, reset_peak_rss
 from decoding.config import ConfigError
@@ -59,10 +59,7 @@ class ModelWorker:
         self.role = role
         self.threads = set_threads(threads)
         kernels.install()
-        # device=auto: the GPU Ray gave this worker (Ray sets CUDA_VISIBLE_DEVICES), else CPU; an explicit device is used as is
-        gpu_ids = ray.get_gpu_ids()
-        auto = "cuda" if gpu_ids and torch.cuda.is_available() else "cpu"
-        self.device = str(resolve_device(auto if cfg.device == "auto" else cfg.device))
+        self.device = str(resolve_device(placed_device(cfg.device)))  # auto: the GPU Ray gave this worker, else CPU
         t0 = time.perf_counter()
         # the draft worker's model: TriForce's middle level is the target itself (its bottom drafter comes with it),
         # else the separate draft model or the target's first draft_layers layers

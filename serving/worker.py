@@ -29,6 +29,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import kernels
+from actors.devices import placed
 from decoding.config import ConfigError, SpecConfig
 from serving.textstream import TextAssembler
 
@@ -109,7 +110,7 @@ class ModelWorker:
         key = cfg.to_json()
         if key not in self._decoders:
             t0 = time.perf_counter()
-            self._decoders[key] = SpecDecoder(cfg)
+            self._decoders[key] = SpecDecoder(placed(cfg))  # device=auto: the replica's GPU (model_num_gpus), else CPU
             log.info("specray: loaded %s/%s (%s) in %.1fs", cfg.model, cfg.method, cfg.dtype, time.perf_counter() - t0)
         self._decoders.move_to_end(key)
         while len(self._decoders) > self.max_loaded:
