@@ -115,8 +115,9 @@ class SpecConfig:
         frequent tokens of the drafter's training data (VocabTrim: a smaller
         LM head for drafting); 0 = the full head.
     device: where the model(s) of an in-process decoder live: ``auto`` (CUDA
-        when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``. Inside a Ray
-        worker ``auto`` finds the GPUs Ray gave it (none: CPU).
+        when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``. Inside Ray
+        workers the outer layers turn ``auto`` into the GPU Ray gave the worker,
+        else CPU (actors/devices.py).
     """
 
     method: str = "ar"

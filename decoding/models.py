@@ -63,8 +63,9 @@ class LoadedModel:
 
 
 def resolve_device(name: str = "auto") -> torch.device:
-    """A ``SpecConfig.device`` value as a torch device: ``auto`` is CUDA when available (in a Ray worker: when Ray gave
-    it a GPU), else CPU. ``cuda`` / ``cuda:N`` on a machine without that GPU fail naming the field.
+    """A ``SpecConfig.device`` value as a torch device: ``auto`` is CUDA when torch sees a GPU, else CPU (inside Ray
+    workers the outer layers resolve ``auto`` first: actors/devices.py). ``cuda`` / ``cuda:N`` on a machine without
+    that GPU fail naming the field.
 
     >>> resolve_device("cpu")
     device(type='cpu')
