@@ -27,14 +27,14 @@ import os
 import time
 
 import ray
-import torch
 
 import kernels
+from actors.devices import placed_device
 from decoding.adapter import ModelAdapter
 from decoding.benchmark import peak_rss_mb, reset_peak_rss
 from decoding.config import ConfigError
 from decoding.engine import SpecDecoder, build_drafter
-from decoding.models import load_model, set_threads
+from decoding.models import load_model, resolve_device, set_threads
 from decoding.pearl import DraftRequest, DraftResult, DraftSide, TargetRequest, TargetResult, TargetSide
 from decoding.sampling import SamplingParams
 
@@ -59,16 +59,13 @@ class ModelWorker:
         self.role = role
         self.threads = set_threads(threads)
         kernels.install()
-        gpu_ids = ray.get_gpu_ids()
-        self.device = "cuda" if gpu_ids and torch.cuda.is_available() else "cpu"
+        self.device = str(resolve_device(placed_device(cfg.device)))  # auto: the GPU Ray gave this worker, else CPU
         t0 = time.perf_counter()
         # the draft worker's model: TriForce's middle level is the target itself (its bottom drafter comes with it),
         # else the separate draft model or the target's first draft_layers layers
         draft = role == "draft" and cfg.method != "triforce"
         own_model = draft and bool(cfg.draft_model)
-        loaded = load_model(cfg.draft_model if own_model else cfg.model, cfg.dtype)
-        if self.device != "cpu":
-            loaded.model.to(self.device)
+        loaded = load_model(cfg.draft_model if own_model else cfg.model, cfg.dtype, self.device)
         self.tokenizer = loaded.tokenizer
         self.eos = loaded.eos_token_ids
         depth = len(loaded.model.model.layers)

@@ -162,5 +162,5 @@ def _load(name: str, path: Path, desc: dict, target_hf) -> Artifact:
     except (OSError, RuntimeError) as e:
         raise ConfigError("drafter", f"{path / WEIGHTS} does not hold a {desc['recipe']} drafter with knobs {knobs}: {e}") from None
     dtype = target_hf.lm_head.weight.dtype
-    module.to(dtype).eval().requires_grad_(False)
+    module.to(device=target_hf.lm_head.weight.device, dtype=dtype).eval().requires_grad_(False)
     return Artifact(path, desc, recipe, knobs, module, vocab, target_hf.lm_head)

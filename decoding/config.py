@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ ACTOR_TRANSPORTS = ("calls", "compiled")
 TREE_SHAPES = ("chain", "static", "sequoia", "dyspec")  # decoding.trees.TREE_SHAPES (kept torch-free here)
 TRIFORCE_BOTTOMS = ("layers", "ngram", "model")
 TRIFORCE_SCHEDULES = ("sps", "pearl")
+DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # decoding.models.resolve_device turns it into a torch.device
 
 
 class ConfigError(ValueError):
@@ -119,6 +121,10 @@ class SpecConfig:
     draft_vocab: for ``trained``, draft over only this many of the most
         frequent tokens of the drafter's training data (VocabTrim: a smaller
         LM head for drafting); 0 = the full head.
+    device: where the model(s) of an in-process decoder live: ``auto`` (CUDA
+        when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``. Inside Ray
+        workers the outer layers turn ``auto`` into the GPU Ray gave the worker,
+        else CPU (actors/devices.py).
     """
 
     method: str = "ar"
@@ -163,6 +169,7 @@ class SpecConfig:
     # method=trained: a trained drafter artifact (name under $SPECRAY_HOME/drafters, or a directory); see decoding/artifacts.py
     drafter: str | None = None
     draft_vocab: int = 0
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, "method", f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
@@ -195,6 +202,11 @@ class SpecConfig:
             f"unknown transport {self.actor_transport!r}; choose from {', '.join(ACTOR_TRANSPORTS)}",
         )
         _check(self.method != "trained" or bool(self.drafter), "drafter", "method trained needs drafter=NAME or a directory")
+        _check(
+            DEVICE_RE.fullmatch(self.device) is not None,
+            "device",
+            f"unknown device {self.device!r}; choose from auto, cpu, cuda, cuda:N",
+        )
         _check(self.draft_vocab >= 0, "draft_vocab", f"must be >= 0 (0 = the full LM head), got {self.draft_vocab}")
         self._check_tree()
         self._check_triforce()

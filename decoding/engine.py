@@ -71,11 +71,12 @@ def draft_depth(cfg: SpecConfig) -> int:
     return shape.max_depth if cfg.tree == "static" else cfg.k
 
 
-def build_drafter(cfg: SpecConfig, target: LoadedModel, device: str = "cpu") -> Drafter | None:
+def build_drafter(cfg: SpecConfig, target: LoadedModel, device: str | torch.device | None = None) -> Drafter | None:
     """The drafter a method uses; checks knobs that depend on the model (exit layer vs depth).
 
-    ``device``: where a separate draft model is put (a model worker placed on a GPU passes ``cuda``).
+    ``device``: where a separate draft model is put (default: the target's device).
     """
+    device = target.device if device is None else device
     depth = len(ModelAdapter(target.model).layers)
     shape = tree_shape(cfg)
     if cfg.method == "ar":
@@ -88,7 +89,7 @@ def build_drafter(cfg: SpecConfig, target: LoadedModel, device: str = "cpu") -> 
         return EarlyExitDrafter(cfg.exit_layer, cfg.confidence_threshold, tree=shape)
     if cfg.method in ("sps", "pearl"):
         if cfg.draft_model:
-            draft = load_model(cfg.draft_model, cfg.dtype)
+            draft = load_model(cfg.draft_model, cfg.dtype, device)
             if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
                 raise ConfigError("draft_model", f"{cfg.draft_model!r} does not share the target's tokenizer")
             return DraftModelDrafter(ModelAdapter(draft.model.to(device)), cfg.confidence_threshold, tree=shape)
@@ -104,14 +105,15 @@ def build_drafter(cfg: SpecConfig, target: LoadedModel, device: str = "cpu") -> 
     raise ConfigError("method", f"unknown method {cfg.method!r}")  # unreachable: SpecConfig checks it
 
 
-def _triforce_drafter(cfg: SpecConfig, target: LoadedModel, depth: int, device: str = "cpu") -> Drafter:
+def _triforce_drafter(cfg: SpecConfig, target: LoadedModel, depth: int, device: str | torch.device | None = None) -> Drafter:
     from decoding.triforce import TriForceDrafter
 
+    device = target.device if device is None else device
     bottom = None
     if cfg.triforce_bottom == "model":
         if not cfg.draft_model:
             raise ConfigError("draft_model", "triforce_bottom=model needs a draft_model (a local model directory)")
-        draft = load_model(cfg.draft_model, cfg.dtype)
+        draft = load_model(cfg.draft_model, cfg.dtype, device)
         if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
             raise ConfigError("draft_model", f"{cfg.draft_model!r} does not share the target's tokenizer")
         bottom = ModelAdapter(draft.model.to(device))
@@ -144,7 +146,8 @@ class SpecDecoder:
     def __init__(self, cfg: SpecConfig):
         self.cfg = cfg
         self.threads = set_threads(cfg.threads)
-        self.loaded = load_model(cfg.model, cfg.dtype)
+        self.loaded = load_model(cfg.model, cfg.dtype, cfg.device)
+        self.device = self.loaded.device  # prompts, generators and caches are made here
         self.tokenizer = self.loaded.tokenizer
         self.target = ModelAdapter(self.loaded.model)
         self.drafter = build_drafter(cfg, self.loaded)
@@ -158,7 +161,7 @@ class SpecDecoder:
         so concurrent generations each need their own fork.
         """
         cfg = self.cfg.replace(**changes)
-        for name in ("model", "dtype", "draft_model", "drafter"):
+        for name in ("model", "dtype", "device", "draft_model", "drafter"):
             if getattr(cfg, name) != getattr(self.cfg, name):
                 raise ConfigError(name, "cannot change in a fork; build a new SpecDecoder")
         twin = copy.copy(self)
@@ -179,7 +182,7 @@ class SpecDecoder:
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
             ids = self.tokenizer(prompt)["input_ids"]
-        return torch.tensor([ids], dtype=torch.long)
+        return torch.tensor([ids], dtype=torch.long, device="cpu")  # host ids (they cross RPCs); generate_ids moves them
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -189,11 +192,11 @@ class SpecDecoder:
         self, prompt_ids: torch.Tensor, max_new_tokens: int | None = None, seed: int | None = None, on_step=None
     ) -> Generation:
         max_new = max_new_tokens or self.cfg.max_new_tokens
-        gen = torch.Generator().manual_seed(self.cfg.seed if seed is None else seed)
+        gen = torch.Generator(device=self.device).manual_seed(self.cfg.seed if seed is None else seed)
         try:
             return generate(
                 self.target,
-                prompt_ids,
+                prompt_ids.to(self.device),
                 drafter=self.drafter,
                 k=draft_depth(self.cfg),
                 sampling=self.sampling,

@@ -6,7 +6,9 @@ of seconds, so the converted model is saved once under
 ``$SPECRAY_HOME/models`` and later loads read that copy. Any local Hugging
 Face model directory works too. Nothing here downloads anything.
 
-Loading twice in one process returns the first load.
+Loading twice in one process returns the first load. ``device`` (``auto``:
+CUDA when available, else CPU) is where the model is put; each device keeps its
+own copy.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import threading
 from dataclasses import dataclass
@@ -30,7 +33,7 @@ ALIASES = {
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-_LOADED: dict[tuple[str, str], LoadedModel] = {}
+_LOADED: dict[tuple[str, str, str], LoadedModel] = {}
 _LOCK = threading.Lock()
 
 
@@ -53,6 +56,33 @@ class LoadedModel:
     @property
     def max_context(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """A ``SpecConfig.device`` value as a torch device: ``auto`` is CUDA when torch sees a GPU, else CPU (inside Ray
+    workers the outer layers resolve ``auto`` first: actors/devices.py). ``cuda`` / ``cuda:N`` on a machine without
+    that GPU fail naming the field.
+
+    >>> resolve_device("cpu")
+    device(type='cpu')
+    """
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    match = re.fullmatch(r"cuda(?::(\d+))?", name)
+    if match is None:
+        raise ConfigError("device", f"unknown device {name!r}; choose from auto, cpu, cuda, cuda:N")
+    if not torch.cuda.is_available():
+        raise ConfigError("device", f"{name} asked for, but CUDA is not available here (torch {torch.__version__}); use auto or cpu")
+    index = int(match.group(1)) if match.group(1) else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise ConfigError("device", f"{name} asked for, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return torch.device("cuda", index)
 
 
 def set_threads(threads: int | None) -> int:
@@ -120,12 +150,13 @@ def _load_from(path: Path, dtype: torch.dtype, gguf_file: str | None):
     return model, tok
 
 
-def load_model(name: str = "smollm2-135m", dtype: str = "bfloat16") -> LoadedModel:
-    """Load (or return the already-loaded) model and tokenizer."""
+def load_model(name: str = "smollm2-135m", dtype: str = "bfloat16", device: str | torch.device = "auto") -> LoadedModel:
+    """Load (or return the already-loaded) model and tokenizer, on ``device`` (see :func:`resolve_device`)."""
     if dtype not in DTYPES:
         raise ConfigError("dtype", f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
     kind, path, gguf_file = resolve(name)
-    key = (str(path / gguf_file) if gguf_file else str(path), dtype)
+    key = (str(path / gguf_file) if gguf_file else str(path), dtype, str(dev))
     with _LOCK:
         if key in _LOADED:
             return _LOADED[key]
@@ -142,6 +173,7 @@ def load_model(name: str = "smollm2-135m", dtype: str = "bfloat16") -> LoadedMod
                 model = model.to(torch_dtype)
         else:
             model, tok = _load_from(path, torch_dtype, None)
+        model.to(dev)
         model.eval()
         model.requires_grad_(False)
         loaded = LoadedModel(name=name, model=model, tokenizer=tok, dtype=torch_dtype, fingerprint=fp)

@@ -69,7 +69,7 @@ class Tree:
         for i, p in enumerate(parents[1:], 1):
             if not 0 <= p < i:
                 raise TreeError(f"node {i} has parent {p}: parents must come before their children")
-        return cls(torch.tensor(parents, dtype=torch.long))
+        return cls(torch.tensor(parents, dtype=torch.long, device="cpu"))  # trees are host data, moved where used
 
     @classmethod
     def from_paths(cls, paths: Sequence[Sequence[int]]) -> Tree:
@@ -91,7 +91,7 @@ class Tree:
         d = [0] * self.size
         for i, p in enumerate(self.parents.tolist()[1:], 1):
             d[i] = d[p] + 1
-        return torch.tensor(d, dtype=torch.long)
+        return torch.tensor(d, dtype=torch.long, device=self.parents.device)
 
     @property
     def max_depth(self) -> int:
@@ -108,7 +108,7 @@ class Tree:
         for i, p in enumerate(self.parents.tolist()[1:], 1):
             out[i] = seen.get(p, 0)
             seen[p] = out[i] + 1
-        return torch.tensor(out, dtype=torch.long)
+        return torch.tensor(out, dtype=torch.long, device=self.parents.device)
 
     def children(self, node: int) -> list[int]:
         return (self.parents == node).nonzero().flatten().tolist()
@@ -123,10 +123,10 @@ class Tree:
 
     def retrieve_indices(self) -> torch.Tensor:
         """[L, D+1] node indices of the root-to-leaf paths (leaves in node order), padded with -1."""
-        is_parent = torch.zeros(self.size, dtype=torch.bool)
+        is_parent = torch.zeros(self.size, dtype=torch.bool, device=self.parents.device)
         is_parent[self.parents[1:]] = True
         leaves = (~is_parent).nonzero().flatten().tolist()
-        out = torch.full((len(leaves), self.max_depth + 1), -1, dtype=torch.long)
+        out = torch.full((len(leaves), self.max_depth + 1), -1, dtype=torch.long, device=self.parents.device)
         for row, leaf in enumerate(leaves):
             path = self.mask[leaf].nonzero().flatten()  # ancestors in node order = in depth order
             out[row, : path.numel()] = path

@@ -229,5 +229,5 @@ def verify_tree_speculative(
     m = torch.tensor([len(pth) - 1 for pth in paths], dtype=torch.long, device=node_tokens.device)
     last = sample_from(torch.stack(drawn), u_sample)  # [B]
     tokens = torch.cat([node_tokens.gather(1, path_t[:, 1:]), node_tokens.new_zeros(bsz, 1)], dim=1)
-    tokens[torch.arange(bsz), m] = last
+    tokens[torch.arange(bsz, device=tokens.device), m] = last
     return Verdict(num_accepted=m, tokens=tokens, path=path_t)

@@ -170,6 +170,7 @@ class HFPeer:
         saved = {k: getattr(gen_cfg, k, None) for k in (assist or {})}
         if assist:  # early exit drafts with the model itself, so the knobs live on its own generation config
             gen_cfg.update(**assist)
+        ids = ids.to(self.model.device)  # the model's device (SpecConfig.device); prompts are encoded on the CPU
         try:
             t0 = time.perf_counter()
             with torch.inference_mode():
@@ -182,11 +183,12 @@ class HFPeer:
                     **sampling,
                     **kw,
                 )
+                tokens = out[0, ids.shape[1] :].tolist()  # reading the tokens waits for a GPU, so the time is the generation's
             wall = time.perf_counter() - t0
         finally:
             for k, v in saved.items():
                 setattr(gen_cfg, k, v)
-        return out[0, ids.shape[1] :].tolist(), wall
+        return tokens, wall
 
 
 def shallow_assistant(model, num_layers: int):
@@ -555,6 +557,7 @@ def run_local(cfg, methods, peer, jobs, writer, new_progress, on_prompt_done, wa
     runner = Runner(cfg, methods, peer)
     meta["chat_template"] = runner.chat
     meta["threads"] = runner.ar.threads
+    meta["device"] = str(runner.ar.device)
     meta["peer_skipped"] = runner.warmup(jobs[0][1], warmup)  # also drops peer modes that fail on this model
     meta["peer_modes"] = {m: runner.peer.describe(m) for m in runner.peer.modes} if runner.peer else {}
     progress = new_progress()
@@ -573,13 +576,16 @@ class BenchWorker:
     """The Ray actor body: loads the model once, runs every method on the prompts it is handed."""
 
     def __init__(self, cfg_json: str, methods: list[str], peer: str | None, worker: str, warmup_prompt: Prompt, warmup: int):
-        self.runner = Runner(SpecConfig.from_json(cfg_json), methods, peer, worker=worker)
+        from actors.devices import placed
+
+        self.runner = Runner(placed(SpecConfig.from_json(cfg_json)), methods, peer, worker=worker)
         self.skipped = self.runner.warmup(warmup_prompt, warmup)
 
     def info(self) -> dict:
         peer = self.runner.peer
         return {
             "threads": self.runner.ar.threads,
+            "device": str(self.runner.ar.device),
             "chat_template": self.runner.chat,
             "peer_skipped": self.skipped,
             "peer_modes": {m: peer.describe(m) for m in peer.modes} if peer else {},
@@ -599,7 +605,9 @@ def run_cluster(cfg, methods, peer, jobs, writer, new_progress, on_prompt_done, 
     connect(None, log_to_driver=False)  # RAY_ADDRESS, else an embedded Ray on loopback
     n = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
     n = min(n, len(jobs))
-    actor_cls = ray.remote(num_cpus=1)(BenchWorker)
+    # GPUs in the cluster are shared out between the workers (unless the config says cpu); device=auto then finds them
+    gpus = ray.cluster_resources().get("GPU", 0.0) if cfg.device != "cpu" else 0.0
+    actor_cls = ray.remote(num_cpus=1, num_gpus=min(1.0, gpus / n) if gpus else 0)(BenchWorker)
     # one torch thread per actor unless the user asked otherwise: the actors share the machine's cores
     wcfg = cfg if cfg.threads else cfg.replace(threads=1)
     actors = [actor_cls.remote(wcfg.to_json(), methods, peer, f"worker-{i}", jobs[0][1], warmup) for i in range(n)]

@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from decoding.config import DEVICE_RE
 from decoding.workloads import DEFAULT_PROMPTS, WorkloadError, load_prompts, select
 from jobs.common import Parser, fail, output_dir, path_name, run_cli
 
@@ -60,6 +61,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--name", help="artifact name under $SPECRAY_HOME/drafters (default recipe-model-knobs)")
     p.add_argument("--out", help="artifact directory (overrides --name)")
     p.add_argument("--threads", type=int, help="torch threads")
+    p.add_argument("--device", default="auto", help="where the target runs and the drafter trains: auto, cpu, cuda, cuda:N")
     p.add_argument("--on-cluster", action="store_true", help="train with Ray Train (RAY_ADDRESS, else a local Ray)")
     p.add_argument("--workers", type=int, help="with --on-cluster: training workers (default: 1 per GPU, else 1)")
     p.add_argument("--strategy", default="ddp", help="with --on-cluster: ddp (default) or deepspeed (ZeRO; GPUs and deepspeed needed)")
@@ -108,6 +110,8 @@ def check_args(args) -> None:
         fail(f"--strategy: unknown strategy {args.strategy!r}; choose from ddp, deepspeed")
     if args.threads is not None and args.threads < 1:
         fail(f"--threads: must be >= 1, got {args.threads}")
+    if DEVICE_RE.fullmatch(args.device) is None:
+        fail(f"--device: unknown device {args.device!r}; choose from auto, cpu, cuda, cuda:N")
 
 
 def _progress(label: str, quiet: bool):
@@ -149,7 +153,7 @@ def main_with_args(args) -> int:
     from training.data import data_dir, generate_data, load_examples
     from training.trainer import TrainSpec
 
-    decoder = SpecDecoder(SpecConfig(model=args.model, dtype=args.data_dtype, threads=args.threads))
+    decoder = SpecDecoder(SpecConfig(model=args.model, dtype=args.data_dtype, threads=args.threads, device=args.device))
     depth = len(decoder.target.layers)
     recipe = get_recipe(args.recipe)
     knobs = recipe.check(knobs, depth)
@@ -163,7 +167,7 @@ def main_with_args(args) -> int:
     name = args.name or f"{args.recipe}-{Path(args.model).name}" + "".join(f"-{k}{v}" for k, v in sorted(knobs.items()))
     out = Path(args.out) if args.out else specray_home() / "drafters" / name
     spec = TrainSpec(args.recipe, knobs, args.loss, args.steps, args.batch, args.lr, args.seed, args.window, train_vocab=args.train_vocab)
-    target = load_model(args.model, "float32").model  # training runs in float32
+    target = load_model(args.model, "float32", args.device).model  # training runs in float32
     extra = {"data_dir": str(ddir), "data_seconds": round(data_s, 1), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens}
     t1 = time.perf_counter()
     if args.on_cluster or os.environ.get("RAY_ADDRESS"):

@@ -51,6 +51,8 @@ class ServeSettings:
     num_replicas: a fixed number of model replicas; ``None`` uses ``autoscaling``.
     autoscaling: Serve's ``autoscaling_config`` for the model deployment.
     model_num_cpus / ingress_num_cpus: Ray CPUs reserved per replica.
+    model_num_gpus: Ray GPUs reserved per model replica (a fraction shares one GPU); a replica given a GPU
+        decodes on it (configs with ``device=auto``, the default), one given none decodes on the CPU.
     threads: torch intra-op threads per model replica (``None``: as many as the
         replica's ``model_num_cpus``, at least 1).
     max_queued_requests: admission limit of one ingress replica: requests it holds at
@@ -86,6 +88,7 @@ class ServeSettings:
     num_replicas: int | None = None
     autoscaling: dict = field(default_factory=_default_autoscaling)
     model_num_cpus: float = 2.0
+    model_num_gpus: float = 0.0
     ingress_num_cpus: float = 0.0
     threads: int | None = None
     max_queued_requests: int = 64
@@ -135,7 +138,7 @@ class ServeSettings:
             raise ConfigError("max_body_bytes", f"must be >= 1024, got {self.max_body_bytes}")
         if self.api_key_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", self.api_key_sha256):
             raise ConfigError("api_key_sha256", "must be 64 lowercase hex digits (sha256 of the key)")
-        for name in ("model_num_cpus", "ingress_num_cpus", "registry_refresh_s", "drain_timeout_s"):
+        for name in ("model_num_cpus", "model_num_gpus", "ingress_num_cpus", "registry_refresh_s", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
         if self.retry_after_s < 0:
@@ -176,7 +179,7 @@ class ServeSettings:
     def model_deployment_options(self) -> dict:
         opts = {
             "max_ongoing_requests": self.max_ongoing_requests,
-            "ray_actor_options": {"num_cpus": self.model_num_cpus},
+            "ray_actor_options": {"num_cpus": self.model_num_cpus, "num_gpus": self.model_num_gpus},
             # loading a model can take a while on CPU; don't call a slow start a failure
             "health_check_timeout_s": 60,
             "graceful_shutdown_timeout_s": self.drain_timeout_s,

@@ -34,6 +34,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import kernels
+from actors.devices import placed
 from decoding.config import ConfigError, SpecConfig
 from serving.batching import EngineFailed, EngineLoop, run_alone
 from serving.protocol import prompt_surely_exceeds
@@ -51,7 +52,7 @@ def encode_chat(tokenizer, messages: list[dict]):
         raise ConfigError("messages", "this model has no chat template; use /v1/completions")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return torch.tensor([ids], dtype=torch.long)
+    return torch.tensor([ids], dtype=torch.long, device="cpu")  # host ids; SpecDecoder.generate_ids moves them
 
 
 class ModelWorker:
@@ -93,7 +94,7 @@ class ModelWorker:
         key = cfg.to_json()
         if key not in self._decoders:
             t0 = time.perf_counter()
-            self._decoders[key] = SpecDecoder(cfg)
+            self._decoders[key] = SpecDecoder(placed(cfg))  # device=auto: the replica's GPU (model_num_gpus), else CPU
             log.info("specray: loaded %s/%s (%s) in %.1fs", cfg.model, cfg.method, cfg.dtype, time.perf_counter() - t0)
         self._decoders.move_to_end(key)
         while len(self._decoders) > self.max_loaded:

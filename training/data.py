@@ -54,6 +54,7 @@ def read_meta(d: Path) -> dict | None:
 def extract_hidden(adapter, tokens: torch.Tensor, layers: list[int], start: int) -> dict[int, np.ndarray]:
     """Hidden states after each of ``layers`` for positions start..T-1 of ``tokens`` [T]: {layer: float16 [T-start, H]}."""
     cache = adapter.new_cache(1, tokens.shape[0])
+    tokens = tokens.to(adapter.device)  # stored tokens are on the CPU; the model may be on a GPU
     out, h, first = {}, None, 0
     for layer in sorted(set(layers)):
         if first == 0:
@@ -64,7 +65,7 @@ def extract_hidden(adapter, tokens: torch.Tensor, layers: list[int], start: int)
         rows = h[0, start:].float()
         if rows.abs().max() > FLOAT16_MAX:
             raise ValueError(f"layer {layer} hidden states exceed float16's range; cannot store them as float16")
-        out[layer] = rows.numpy().astype(np.float16)
+        out[layer] = rows.cpu().numpy().astype(np.float16)
     return out
 
 

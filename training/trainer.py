@@ -45,19 +45,21 @@ class TrainSpec:
         return dataclasses.asdict(self)
 
 
-def _crop(ex: dict, window: int, generator: torch.Generator | None = None) -> dict:
+def _crop(ex: dict, window: int, generator: torch.Generator | None = None, device: torch.device | None = None) -> dict:
     """``window`` consecutive positions of an example (hidden rows and their start position).
 
     With ``generator`` the window starts at a random stored row (training sees
-    every part of long sequences); without it, the last ``window`` rows (evaluation).
+    every part of long sequences); without it, the last ``window`` rows (evaluation). The window is moved to
+    ``device`` (the target's; stored examples are on the CPU).
     """
     rows = next(iter(ex["hidden"].values())).shape[0]
     cut = max(0, rows - window)
     if generator is not None and cut > 0:
         cut = int(torch.randint(0, cut + 1, (1,), generator=generator))
     end = cut + min(rows, window)
-    tokens = ex["tokens"][: ex["start"] + end]
-    return {**ex, "tokens": tokens, "start": ex["start"] + cut, "hidden": {k: v[cut:end].float() for k, v in ex["hidden"].items()}}
+    tokens = ex["tokens"][: ex["start"] + end].to(device)
+    hidden = {k: v[cut:end].to(device=device, dtype=torch.float32) for k, v in ex["hidden"].items()}
+    return {**ex, "tokens": tokens, "start": ex["start"] + cut, "hidden": hidden}
 
 
 def example_loss(recipe, module, shared, ex, knobs, loss_fn) -> tuple[torch.Tensor, list[float]]:
@@ -70,11 +72,11 @@ def example_loss(recipe, module, shared, ex, knobs, loss_fn) -> tuple[torch.Tens
 
 
 @torch.no_grad()
-def evaluate(recipe, module, shared, examples, knobs, window) -> list[float]:
+def evaluate(recipe, module, shared, examples, knobs, window, device: torch.device | None = None) -> list[float]:
     """Per-head top-1 agreement with the target over the examples' windows (head 1 = the first draft)."""
     sums, counts = None, 0
     for ex in examples:
-        _, agree = example_loss(recipe, module, shared, _crop(ex, window), knobs, LOSSES["ce"])
+        _, agree = example_loss(recipe, module, shared, _crop(ex, window, device=device), knobs, LOSSES["ce"])
         sums = agree if sums is None else [a + b for a, b in zip(sums, agree, strict=False)]
         counts += 1
     return [s / counts for s in sums] if sums else []
@@ -182,20 +184,21 @@ def train(
     rank, world = shard
     train_set = train_set[rank::world] or train_set
     chief = rank == 0
+    device = next(target_hf.parameters()).device  # the drafter trains where the target is (SpecConfig.device)
 
     torch.manual_seed(spec.seed)  # module init (random parts) is reproducible
-    module = recipe.build(target_hf, knobs).float().train()
+    module = recipe.build(target_hf, knobs).float().to(device).train()
     opt = torch.optim.AdamW(module.parameters(), lr=spec.lr, weight_decay=0.0)
     ckpt_path = out / "checkpoint.pt"
     step, history, before = 0, [], None
     if ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, weights_only=False)
+        ckpt = torch.load(ckpt_path, weights_only=False, map_location=device)
         if ckpt["spec"] == spec.to_dict():
             module.load_state_dict(ckpt["module"])
             opt.load_state_dict(ckpt["opt"])
             step, history, before = ckpt["step"], ckpt["history"], ckpt.get("eval_before")
     if before is None:
-        before = evaluate(recipe, module, shared, eval_set, knobs, spec.window)
+        before = evaluate(recipe, module, shared, eval_set, knobs, spec.window, device)
     model, backward, opt_step = wrap(module, opt) if wrap else (module, lambda loss: loss.backward(), opt.step)
     bar = _Progress(spec.steps, step, progress and chief)
     t0 = time.perf_counter()
@@ -208,7 +211,8 @@ def train(
             opt.zero_grad(set_to_none=True)
             total, agree = 0.0, 0.0
             for i in idx:
-                loss, head_agree = example_loss(recipe, model, train_shared, _crop(train_set[i], spec.window, g), knobs, LOSSES[spec.loss])
+                ex = _crop(train_set[i], spec.window, g, device)
+                loss, head_agree = example_loss(recipe, model, train_shared, ex, knobs, LOSSES[spec.loss])
                 backward(loss / len(idx))
                 total += float(loss.detach()) / len(idx)
                 agree += head_agree[0] / len(idx)
@@ -236,7 +240,7 @@ def train(
         raise
     bar.close()
     module.eval()
-    after = evaluate(recipe, module, shared, eval_set, knobs, spec.window)
+    after = evaluate(recipe, module, shared, eval_set, knobs, spec.window, device)
     training = {
         "spec": spec.to_dict(),
         "knobs": knobs,

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import kernels
+from actors.devices import placed
 from decoding import benchmark as bm
 from decoding.config import ConfigError, SpecConfig
 from decoding.workloads import Prompt
@@ -222,7 +223,7 @@ def trainable(config: dict, setup: TrialSetup) -> None:
     kernels.install()
     total = len(setup.prompts)
     try:
-        cfg = trial_config(config, setup)
+        cfg = placed(trial_config(config, setup))  # device=auto: the trial's GPU if Tune gave it one, else CPU
     except ConfigError as e:
         tune.report(invalid(str(e), total))
         return
