@@ -82,9 +82,9 @@ class KVCache:
         end = int(starts.max()) + t
         if end > self.max_len:
             raise IndexError(f"KV cache full: writing positions up to {end} of {self.max_len}")
-        slots = starts[:, None] + torch.arange(t, device=starts.device)  # [B, T]
         k0 = self.k[0]
-        self._ragged_index = slots[:, None, :, None].expand(k0.shape[0], k0.shape[1], t, k0.shape[3]).to(k0.device)
+        slots = starts.to(k0.device)[:, None] + torch.arange(t, device=k0.device)  # [B, T]
+        self._ragged_index = slots[:, None, :, None].expand(k0.shape[0], k0.shape[1], t, k0.shape[3])
         self._ragged_end = end
         self.cursor = starts
         return end

@@ -154,11 +154,11 @@ class CostModel:
         gen = torch.Generator().manual_seed(0)
         for r in rows:
             cache = target.new_cache(r, context + max(widths))
-            ids = torch.randint(0, vocab, (r, context), generator=gen).to(target.device)
+            ids = torch.randint(0, vocab, (r, context), generator=gen, device="cpu").to(target.device)
             target.forward(cache, 0, input_ids=ids)
-            starts = torch.full((r,), context, dtype=torch.long)
+            starts = torch.full((r,), context, dtype=torch.long, device=target.device)
             for t in widths:
-                step = torch.randint(0, vocab, (r, t), generator=gen).to(target.device)
+                step = torch.randint(0, vocab, (r, t), generator=gen, device="cpu").to(target.device)
                 best = float("inf")
                 for i in range(repeats + 1):
                     t0 = time.perf_counter()

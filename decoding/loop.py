@@ -184,20 +184,20 @@ def _forward_rows(states, proposals, lengths, widths, batch_cache):
     rows, width = len(states), max(widths)
     device = target.device
     ids = torch.zeros(rows, width, dtype=torch.long, device=device)
-    starts = torch.tensor([n - 1 for n in lengths], dtype=torch.long)
-    positions = starts[:, None] + torch.arange(width)
+    starts = torch.tensor([n - 1 for n in lengths], dtype=torch.long, device=device)
+    positions = starts[:, None] + torch.arange(width, device=device)
     trees = any(p.tree is not None for p in proposals)
-    mask = torch.ones(width, width, dtype=torch.bool).tril().repeat(rows, 1, 1) if trees else None
+    mask = torch.ones(width, width, dtype=torch.bool, device=device).tril().repeat(rows, 1, 1) if trees else None
     for b, (state, proposal) in enumerate(zip(states, proposals, strict=True)):
         t = widths[b]
         ids[b, 0] = state.tokens[0, -1]
         ids[b, 1:t] = proposal.tokens[0]
         if proposal.tree is not None:
-            positions[b, :t] = proposal.tree.positions(lengths[b] - 1)
-            mask[b, :t, :t] = proposal.tree.mask
+            positions[b, :t] = proposal.tree.positions(lengths[b] - 1).to(device)
+            mask[b, :t, :t] = proposal.tree.mask.to(device)
     if batch_cache is None:
         raise ValueError("several rows need their shared cache (batch_cache)")
-    h = target.forward(batch_cache, starts, input_ids=ids, positions=positions.to(device), tree_mask=mask)
+    h = target.forward(batch_cache, starts, input_ids=ids, positions=positions, tree_mask=mask)
     if all(t == width for t in widths):
         logits = target.logits(h)
         return [h[b : b + 1] for b in range(rows)], [logits[b : b + 1] for b in range(rows)]

@@ -129,3 +129,28 @@ def test_fork_cannot_move_the_model(tiny_model_dir):
     dec = SpecDecoder(SpecConfig(model=str(tiny_model_dir), dtype="float32", device="cpu"))
     with pytest.raises(ConfigError, match="^device: "):
         dec.fork(device="cuda")
+
+
+def test_a_batch_creates_nothing_off_the_model_device(tiny_model_dir, one_thread, tmp_path, monkeypatch):
+    """Ragged rows of different lengths, k=auto (its cost model measured here too) and a tree drafter in one batch."""
+    monkeypatch.setenv("SPECRAY_HOME", str(tmp_path))  # no calibration file to read: it is measured under the check
+    dec = SpecDecoder(SpecConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", method="ngram", k=3, adaptive_k=True))
+    trees = SpecDecoder(SpecConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", method="ngram", k=3, tree="dyspec", tree_budget=5))
+    prompts = ["the cat sat on the mat and the cat", "a b a b a b", "once upon a time there was a time"]
+    ids = [dec.encode(p) for p in prompts]
+    reference = [dec.generate_ids(x, max_new_tokens=10).token_ids for x in ids]
+    from decoding.engine import cost_model
+    from decoding.loop import generate_many
+
+    log = DeviceLog()
+    torch.set_default_device("meta")
+    try:
+        with log:
+            cost = cost_model(dec.target, "tiny-device-test", "float32", max_rows=4)
+            seqs = [dec.sequence(ids[0], 10), trees.sequence(ids[1], 10), dec.sequence(ids[2], 10)]
+            outs = generate_many(dec.target, seqs, max_rows=3, cost=cost)
+    finally:
+        torch.set_default_device(None)
+    assert set(log.devices) == {"cpu"}, f"tensors created off the model's device: {log.devices}"
+    assert [o.token_ids for o in outs] == reference
+    assert max(r.rows for o in outs for r in o.steps) == 3
