@@ -135,7 +135,9 @@ def test_a_batch_creates_nothing_off_the_model_device(tiny_model_dir, one_thread
     """Ragged rows of different lengths, k=auto (its cost model measured here too) and a tree drafter in one batch."""
     monkeypatch.setenv("SPECRAY_HOME", str(tmp_path))  # no calibration file to read: it is measured under the check
     dec = SpecDecoder(SpecConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", method="ngram", k=3, adaptive_k=True))
-    trees = SpecDecoder(SpecConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", method="ngram", k=3, tree="dyspec", tree_budget=5))
+    trees = SpecDecoder(
+        SpecConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", method="ngram", k=3, tree="dyspec", tree_budget=5)
+    )
     prompts = ["the cat sat on the mat and the cat", "a b a b a b", "once upon a time there was a time"]
     ids = [dec.encode(p) for p in prompts]
     reference = [dec.generate_ids(x, max_new_tokens=10).token_ids for x in ids]
