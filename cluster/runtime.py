@@ -31,9 +31,16 @@ LOOPBACK = "127.0.0.1"
 _LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
+# Serve kills its HTTP proxy when the actor is not ready within 3 checks of 5 s; starting a Python actor on a busy
+# 2-core machine can take longer than that. The embedded Ray (its processes inherit this environment) waits longer.
+PATIENT_SERVE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
+
+
 def _loopback_only() -> None:
     """Make the next ``ray.init(address="local")`` keep 127.0.0.1 as its node address (every server then binds loopback)."""
     os.environ[_LOOPBACK_SWITCH] = "0"  # read when ray is imported, by this process and the ones Ray starts
+    for key, value in PATIENT_SERVE.items():
+        os.environ.setdefault(key, value)
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None:  # ray was imported before: the flag is already read, set its value too
         constants.ENABLE_RAY_CLUSTER = False

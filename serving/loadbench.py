@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="compare every stream with its in-process greedy output")
     p.add_argument("--peer", choices=["hf"], help="also run transformers generate() on a padded batch")
     p.add_argument("--out", default="runs/load", help="output folder")
+    p.add_argument("--readme", metavar="README.md", help="also rewrite the load table between its <!-- load-results --> markers")
     p.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray)")
     return p
 
@@ -228,7 +229,47 @@ def run(args) -> dict:
             str(c): peers["specray_inprocess_ar"][c] / peers["hf_padded_generate"][c] for c in peers["hf_padded_generate"]
         }
     write_outputs(out, summary, request_rows)
+    if args.readme:
+        update_readme(Path(args.readme), summary, out / "load.png")
     return summary
+
+
+def results_table(summary: dict) -> str:
+    """The Markdown table of a run: one row per concurrency, tokens/s per method and the ratios that matter."""
+    rows = summary["rows"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    levels = sorted({r["concurrency"] for r in rows})
+    by = {(r["method"], r["concurrency"]): r for r in rows}
+    inproc = summary.get("in_process", {})
+    head = ["streams"] + [f"{m} tok/s" for m in methods] + [f"{m} / AR" for m in methods if m != "ar"]
+    head += ["AR vs 1 stream", "AR TTFT p99 s", "AR ITL p99 ms"]
+    if "hf_padded_generate" in inproc:
+        head += ["in-process batched AR / HF padded"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in levels:
+        ar = by.get(("ar", c), {})
+        cells = [str(c)] + [f"{by[(m, c)]['tokens_per_s']:.1f}" if (m, c) in by else "" for m in methods]
+        cells += [f"{by[(m, c)]['speedup_vs_batched_ar']:.2f}x" if (m, c) in by else "" for m in methods if m != "ar"]
+        cells += [f"{ar.get('vs_one_stream_ar') or 0:.2f}x", f"{ar.get('ttft_p99_s') or 0:.2f}", f"{1000 * (ar.get('itl_p99_s') or 0):.0f}"]
+        if "hf_padded_generate" in inproc:
+            spec, hf = inproc["specray_inprocess_ar"].get(str(c)), inproc["hf_padded_generate"].get(str(c))
+            cells.append(f"{spec / hf:.2f}x" if spec and hf else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def update_readme(readme: Path, summary: dict, plot_path: Path) -> None:
+    begin, end = "<!-- load-results -->", "<!-- /load-results -->"
+    text = readme.read_text()
+    if begin not in text or end not in text:
+        fail(f"{readme} has no {begin} ... {end} block to rewrite")
+    knobs = "; ".join(f"{m}: k={c['k']}, adaptive_k={c['adaptive_k']}" for m, c in summary["entries"].items()) or "ar only"
+    caption = (
+        f"{summary['model']} {summary['dtype']}, {summary['threads']} threads, {summary['max_tokens']} tokens per request "
+        f"({knobs}); plot: `{plot_path}`."
+    )
+    body = f"{begin}\n{results_table(summary)}\n\n{caption}\n{end}"
+    readme.write_text(text[: text.index(begin)] + body + text[text.index(end) + len(end) :])
 
 
 def hf_padded_tokens_per_s(dec, batch, max_new_tokens: int) -> float:

@@ -8,6 +8,7 @@ of a long-context copy of it (for generations long enough to cancel).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,10 @@ import torch
 from redis_server import free_port
 
 from cluster.registry import Entry, FileRegistry, open_registry
+from cluster.runtime import PATIENT_SERVE
 from decoding.config import SpecConfig
+
+os.environ.update(PATIENT_SERVE)  # the Ray these tests start waits for a slow proxy start on a busy machine
 
 THREADS = 1  # torch threads in the model replica and for in-process references: same numerics, no oversubscription
 
