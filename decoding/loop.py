@@ -108,6 +108,7 @@ def speculative_step(state: DecodeState, drafter: Drafter, k: int) -> StepResult
         state.accepted_path = path.tolist()
         state.target_hidden = h[:, path]
     cache.rollback(n + m)
+    state.last_logits = logits  # [B, T, V] every fed position's logits, rejected ones included (Token Recycling)
     drafter.update(state, m)
     t2 = time.perf_counter()
     record = StepRecord(drafted=proposal.tokens.shape[1], accepted=m, draft_s=t1 - t0, verify_s=t2 - t1)
