@@ -317,7 +317,32 @@ def summarize(gen_rows: Sequence[dict], step_rows: Sequence[dict], baseline: str
         "categories": categories,
         "workers": workers,
         "peer": peer_comparison(out_methods, baseline),
+        "over_best_peer": over_best_peer(out_methods, categories),
     }
+
+
+def over_best_peer(methods: dict, categories: dict) -> dict | None:
+    """Every specray method's tokens/s over the best peer mode's (HF's best, whichever mode that is), overall and per
+    category (the best mode is picked per category). None without peer rows.
+
+    >>> ms = {"ar": {"kind": "specray"}, "ngram": {"kind": "specray"}, "hf-plain": {"kind": "peer"}, "hf-pl": {"kind": "peer"}}
+    >>> cats = {"rag": {"ar": {"tokens_per_s": 10.0}, "ngram": {"tokens_per_s": 30.0},
+    ...                 "hf-plain": {"tokens_per_s": 9.0}, "hf-pl": {"tokens_per_s": 20.0}}}
+    >>> over_best_peer(ms, cats)["categories"]["rag"]
+    {'best_peer': 'hf-pl', 'ar': 0.5, 'ngram': 1.5}
+    """
+    peers = [m for m, v in methods.items() if v["kind"] == "peer"]
+    ours = [m for m, v in methods.items() if v["kind"] == "specray"]
+    if not peers or not ours:
+        return None
+
+    def table(rates: dict) -> dict:
+        best = max(peers, key=lambda m: rates[m] or 0.0)
+        return {"best_peer": best, **{m: _ratio(rates[m] or 0.0, rates[best] or 0.0) for m in ours}}
+
+    out = {"overall": table({m: v["tokens_per_s"] for m, v in methods.items()})}
+    out["categories"] = {c: table({m: v["tokens_per_s"] for m, v in cat.items()}) for c, cat in categories.items()}
+    return out
 
 
 def peer_comparison(methods: dict, baseline: str = BASELINE) -> dict | None:
