@@ -325,10 +325,9 @@ def over_best_peer(methods: dict, categories: dict) -> dict | None:
     """Every specray method's tokens/s over the best peer mode's (HF's best, whichever mode that is), overall and per
     category (the best mode is picked per category). None without peer rows.
 
-    >>> ms = {"ar": {"kind": "specray"}, "ngram": {"kind": "specray"}, "hf-plain": {"kind": "peer"}, "hf-pl": {"kind": "peer"}}
-    >>> cats = {"rag": {"ar": {"tokens_per_s": 10.0}, "ngram": {"tokens_per_s": 30.0},
-    ...                 "hf-plain": {"tokens_per_s": 9.0}, "hf-pl": {"tokens_per_s": 20.0}}}
-    >>> over_best_peer(ms, cats)["categories"]["rag"]
+    >>> rag = {"ar": 10.0, "ngram": 30.0, "hf-plain": 9.0, "hf-pl": 20.0}
+    >>> ms = {m: {"kind": "peer" if m.startswith("hf") else "specray", "tokens_per_s": r} for m, r in rag.items()}
+    >>> over_best_peer(ms, {"rag": ms})["categories"]["rag"]
     {'best_peer': 'hf-pl', 'ar': 0.5, 'ngram': 1.5}
     """
     peers = [m for m, v in methods.items() if v["kind"] == "peer"]
