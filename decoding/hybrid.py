@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from decoding.drafters import DecodeState, Drafter, NgramDrafter, Proposal
-from decoding.recycling import RecyclingDrafter
+from decoding.recycling import RecyclingDrafter, verified_nodes
 from decoding.suffix import SuffixDrafter
 from decoding.trees import Tree
 
@@ -171,9 +171,14 @@ class HybridDrafter(Drafter):
 
     def update(self, state: DecodeState, num_accepted: int) -> None:
         if state.last_logits is not None:
-            self.recycling.observe(self._nodes, state.last_logits[0])
+            self.recycling.observe(verified_nodes(state, num_accepted, self._nodes), state.last_logits[0])
+        self._nodes = []
         if not self._parents:
             return
+        self._record(state, num_accepted)
+        self._parents, self._sources, self._raw, self._ranks = [], [], [], []  # a step without a proposal must not reuse them
+
+    def _record(self, state: DecodeState, num_accepted: int) -> None:
         path = state.accepted_path if state.accepted_path is not None else list(range(num_accepted + 1))
         accepted = set(path[1:])
         cal = self.calibration

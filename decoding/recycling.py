@@ -209,10 +209,21 @@ class RecyclingDrafter(Drafter):
 
     def update(self, state: DecodeState, num_accepted: int) -> None:
         if state.last_logits is not None:
-            self.observe(self._nodes, state.last_logits[0])
+            self.observe(verified_nodes(state, num_accepted, self._nodes), state.last_logits[0])
+        self._nodes = []
         if self._parents:
             path = state.accepted_path if state.accepted_path is not None else list(range(num_accepted + 1))
             self.stats.record(self._parents, self._ranks, path)
+        self._parents, self._ranks = [], []  # a step without a proposal (k = 0) must not reuse them
+
+
+def verified_nodes(state: DecodeState, num_accepted: int, proposed: list[int]) -> list[int]:
+    """The tokens whose next-token logits ``state.last_logits`` holds: the proposal's [root, nodes...], or the root alone
+    when the step drafted nothing (the loop skips ``propose`` at k = 0, so ``proposed`` may be stale)."""
+    rows = state.last_logits.shape[1]
+    if len(proposed) == rows:
+        return proposed
+    return [int(state.tokens[0, -(num_accepted + 2)])] if rows == 1 else []
 
 
 _SEQUOIA: dict = {}

@@ -19,7 +19,7 @@ from decoding.hybrid import HybridDrafter, merge_trees
 from decoding.loop import generate
 from decoding.metrics import chi_square_pvalue
 from decoding.model_free import build_model_free
-from decoding.recycling import AdjacencyMatrix, RankStats, RecyclingDrafter
+from decoding.recycling import AdjacencyMatrix, RankStats, RecyclingDrafter, verified_nodes
 from decoding.sampling import sample_from
 from decoding.suffix import SuffixCache, SuffixDrafter, SuffixTrie, best_first
 from decoding.trees import Tree
@@ -64,6 +64,14 @@ def test_rank_stats_count_the_accepted_rank_at_every_visited_node():
     assert (stats.visits, stats.accepted) == (3, [2, 1])
     acc = stats.acceptance(prior=(0.5, 0.1), weight=1.0)
     assert acc == pytest.approx([(2 + 0.5) / 4, (1 + 0.1) / 4])
+
+
+def test_the_logits_rows_are_matched_to_the_tokens_they_follow():
+    state = SimpleNamespace(tokens=torch.tensor([[5, 6, 7, 8]]), last_logits=torch.zeros(1, 3, V))
+    assert verified_nodes(state, 1, [6, 7, 2]) == [6, 7, 2]  # the proposal's root and nodes
+    state.last_logits = torch.zeros(1, 1, V)  # a step that drafted nothing: only the root (pending) was verified
+    assert verified_nodes(state, 0, [6, 7, 2]) == [7]  # a stale proposal is not used; the root was tokens[-2]
+    assert verified_nodes(state, 0, []) == [7]
 
 
 # ---- suffix tries --------------------------------------------------------------------------------------------------
