@@ -334,7 +334,31 @@ def summarize(gen_rows: Sequence[dict], step_rows: Sequence[dict], baseline: str
         "categories": categories,
         "workers": workers,
         "peer": peer_comparison(out_methods, baseline),
+        "over_best_peer": over_best_peer(out_methods, categories),
     }
+
+
+def over_best_peer(methods: dict, categories: dict) -> dict | None:
+    """Every specray method's tokens/s over the best peer mode's (HF's best, whichever mode that is), overall and per
+    category (the best mode is picked per category). None without peer rows.
+
+    >>> rag = {"ar": 10.0, "ngram": 30.0, "hf-plain": 9.0, "hf-pl": 20.0}
+    >>> ms = {m: {"kind": "peer" if m.startswith("hf") else "specray", "tokens_per_s": r} for m, r in rag.items()}
+    >>> over_best_peer(ms, {"rag": ms})["categories"]["rag"]
+    {'best_peer': 'hf-pl', 'ar': 0.5, 'ngram': 1.5}
+    """
+    peers = [m for m, v in methods.items() if v["kind"] == "peer"]
+    ours = [m for m, v in methods.items() if v["kind"] == "specray"]
+    if not peers or not ours:
+        return None
+
+    def table(rates: dict) -> dict:
+        best = max(peers, key=lambda m: rates[m] or 0.0)
+        return {"best_peer": best, **{m: _ratio(rates[m] or 0.0, rates[best] or 0.0) for m in ours}}
+
+    out = {"overall": table({m: v["tokens_per_s"] for m, v in methods.items()})}
+    out["categories"] = {c: table({m: v["tokens_per_s"] for m, v in cat.items()}) for c, cat in categories.items()}
+    return out
 
 
 def peer_comparison(methods: dict, baseline: str = BASELINE) -> dict | None:

@@ -21,7 +21,7 @@ import re
 import typing
 from dataclasses import dataclass, field
 
-METHODS = ("ar", "sps", "ngram", "early-exit", "pearl", "triforce", "trained")
+METHODS = ("ar", "sps", "ngram", "early-exit", "pearl", "triforce", "trained", "recycling", "suffix", "hybrid")
 DTYPES = ("float32", "bfloat16")
 PLACEMENTS = ("local", "actors")
 ACTOR_TRANSPORTS = ("calls", "compiled")
@@ -29,6 +29,9 @@ TREE_SHAPES = ("chain", "static", "sequoia", "dyspec")  # decoding.trees.TREE_SH
 TRIFORCE_BOTTOMS = ("layers", "ngram", "model")
 TRIFORCE_SCHEDULES = ("sps", "pearl")
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # decoding.models.resolve_device turns it into a torch.device
+MODEL_FREE = ("recycling", "suffix", "hybrid")  # model-free tree drafters with state across requests
+DRAFT_MEMORIES = ("warm", "cold")
+TREE_FITS = ("measured", "budget")
 
 
 class ConfigError(ValueError):
@@ -125,6 +128,20 @@ class SpecConfig:
         when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``. Inside Ray
         workers the outer layers turn ``auto`` into the GPU Ray gave the worker,
         else CPU (actors/devices.py).
+    recycling / suffix / hybrid (decoding/recycling.py, suffix.py, hybrid.py):
+        model-free tree drafters, ``k`` is the tree depth. ``recycle_width``:
+        candidates kept per token in Token Recycling's adjacency matrix (1 =
+        chains); ``tree_paths`` (with tree=static) replaces its Sequoia template.
+        ``suffix_factor``: draft nodes per matched token; ``suffix_min_prob``:
+        the least path probability a suffix draft keeps; ``suffix_depth``: the
+        suffix tries' depth (longest substring counted); ``suffix_cache_tokens``:
+        tokens of earlier outputs the global suffix cache keeps.
+        ``draft_memory``: ``warm`` (the adjacency matrix and suffix cache live
+        with the decoder across requests) or ``cold`` (reset every request, for
+        fair per-prompt benchmarks). ``tree_fit``: ``measured`` (tree size by
+        expected tokens per second under the verification cost measured on this
+        host, cached under $SPECRAY_HOME/calibration) or ``budget`` (exactly
+        ``tree_budget`` nodes).
     """
 
     method: str = "ar"
@@ -170,6 +187,14 @@ class SpecConfig:
     drafter: str | None = None
     draft_vocab: int = 0
     device: str = "auto"
+    # method=recycling / suffix / hybrid: see decoding/recycling.py, suffix.py, hybrid.py
+    recycle_width: int = 8
+    suffix_factor: float = 1.0
+    suffix_min_prob: float = 0.1
+    suffix_depth: int = 24
+    suffix_cache_tokens: int = 16384
+    draft_memory: str = "warm"
+    tree_fit: str = "measured"
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, "method", f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
@@ -210,6 +235,7 @@ class SpecConfig:
         _check(self.draft_vocab >= 0, "draft_vocab", f"must be >= 0 (0 = the full LM head), got {self.draft_vocab}")
         self._check_tree()
         self._check_triforce()
+        self._check_model_free()
 
     def _check_tree(self) -> None:
         """Tree fields (see the class docstring); torch is imported only when a tree is configured."""
@@ -254,6 +280,19 @@ class SpecConfig:
             "triforce_schedule",
             f"unknown schedule {self.triforce_schedule!r}; choose from {', '.join(TRIFORCE_SCHEDULES)}",
         )
+
+    def _check_model_free(self) -> None:
+        _check(self.recycle_width >= 1, "recycle_width", f"must be >= 1, got {self.recycle_width}")
+        _check(self.suffix_factor > 0, "suffix_factor", f"must be > 0, got {self.suffix_factor}")
+        _check(0.0 <= self.suffix_min_prob <= 1.0, "suffix_min_prob", f"must be in [0, 1], got {self.suffix_min_prob}")
+        _check(self.suffix_depth >= 2, "suffix_depth", f"must be >= 2, got {self.suffix_depth}")
+        _check(self.suffix_cache_tokens >= 0, "suffix_cache_tokens", f"must be >= 0 (0 = no global cache), got {self.suffix_cache_tokens}")
+        _check(
+            self.draft_memory in DRAFT_MEMORIES,
+            "draft_memory",
+            f"unknown draft memory {self.draft_memory!r}; choose from {', '.join(DRAFT_MEMORIES)}",
+        )
+        _check(self.tree_fit in TREE_FITS, "tree_fit", f"unknown tree fit {self.tree_fit!r}; choose from {', '.join(TREE_FITS)}")
 
     def for_method(self, label: str) -> SpecConfig:
         """The config a bench label names: a method, or ``trained:NAME`` (method trained with drafter NAME).

@@ -35,6 +35,9 @@ class DecodeState:
     # [B, c, H] the target's last-layer (pre-norm) hidden states of the c positions its last forward kept in the
     # cache, ending at position n-2 (the prompt after prefill, pending + accepted drafts after a step)
     target_hidden: torch.Tensor | None = None
+    # [B, T, V] the target's logits of the last verification, one row per fed position [pending, drafts...] (tree nodes
+    # in node order), rejected ones included; set by the loop before ``update`` (Token Recycling reads it)
+    last_logits: torch.Tensor | None = None
 
 
 @dataclass

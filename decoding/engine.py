@@ -71,16 +71,21 @@ def draft_depth(cfg: SpecConfig) -> int:
     return shape.max_depth if cfg.tree == "static" else cfg.k
 
 
-def build_drafter(cfg: SpecConfig, target: LoadedModel, device: str | torch.device | None = None) -> Drafter | None:
+def build_drafter(cfg: SpecConfig, target: LoadedModel, device: str | torch.device | None = None, memory=None) -> Drafter | None:
     """The drafter a method uses; checks knobs that depend on the model (exit layer vs depth).
 
     ``device``: where a separate draft model is put (default: the target's device).
+    ``memory``: the decoder's ``DraftMemory`` (state of model-free drafters that outlives a request).
     """
     device = target.device if device is None else device
     depth = len(ModelAdapter(target.model).layers)
     shape = tree_shape(cfg)
     if cfg.method == "ar":
         return None
+    if cfg.method in ("recycling", "suffix", "hybrid"):
+        from decoding.model_free import build_model_free
+
+        return build_model_free(cfg, target, memory)
     if cfg.method == "ngram":
         return NgramDrafter(cfg.ngram_max, cfg.ngram_min, tree_budget=None if shape is None else max_nodes_of(shape, cfg.k))
     if cfg.method == "early-exit":
@@ -150,7 +155,10 @@ class SpecDecoder:
         self.device = self.loaded.device  # prompts, generators and caches are made here
         self.tokenizer = self.loaded.tokenizer
         self.target = ModelAdapter(self.loaded.model)
-        self.drafter = build_drafter(cfg, self.loaded)
+        from decoding.draft_memory import DraftMemory
+
+        self.memory = DraftMemory()  # model-free drafters' state across requests (and forks)
+        self.drafter = build_drafter(cfg, self.loaded, memory=self.memory)
         self.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
 
     def fork(self, **changes) -> SpecDecoder:
@@ -166,7 +174,7 @@ class SpecDecoder:
                 raise ConfigError(name, "cannot change in a fork; build a new SpecDecoder")
         twin = copy.copy(self)
         twin.cfg = cfg
-        twin.drafter = build_drafter(cfg, self.loaded)
+        twin.drafter = build_drafter(cfg, self.loaded, memory=self.memory)
         twin.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
         return twin
 
@@ -218,7 +226,7 @@ class SpecDecoder:
         to run in a :class:`decoding.loop.Batch` beside sequences of other configurations of the same target."""
         return Sequence(
             prompt_ids,
-            drafter=build_drafter(self.cfg, self.loaded),
+            drafter=build_drafter(self.cfg, self.loaded, memory=self.memory),
             k=draft_depth(self.cfg),
             adaptive=self.cfg.adaptive_k,
             sampling=self.sampling,

@@ -154,6 +154,7 @@ def verify_step(
             state.accepted_path = path.tolist()
             state.target_hidden = hs[b][:, path]
         state.target_cache.rollback(n + m)
+        state.last_logits = logit_rows[b]  # [1, t, V] every fed position's logits, rejected ones included (Token Recycling)
         drafters[b].update(state, m)
         record = StepRecord(drafted=widths[b] - 1, accepted=m, draft_s=draft_s[b], verify_s=verify_s, rows=rows)
         results.append(StepResult(proposal, m, committed, logit_rows[b], record))

@@ -42,7 +42,19 @@ from decoding.workloads import DEFAULT_PROMPTS, Prompt, WorkloadError, load_prom
 from jobs.common import Parser, add_config_args, config_from_args, fail, output_dir, parse_ints, run_cli
 
 SHORT_CONTEXT = 16  # the reference context of a decoding forward whose time is (almost) all weights
-PEER_MODES = ("hf-plain", "hf-prompt-lookup", "hf-assistant", "hf-early-exit")
+PEER_MODES = (
+    "hf-plain",
+    "hf-prompt-lookup",
+    "hf-prompt-lookup-default",
+    "hf-assistant",
+    "hf-assistant-default",
+    "hf-early-exit",
+    "hf-early-exit-default",
+)
+# Hugging Face's own settings for its assisted modes (the prompt-lookup guide's prompt_lookup_num_tokens=10, the
+# generation config's num_assistant_tokens=20, constant schedule, assistant_confidence_threshold=0.4)
+HF_PROMPT_LOOKUP_DEFAULT = {"prompt_lookup_num_tokens": 10}
+HF_ASSIST_DEFAULT = {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.4}
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -115,9 +127,12 @@ class Runner:
 class HFPeer:
     """Hugging Face ``generate()`` on the very model object specray uses, in its plain and assisted modes.
 
-    The assisted modes get specray's knobs (draft length k, n-gram size, draft
-    layers, exit layer) with a constant draft length and no confidence stop, so
-    the two sides draft the same way.
+    Each assisted mode runs twice: with specray's knobs (draft length k, n-gram
+    size, draft layers, exit layer; constant draft length, no confidence stop),
+    so the two sides draft the same way, and as ``*-default`` with HF's own
+    documented settings (``HF_PROMPT_LOOKUP_DEFAULT``, ``HF_ASSIST_DEFAULT``; the
+    assistant and exit layer stay specray's, HF has no default for them). Every
+    "over HF" figure divides by the best of these modes.
     """
 
     def __init__(self, decoder, cfg: SpecConfig):
@@ -129,21 +144,27 @@ class HFPeer:
         self.modes = {
             "hf-plain": {},
             "hf-prompt-lookup": {"prompt_lookup_num_tokens": cfg.k, "max_matching_ngram_size": cfg.ngram_max},
+            "hf-prompt-lookup-default": dict(HF_PROMPT_LOOKUP_DEFAULT),
         }
+        self.assistants = {}
         if cfg.draft_layers < depth:
-            self.assistant = shallow_assistant(self.model, cfg.draft_layers)
-            self.assistant.generation_config.update(**assist)
-            self.modes["hf-assistant"] = {"assistant_model": self.assistant}
+            for mode, knobs in (("hf-assistant", assist), ("hf-assistant-default", HF_ASSIST_DEFAULT)):
+                self.assistants[mode] = shallow_assistant(self.model, cfg.draft_layers)
+                self.assistants[mode].generation_config.update(**knobs)
+                self.modes[mode] = {"assistant_model": self.assistants[mode]}
         if cfg.exit_layer < depth:
             self.modes["hf-early-exit"] = {"assistant_early_exit": cfg.exit_layer, "_assist": assist}
+            self.modes["hf-early-exit-default"] = {"assistant_early_exit": cfg.exit_layer, "_assist": dict(HF_ASSIST_DEFAULT)}
+
+    @property
+    def assistant(self):  # the assistant at specray's knobs
+        return self.assistants.get("hf-assistant")
 
     def describe(self, mode: str) -> str:
         kw = {k: v for k, v in self.modes[mode].items() if k != "assistant_model"}
-        if mode == "hf-assistant":
+        if mode in self.assistants:
             kw["assistant_model"] = f"first {self.cfg.draft_layers} layers of the target"
-            kw["_assist"] = {
-                k: getattr(self.assistant.generation_config, k) for k in ("num_assistant_tokens", "num_assistant_tokens_schedule")
-            }
+            kw["_assist"] = {k: getattr(self.assistants[mode].generation_config, k) for k in HF_ASSIST_DEFAULT}
         return json.dumps(kw, sort_keys=True, default=str)
 
     def probe(self, ids, max_new_tokens: int) -> dict:
@@ -407,6 +428,14 @@ def render(summary: dict, file=None) -> None:
     methods = summary["methods_order"]
     cat_head = ["category"] + methods
     cat_rows = [[c] + [_f(v[m]["speedup"]) for m in methods] for c, v in summary["categories"].items()]
+    over = summary.get("over_best_peer")
+    ours = [m for m in methods if summary["methods"][m]["kind"] == "specray"]
+    peer_head = ["category", "best HF"] + ours
+    peer_rows = (
+        [[c, v["best_peer"]] + [_f(v[m]) for m in ours] for c, v in {**over["categories"], "overall": over["overall"]}.items()]
+        if over
+        else []
+    )
     worker_rows = (
         [[w] + [_f(v[m]["speedup"]) for m in methods] for w, v in summary["workers"].items()] if len(summary["workers"]) > 1 else []
     )
@@ -425,6 +454,7 @@ def render(summary: dict, file=None) -> None:
         for t_title, h, rs in (
             (title, head, rows),
             ("speedup over ar by category", cat_head, cat_rows),
+            ("tokens/s over HF's best mode by category", peer_head, peer_rows),
             ("speedup over ar by worker", ["worker"] + methods, worker_rows),
             ("long contexts", ctx_head, ctx_rows),
         ):
@@ -440,7 +470,7 @@ def render(summary: dict, file=None) -> None:
             console.print(n, highlight=False)
         return
     print(title, file=file)
-    for h, rs in ((head, rows), (cat_head, cat_rows), (["worker"] + methods, worker_rows), (ctx_head, ctx_rows)):
+    for h, rs in ((head, rows), (cat_head, cat_rows), (peer_head, peer_rows), (["worker"] + methods, worker_rows), (ctx_head, ctx_rows)):
         if not rs:
             continue
         widths = [max(len(str(x)) for x in col) for col in zip(h, *rs, strict=False)]

@@ -125,6 +125,15 @@ _DRAFT_VOCAB = Knob("draft_vocab", "choice", choices=(0, 4096, 8192, 16384))
 # Medusa, Hydra and distilled drafters also search tree shapes; a chain-only artifact's trials get chains (to_config)
 METHOD_KNOBS["trained"] = (_K, _CONFIDENCE, Knob("drafter", "choice", choices=("",)), _DRAFT_VOCAB, *_TREE_KNOBS)
 
+# model-free tree drafters (decoding/recycling.py, suffix.py, hybrid.py): k is the tree depth; tree_budget applies with
+# tree_fit=budget (measured picks the size from this host's verification cost)
+_FIT = (Knob("tree_fit", "choice", choices=("measured", "budget")), Knob("tree_budget", "int", 4, 48))
+_RECYCLE = (Knob("recycle_width", "int", 1, 8),)
+_SUFFIX = (Knob("suffix_factor", "float", 0.5, 4.0, step=0.5), Knob("suffix_min_prob", "float", 0.0, 0.5, step=0.05))
+METHOD_KNOBS["recycling"] = (_K, *_RECYCLE, *_FIT)
+METHOD_KNOBS["suffix"] = (_K, *_SUFFIX, *_FIT)
+METHOD_KNOBS["hybrid"] = (_K, *_RECYCLE, *_SUFFIX, *_FIT)
+
 
 def _resolve_trained(values: dict, depth: int) -> dict:
     """No artifact list given (--range drafter=...): keep the base config's drafter."""

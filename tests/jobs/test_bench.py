@@ -57,7 +57,7 @@ def test_summary_structure_and_rows(full_run):
     assert s["interrupted"] is False
     assert s["specray_methods"] == SPECRAY  # ar first (always included), then in the order asked
     assert s["methods_order"][:4] == SPECRAY
-    assert set(s["methods_order"][4:]) == {"hf-plain", "hf-prompt-lookup", "hf-assistant", "hf-early-exit"}, s["peer_skipped"]
+    assert set(s["methods_order"][4:]) == set(bench.PEER_MODES), s["peer_skipped"]
     assert s["runs_complete"] == 3 and s["runs_incomplete"] == 0
     assert list(s["categories"]) == ["writing", "qa", "summarization"]
     for m, row in s["methods"].items():
@@ -69,6 +69,41 @@ def test_summary_structure_and_rows(full_run):
         assert len(s["methods"][m]["per_position_acceptance"]) == 3
         assert s["methods"][m]["draft_ms_per_step"] > 0
     assert s["peer"]["plain_peer"] == "hf-plain" and s["peer"]["ar_vs_plain"] > 0
+
+
+def test_hf_modes_run_at_specray_knobs_and_at_hf_defaults(full_run):
+    s = full_run["summary"]
+    modes = {m: json.loads(kw) for m, kw in s["peer_modes"].items()}
+    assert modes["hf-prompt-lookup"]["prompt_lookup_num_tokens"] == 3  # specray's k
+    assert modes["hf-prompt-lookup-default"] == {"prompt_lookup_num_tokens": 10}
+    assert modes["hf-assistant"]["_assist"]["num_assistant_tokens"] == 3
+    assert modes["hf-assistant-default"]["_assist"] == bench.HF_ASSIST_DEFAULT
+    assert modes["hf-early-exit-default"]["_assist"] == bench.HF_ASSIST_DEFAULT
+
+
+def test_over_hf_divides_by_the_best_hf_mode(full_run):
+    s = full_run["summary"]
+    peers = {m: v["tokens_per_s"] for m, v in s["methods"].items() if v["kind"] == "peer"}
+    best = max(peers, key=peers.get)
+    over = s["over_best_peer"]
+    assert over["overall"]["best_peer"] == best == s["peer"]["best_peer"]
+    for m in SPECRAY:
+        assert over["overall"][m] == pytest.approx(s["methods"][m]["tokens_per_s"] / peers[best])
+    for c, row in over["categories"].items():
+        cat = s["categories"][c]
+        cbest = max(peers, key=lambda m: cat[m]["tokens_per_s"])
+        assert row["best_peer"] == cbest
+        assert row["ngram"] == pytest.approx(cat["ngram"]["tokens_per_s"] / cat[cbest]["tokens_per_s"])
+
+
+def test_model_free_methods_run_in_the_bench(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECRAY_HOME", str(tmp_path / "home"))
+    code, s, _ = run_quiet(base_argv(tiny, tmp_path / "out", "--methods", "recycling,suffix,hybrid", "--limit", "1", "--json"))
+    assert code == 0
+    assert s["specray_methods"] == ["ar", "recycling", "suffix", "hybrid"]
+    for m in ("recycling", "suffix", "hybrid"):
+        assert s["methods"][m]["identity"]["identical"] == s["methods"][m]["identity"]["compared"] > 0, m
+    assert list((tmp_path / "home" / "calibration").glob("verify-cost-*.json"))  # tree_fit=measured calibrated once
 
 
 def test_float32_outputs_match_ar_without_suspicious_divergence(full_run):

@@ -151,7 +151,23 @@ def test_knob_fields_cover_every_method():
     fields = {"k", "exit_layer", "confidence_threshold", "ngram_max", "ngram_min", "draft_layers", "tree", "tree_budget"}
     fields |= {"triforce_gamma", "triforce_bottom", "triforce_budget", "triforce_chunk_size", "triforce_window"}
     fields |= {"drafter", "draft_vocab"}
+    fields |= {"recycle_width", "suffix_factor", "suffix_min_prob", "tree_fit"}
     assert fields == set(knob_fields())
+
+
+def test_model_free_samples_are_valid_configs():
+    space = SearchSpace.build(["recycling", "suffix", "hybrid"], depth=30)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = set()
+    for _ in range(30):
+        trial = study.ask()
+        space(trial)
+        cfg = space.to_config(trial.params, SpecConfig())
+        seen.add(cfg.method)
+        assert cfg.tree_fit in ("measured", "budget") and 4 <= cfg.tree_budget <= 48
+        assert cfg.method == "suffix" or 1 <= cfg.recycle_width <= 8
+        study.tell(trial, 1.0)
+    assert seen == {"recycling", "suffix", "hybrid"}
 
 
 def test_triforce_samples_are_valid_configs():
