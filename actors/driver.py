@@ -55,7 +55,7 @@ def schedule_for(cfg: SpecConfig) -> str:
 
 
 class ActorExecutor:
-    """Runs schedule requests on two ``ModelWorker`` handles with timeouts and clear failures."""
+    """Runs schedule requests on two ``ModelActor`` handles (actors.worker) with timeouts and clear failures."""
 
     def __init__(self, target, draft, timeout_s: float = 120.0, transport: str = "calls", parallel: bool = True):
         if transport not in TRANSPORTS:

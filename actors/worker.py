@@ -42,7 +42,7 @@ ROLES = ("draft", "target")
 
 
 @ray.remote(max_restarts=0, max_task_retries=0)
-class ModelWorker:
+class ModelActor:
     """One model and its cache. ``role``: "target" (full model) or "draft" (``draft_model`` or the first ``draft_layers``;
     for ``triforce`` the target model again, hosting the middle level over its own cache, and the bottom drafter)."""
 

@@ -15,7 +15,7 @@ aggregated as total new tokens / total wall seconds over the same prompts
 ratio (method tokens/s / AR tokens/s on one prompt and repeat) gives the spread.
 
 >>> rows = [gen_row("ar", 1, "qa", new_tokens=10, wall_s=1.0), gen_row("ngram", 1, "qa", new_tokens=10, wall_s=0.5)]
->>> s = summarize(rows, [])
+>>> s = summarize_methods(rows, [])
 >>> s["methods"]["ngram"]["speedup"], s["methods"]["ar"]["tokens_per_s"]
 (2.0, 10.0)
 """
@@ -210,7 +210,7 @@ def _speedups(rows_by_method: dict, baseline_rows: list, methods) -> dict:
     return {m: _ratio(_rate(rows_by_method.get(m, [])), base) for m in methods}
 
 
-def summarize(gen_rows: Sequence[dict], step_rows: Sequence[dict], baseline: str = BASELINE, order: Sequence[str] = ()) -> dict:
+def summarize_methods(gen_rows: Sequence[dict], step_rows: Sequence[dict], baseline: str = BASELINE, order: Sequence[str] = ()) -> dict:
     """Everything the report shows, from the two tables (see the module docstring).
 
     Only (prompt, repeat) pairs that every method finished count, so an interrupted

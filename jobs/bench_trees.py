@@ -138,7 +138,7 @@ def main_with_args(args) -> int:
         gens += g
         steps += s
         print(f"prompt {i + 1}/{len(prompts)} done", file=sys.stderr)
-    summary = bm.summarize(gens, steps, order=list(configs))
+    summary = bm.summarize_methods(gens, steps, order=list(configs))
     report = tree_report(summary, steps, drafters)
     render(summary, report)
     out = Path(args.out)
