@@ -57,10 +57,13 @@ def schedule_for(cfg: SpecConfig) -> str:
 class ActorExecutor:
     """Runs schedule requests on two ``ModelActor`` handles (actors.worker) with timeouts and clear failures."""
 
-    def __init__(self, target, draft, timeout_s: float = 120.0, transport: str = "calls", parallel: bool = True):
+    def __init__(
+        self, target, draft, timeout_s: float = 120.0, transport: str = "calls", parallel: bool = True, actor_ids: dict | None = None
+    ):
         if transport not in TRANSPORTS:
             raise ConfigError("actor_transport", f"unknown transport {transport!r}; choose from {', '.join(TRANSPORTS)}")
         self.target, self.draft = target, draft
+        self.actor_ids = dict(actor_ids or {})  # role -> the actor's id (hex), as the worker reports it in info()
         self.timeout_s = timeout_s
         self.transport = transport
         self.position = 0  # tokens committed so far, for error messages
@@ -88,8 +91,8 @@ class ActorExecutor:
     # ---- waiting with a deadline ----------------------------------------------------------------
     def _role_of(self, err: RayActorError) -> str:
         actor_id = getattr(err, "actor_id", None)
-        for role, handle in (("target", self.target), ("draft", self.draft)):
-            if actor_id and actor_id == handle._actor_id.hex():
+        for role in ("target", "draft"):
+            if actor_id and actor_id == self.actor_ids.get(role):
                 return f"{role} worker"
         return "a model worker"
 
@@ -136,7 +139,11 @@ class ActorDecoder:
         self.placement = dict(placement or {})
         self.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
         self._on_close = on_close
-        self.executor = ActorExecutor(target, draft, cfg.rpc_timeout_s, cfg.actor_transport, parallel=(self.schedule == "pearl"))
+        infos = {role: self.placement.get(role) or {} for role in ("target", "draft")}  # the workers' info(), from placement
+        actor_ids = {role: info["actor_id"] for role, info in infos.items() if "actor_id" in info}
+        self.executor = ActorExecutor(
+            target, draft, cfg.rpc_timeout_s, cfg.actor_transport, parallel=(self.schedule == "pearl"), actor_ids=actor_ids
+        )
         facts = self.executor._get(target.model_facts.remote(), "target worker")
         self.eos_token_ids, self.max_context = facts["eos_token_ids"], facts["max_context"]
         if cfg.draft_model:

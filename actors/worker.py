@@ -93,6 +93,7 @@ class ModelActor:
         ctx = ray.get_runtime_context()
         return {
             "role": self.role,
+            "actor_id": ctx.get_actor_id(),
             "node_id": ctx.get_node_id(),
             "node_ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
