@@ -259,10 +259,12 @@ def test_bad_knobs_name_the_field(knobs, field):
     assert e.value.field == field and "\n" not in str(e.value)
 
 
-def test_model_bottom_needs_a_draft_model(smollm2_fp32):
+def test_model_bottom_needs_a_draft_model(tiny_model_dir):
     from decoding.engine import build_drafter
+    from decoding.models import load_model
 
+    loaded = load_model(str(tiny_model_dir), "float32")  # 2 layers
     with pytest.raises(ConfigError, match="draft_model"):
-        build_drafter(SpecConfig(method="triforce", triforce_bottom="model"), smollm2_fp32)
+        build_drafter(SpecConfig(method="triforce", triforce_bottom="model"), loaded)
     with pytest.raises(ConfigError, match="draft_layers"):
-        build_drafter(SpecConfig(method="triforce", triforce_bottom="layers", draft_layers=30), smollm2_fp32)
+        build_drafter(SpecConfig(method="triforce", triforce_bottom="layers", draft_layers=2), loaded)
