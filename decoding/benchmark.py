@@ -189,7 +189,8 @@ def _rate(rows) -> float:
     return sum(r["new_tokens"] for r in rows) / secs if secs > 0 else 0.0
 
 
-def _ratio(a: float, b: float) -> float | None:
+def ratio(a: float, b: float) -> float | None:
+    """a / b, or None when b is not positive (no baseline figure to compare with)."""
     return a / b if b > 0 else None
 
 
@@ -207,7 +208,7 @@ def complete_keys(gen_rows: Sequence[dict], methods: Sequence[str]) -> set:
 
 def _speedups(rows_by_method: dict, baseline_rows: list, methods) -> dict:
     base = _rate(baseline_rows)
-    return {m: _ratio(_rate(rows_by_method.get(m, [])), base) for m in methods}
+    return {m: ratio(_rate(rows_by_method.get(m, [])), base) for m in methods}
 
 
 def summarize_methods(gen_rows: Sequence[dict], step_rows: Sequence[dict], baseline: str = BASELINE, order: Sequence[str] = ()) -> dict:
@@ -246,7 +247,7 @@ def summarize_methods(gen_rows: Sequence[dict], step_rows: Sequence[dict], basel
             if r["wall_s"] > 0 and b["wall_s"] > 0 and b["new_tokens"] > 0:
                 per_prompt.append((r["new_tokens"] / r["wall_s"]) / (b["new_tokens"] / b["wall_s"]))
         per_repeat = [
-            _ratio(_rate([r for r in mrows if r["repeat"] == k]), _rate([r for r in base_rows if r["repeat"] == k])) for k in repeats
+            ratio(_rate([r for r in mrows if r["repeat"] == k]), _rate([r for r in base_rows if r["repeat"] == k])) for k in repeats
         ]
         n_steps = len(msteps)
         accepted = sum(s["accepted"] for s in msteps)
@@ -265,7 +266,7 @@ def summarize_methods(gen_rows: Sequence[dict], step_rows: Sequence[dict], basel
             "new_tokens": new_tokens,
             "wall_s": sum(r["wall_s"] for r in mrows),
             "tokens_per_s": rate,
-            "speedup": _ratio(rate, base_rate),
+            "speedup": ratio(rate, base_rate),
             "speedup_per_prompt": quantiles(per_prompt),
             "speedup_per_repeat": quantiles(x for x in per_repeat if x is not None) if len(repeats) > 1 else None,
             "steps": n_steps,
@@ -332,9 +333,9 @@ def peer_comparison(methods: dict, baseline: str = BASELINE) -> dict | None:
     return {
         "best_specray": best_ours,
         "best_peer": best_peer,
-        "best_vs_best": _ratio(ours[best_ours], peers[best_peer]),
+        "best_vs_best": ratio(ours[best_ours], peers[best_peer]),
         "plain_peer": plain,
-        "ar_vs_plain": _ratio(ours.get(baseline, 0.0), peers[plain]) if plain else None,
+        "ar_vs_plain": ratio(ours.get(baseline, 0.0), peers[plain]) if plain else None,
         "peer_tokens_per_s": peers,
     }
 
@@ -442,8 +443,8 @@ def context_summary(
             top_drafted = sum(x["drafted"] for x in steps)
             methods[m] = {
                 "prompts": len(rs),
-                "speedup": _ratio(_rate(rs), _rate(base)),
-                "decode_speedup": _ratio(decode_rate(rs), decode_rate(base)),
+                "speedup": ratio(_rate(rs), _rate(base)),
+                "decode_speedup": ratio(decode_rate(rs), decode_rate(base)),
                 "top_acceptance": sum(x["accepted"] for x in steps) / top_drafted if top_drafted else None,
                 "middle_acceptance": sum(lv.get("middle_accepted", 0) for lv in levels) / drafted if drafted else None,
                 "peak_rss_mb": max(rss) if rss else None,

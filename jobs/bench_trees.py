@@ -171,7 +171,7 @@ def tree_report(summary: dict, steps: list[dict], drafters) -> dict:
             "best_tree": bt,
             "tau_chain": chains[bc]["mean_accepted_tokens"],
             "tau_tree": trees[bt]["mean_accepted_tokens"],
-            "tau_ratio": bm._ratio(trees[bt]["mean_accepted_tokens"] or 0.0, chains[bc]["mean_accepted_tokens"] or 0.0),
+            "tau_ratio": bm.ratio(trees[bt]["mean_accepted_tokens"] or 0.0, chains[bc]["mean_accepted_tokens"] or 0.0),
             "speedup_chain": chains[bc]["speedup"],
             "speedup_tree": trees[bt]["speedup"],
             "best_tau_tree": max(trees, key=lambda m: trees[m]["mean_accepted_tokens"] or 0),
