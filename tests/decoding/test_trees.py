@@ -13,7 +13,7 @@ from decoding.metrics import chi_square_pvalue
 from decoding.sampling import sample_from
 from decoding.trees import Dynamic, Tree, TreeError, chain, expected_accepted, sequoia_paths, tree_mask, validate_paths
 from decoding.verify import verify_tree_greedy, verify_tree_speculative
-from tests.decoding.test_loop import N_TOKENS, PROMPT, SAMPLING, exact_joint, sample_counts
+from tests.decoding.test_loop import CONTROL_DRAWS, N_TOKENS, PROMPT, SAMPLING, exact_joint, sample_counts
 
 MEDUSA = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
@@ -361,7 +361,7 @@ def test_wrong_tree_rule_is_caught_end_to_end(tiny_model, monkeypatch):
         return v
 
     monkeypatch.setattr(loop_module, "verify_tree_speculative", draw_from_p)
-    counts = sample_counts(tiny_model, tree_drafters(tiny_model)["sps-static"], SAMPLING)
+    counts = sample_counts(tiny_model, tree_drafters(tiny_model)["sps-static"], SAMPLING, draws=CONTROL_DRAWS)
     assert chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING)) < 1e-6
 
 

@@ -136,7 +136,7 @@ def test_stops_right_after_eos(tiny_model):
     assert out.token_ids == ref[: ref.index(eos) + 1] and out.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("sampling, draws", [(SAMPLING, 400), (WARPED, 400)], ids=["plain", "top-k-top-p"])
+@pytest.mark.parametrize("sampling, draws", [(SAMPLING, 300), (WARPED, 300)], ids=["plain", "top-k-top-p"])
 def test_sampled_distribution_matches_target(tiny_model, sampling, draws):
     # budget 3 of the 5 prompt tokens, chunks of 1: the middle level is a different distribution from the target
     counts = sample_counts(tiny_model, triforce(tiny_model), sampling, k=3, draws=draws)
@@ -229,7 +229,7 @@ def test_draft_side_catches_up_on_tokens_it_never_drafted_after(tiny_model):
     assert drafts == ref
 
 
-@pytest.mark.parametrize("schedule, draws", [("sps", 400), ("pearl", 400)])
+@pytest.mark.parametrize("schedule, draws", [("sps", 300), ("pearl", 300)])
 def test_two_sided_sampled_distribution_matches_target(tiny_model, schedule, draws):
     ex = two_sided(tiny_model, SAMPLING)
     counts = torch.zeros([tiny_model.config.vocab_size] * N_TOKENS, dtype=torch.long)
