@@ -16,6 +16,7 @@ CLUSTER_FIXTURES = {"local_ray", "workers", "server", "redis_url", "first_run"}
 REDIS_STORE_PARAMS = {"store", "registry"}  # fixtures parametrized file/redis: the redis case starts a redis-server
 
 
+@pytest.hookimpl(tryfirst=True)  # mark before -m deselects
 def pytest_collection_modifyitems(config, items):
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
