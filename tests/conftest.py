@@ -95,7 +95,7 @@ def tiny_model_dir(tmp_path_factory):
     """A 2-layer random model (context 512) with the byte-level tiny tokenizer, saved as a local HF model directory."""
     from tiny_models import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), layers=2, hidden=32, context=512)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), layers=2, hidden=32, context=512, weight_std=0.5)
 
 
 @pytest.fixture(scope="session")

@@ -34,8 +34,12 @@ def tiny_tokenizer():
     return tok
 
 
-def build_tiny_model(d: Path, layers: int = 4, hidden: int = 64, context: int = 2048) -> Path:
-    """A random Llama (``layers`` deep, ``hidden`` wide, ``context`` positions) with ``tiny_tokenizer``, saved to ``d``."""
+def build_tiny_model(d: Path, layers: int = 4, hidden: int = 64, context: int = 2048, weight_std: float | None = None) -> Path:
+    """A random Llama (``layers`` deep, ``hidden`` wide, ``context`` positions) with ``tiny_tokenizer``, saved to ``d``.
+
+    ``weight_std`` redraws every matrix from N(0, weight_std): with transformers' small default init a
+    259-token model says the same few bytes whatever the prompt; 0.5 makes its outputs follow the prompt.
+    """
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -55,6 +59,11 @@ def build_tiny_model(d: Path, layers: int = 4, hidden: int = 64, context: int = 
         tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(cfg)
+    if weight_std is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0, weight_std)
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model.save_pretrained(d)
     tok.save_pretrained(d)
