@@ -55,12 +55,15 @@ def schedule_for(cfg: SpecConfig) -> str:
 
 
 class ActorExecutor:
-    """Runs schedule requests on two ``ModelWorker`` handles with timeouts and clear failures."""
+    """Runs schedule requests on two ``ModelActor`` handles (actors.worker) with timeouts and clear failures."""
 
-    def __init__(self, target, draft, timeout_s: float = 120.0, transport: str = "calls", parallel: bool = True):
+    def __init__(
+        self, target, draft, timeout_s: float = 120.0, transport: str = "calls", parallel: bool = True, actor_ids: dict | None = None
+    ):
         if transport not in TRANSPORTS:
             raise ConfigError("actor_transport", f"unknown transport {transport!r}; choose from {', '.join(TRANSPORTS)}")
         self.target, self.draft = target, draft
+        self.actor_ids = dict(actor_ids or {})  # role -> the actor's id (hex), as the worker reports it in info()
         self.timeout_s = timeout_s
         self.transport = transport
         self.position = 0  # tokens committed so far, for error messages
@@ -88,12 +91,12 @@ class ActorExecutor:
     # ---- waiting with a deadline ----------------------------------------------------------------
     def _role_of(self, err: RayActorError) -> str:
         actor_id = getattr(err, "actor_id", None)
-        for role, handle in (("target", self.target), ("draft", self.draft)):
-            if actor_id and actor_id == handle._actor_id.hex():
+        for role in ("target", "draft"):
+            if actor_id and actor_id == self.actor_ids.get(role):
                 return f"{role} worker"
         return "a model worker"
 
-    def _get(self, refs, what: str):
+    def wait(self, refs, what: str):
         try:
             return ray.get(refs, timeout=self.timeout_s)
         except (GetTimeoutError, ray.exceptions.RayChannelTimeoutError):
@@ -109,19 +112,19 @@ class ActorExecutor:
     def prefill(self, prompt: list[int], max_len: int, seed: int, sampling=None) -> int:
         self.position = 0
         refs = [self.target.prefill.remote(prompt, max_len, seed, sampling), self.draft.prefill.remote(prompt, max_len, seed + 1, sampling)]
-        first, _ = self._get(refs, "workers' prefill")[0]
+        first, _ = self.wait(refs, "workers' prefill")[0]
         return first
 
     def step(self, treq: TargetRequest, dreq: DraftRequest, parallel: bool):
         if self._dag is not None:
-            out = self._get(self._dag.execute(treq, dreq), "compiled graph")
+            out = self.wait(self._dag.execute(treq, dreq), "compiled graph")
             result = (out[0], out[1]) if parallel else (out, None)
         elif parallel:
-            t, d = self._get([self.target.verify.remote(treq), self.draft.draft.remote(dreq)], "target and draft workers")
+            t, d = self.wait([self.target.verify.remote(treq), self.draft.draft.remote(dreq)], "target and draft workers")
             result = (t, d)
         else:
             ref = self.target.verify.remote(treq, self.draft.draft.remote(dreq))
-            result = (self._get(ref, "draft -> target chain"), None)
+            result = (self.wait(ref, "draft -> target chain"), None)
         self.position += len(result[0].tokens)
         return result
 
@@ -136,11 +139,15 @@ class ActorDecoder:
         self.placement = dict(placement or {})
         self.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
         self._on_close = on_close
-        self.executor = ActorExecutor(target, draft, cfg.rpc_timeout_s, cfg.actor_transport, parallel=(self.schedule == "pearl"))
-        facts = self.executor._get(target.model_facts.remote(), "target worker")
+        infos = {role: self.placement.get(role) or {} for role in ("target", "draft")}  # the workers' info(), from placement
+        actor_ids = {role: info["actor_id"] for role, info in infos.items() if "actor_id" in info}
+        self.executor = ActorExecutor(
+            target, draft, cfg.rpc_timeout_s, cfg.actor_transport, parallel=(self.schedule == "pearl"), actor_ids=actor_ids
+        )
+        facts = self.executor.wait(target.model_facts.remote(), "target worker")
         self.eos_token_ids, self.max_context = facts["eos_token_ids"], facts["max_context"]
         if cfg.draft_model:
-            tv, dv = self.executor._get([target.vocab.remote(), draft.vocab.remote()], "workers")
+            tv, dv = self.executor.wait([target.vocab.remote(), draft.vocab.remote()], "workers")
             if tv != dv:
                 raise ConfigError("draft_model", f"{cfg.draft_model!r} does not share the target's tokenizer")
         self.placement["transport"] = cfg.actor_transport
@@ -149,10 +156,10 @@ class ActorDecoder:
     def encode(self, prompt: str, chat: bool = False) -> torch.Tensor:
         if not prompt or not prompt.strip():
             raise ConfigError("prompt", "is empty")
-        return self.executor._get(self.target.encode.remote(prompt, chat), "target worker")
+        return self.executor.wait(self.target.encode.remote(prompt, chat), "target worker")
 
     def decode(self, ids: list[int]) -> str:
-        return self.executor._get(self.target.decode.remote(ids), "target worker")
+        return self.executor.wait(self.target.decode.remote(ids), "target worker")
 
     # ---- generation --------------------------------------------------------------------------------
     def generate_ids(self, prompt_ids, max_new_tokens: int | None = None, seed: int | None = None, on_step=None) -> TwoSidedGeneration:
@@ -179,10 +186,10 @@ class ActorDecoder:
         stats["rpc"] = round_summary(out.rounds)
         if out.schedule_counts:
             stats["pearl"] = dict(out.schedule_counts, gamma=self.cfg.k)
-        rss = self.executor._get([self.target.peak_rss_mb.remote(), self.draft.peak_rss_mb.remote()], "workers")
+        rss = self.executor.wait([self.target.peak_rss_mb.remote(), self.draft.peak_rss_mb.remote()], "workers")
         stats["peak_rss_mb"] = dict(zip(("target", "draft"), rss, strict=True))
         if self.cfg.method == "triforce":
-            stats["levels"] = self.executor._get(self.draft.level_stats.remote(), "draft worker")
+            stats["levels"] = self.executor.wait(self.draft.level_stats.remote(), "draft worker")
         return stats
 
     def generate_text(self, prompt: str, chat: bool = False, max_new_tokens: int | None = None, seed: int | None = None) -> dict:
@@ -197,14 +204,14 @@ class ActorDecoder:
 
     def rpc_probe(self, n: int = 50) -> dict:
         """Round-trip cost without compute: an empty call to one worker, and to both at once (PEARL's shape)."""
-        self.executor._get([self.target.ping.remote(), self.draft.ping.remote()], "workers")  # warm up
+        self.executor.wait([self.target.ping.remote(), self.draft.ping.remote()], "workers")  # warm up
         t0 = time.perf_counter()
         for _ in range(n):
-            self.executor._get(self.target.ping.remote(), "target worker")
+            self.executor.wait(self.target.ping.remote(), "target worker")
         one = (time.perf_counter() - t0) / n
         t0 = time.perf_counter()
         for _ in range(n):
-            self.executor._get([self.target.ping.remote(), self.draft.ping.remote()], "workers")
+            self.executor.wait([self.target.ping.remote(), self.draft.ping.remote()], "workers")
         both = (time.perf_counter() - t0) / n
         return {"one_call_ms": 1e3 * one, "two_parallel_calls_ms": 1e3 * both}
 

@@ -42,7 +42,7 @@ ROLES = ("draft", "target")
 
 
 @ray.remote(max_restarts=0, max_task_retries=0)
-class ModelWorker:
+class ModelActor:
     """One model and its cache. ``role``: "target" (full model) or "draft" (``draft_model`` or the first ``draft_layers``;
     for ``triforce`` the target model again, hosting the middle level over its own cache, and the bottom drafter)."""
 
@@ -90,6 +90,7 @@ class ModelWorker:
         ctx = ray.get_runtime_context()
         return {
             "role": self.role,
+            "actor_id": ctx.get_actor_id(),
             "node_id": ctx.get_node_id(),
             "node_ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),

@@ -144,7 +144,7 @@ def place_workers(cfg: SpecConfig, placement_group=None, caller_holds_first: boo
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from actors.worker import ModelWorker
+    from actors.worker import ModelActor
 
     if placement_group is None:
         plan = plan_placement(cfg, ray.nodes())
@@ -170,7 +170,7 @@ def place_workers(cfg: SpecConfig, placement_group=None, caller_holds_first: boo
     cfg_json = cfg.to_json()
     for i, role in enumerate(ROLES):
         shares = caller_holds_first and i == 0
-        workers[role] = ModelWorker.options(
+        workers[role] = ModelActor.options(
             num_cpus=0 if shares else plan.bundles[i]["CPU"],
             num_gpus=0 if shares else plan.bundles[i].get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i),

@@ -15,7 +15,7 @@ aggregated as total new tokens / total wall seconds over the same prompts
 ratio (method tokens/s / AR tokens/s on one prompt and repeat) gives the spread.
 
 >>> rows = [gen_row("ar", 1, "qa", new_tokens=10, wall_s=1.0), gen_row("ngram", 1, "qa", new_tokens=10, wall_s=0.5)]
->>> s = summarize(rows, [])
+>>> s = summarize_methods(rows, [])
 >>> s["methods"]["ngram"]["speedup"], s["methods"]["ar"]["tokens_per_s"]
 (2.0, 10.0)
 """
@@ -206,7 +206,8 @@ def _rate(rows) -> float:
     return sum(r["new_tokens"] for r in rows) / secs if secs > 0 else 0.0
 
 
-def _ratio(a: float, b: float) -> float | None:
+def ratio(a: float, b: float) -> float | None:
+    """a / b, or None when b is not positive (no baseline figure to compare with)."""
     return a / b if b > 0 else None
 
 
@@ -224,10 +225,10 @@ def complete_keys(gen_rows: Sequence[dict], methods: Sequence[str]) -> set:
 
 def _speedups(rows_by_method: dict, baseline_rows: list, methods) -> dict:
     base = _rate(baseline_rows)
-    return {m: _ratio(_rate(rows_by_method.get(m, [])), base) for m in methods}
+    return {m: ratio(_rate(rows_by_method.get(m, [])), base) for m in methods}
 
 
-def summarize(gen_rows: Sequence[dict], step_rows: Sequence[dict], baseline: str = BASELINE, order: Sequence[str] = ()) -> dict:
+def summarize_methods(gen_rows: Sequence[dict], step_rows: Sequence[dict], baseline: str = BASELINE, order: Sequence[str] = ()) -> dict:
     """Everything the report shows, from the two tables (see the module docstring).
 
     Only (prompt, repeat) pairs that every method finished count, so an interrupted
@@ -263,7 +264,7 @@ def summarize(gen_rows: Sequence[dict], step_rows: Sequence[dict], baseline: str
             if r["wall_s"] > 0 and b["wall_s"] > 0 and b["new_tokens"] > 0:
                 per_prompt.append((r["new_tokens"] / r["wall_s"]) / (b["new_tokens"] / b["wall_s"]))
         per_repeat = [
-            _ratio(_rate([r for r in mrows if r["repeat"] == k]), _rate([r for r in base_rows if r["repeat"] == k])) for k in repeats
+            ratio(_rate([r for r in mrows if r["repeat"] == k]), _rate([r for r in base_rows if r["repeat"] == k])) for k in repeats
         ]
         n_steps = len(msteps)
         accepted = sum(s["accepted"] for s in msteps)
@@ -282,7 +283,7 @@ def summarize(gen_rows: Sequence[dict], step_rows: Sequence[dict], baseline: str
             "new_tokens": new_tokens,
             "wall_s": sum(r["wall_s"] for r in mrows),
             "tokens_per_s": rate,
-            "speedup": _ratio(rate, base_rate),
+            "speedup": ratio(rate, base_rate),
             "speedup_per_prompt": quantiles(per_prompt),
             "speedup_per_repeat": quantiles(x for x in per_repeat if x is not None) if len(repeats) > 1 else None,
             "steps": n_steps,
@@ -373,9 +374,9 @@ def peer_comparison(methods: dict, baseline: str = BASELINE) -> dict | None:
     return {
         "best_specray": best_ours,
         "best_peer": best_peer,
-        "best_vs_best": _ratio(ours[best_ours], peers[best_peer]),
+        "best_vs_best": ratio(ours[best_ours], peers[best_peer]),
         "plain_peer": plain,
-        "ar_vs_plain": _ratio(ours.get(baseline, 0.0), peers[plain]) if plain else None,
+        "ar_vs_plain": ratio(ours.get(baseline, 0.0), peers[plain]) if plain else None,
         "peer_tokens_per_s": peers,
     }
 
@@ -483,8 +484,8 @@ def context_summary(
             top_drafted = sum(x["drafted"] for x in steps)
             methods[m] = {
                 "prompts": len(rs),
-                "speedup": _ratio(_rate(rs), _rate(base)),
-                "decode_speedup": _ratio(decode_rate(rs), decode_rate(base)),
+                "speedup": ratio(_rate(rs), _rate(base)),
+                "decode_speedup": ratio(decode_rate(rs), decode_rate(base)),
                 "top_acceptance": sum(x["accepted"] for x in steps) / top_drafted if top_drafted else None,
                 "middle_acceptance": sum(lv.get("middle_accepted", 0) for lv in levels) / drafted if drafted else None,
                 "peak_rss_mb": max(rss) if rss else None,

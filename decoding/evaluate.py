@@ -14,7 +14,7 @@ Names are free-form labels (the bench uses method names; a trial uses
 
 >>> # runner = PromptRunner({"ar": SpecConfig(), "candidate": SpecConfig(method="ngram", k=6)})
 >>> # runner.warmup(prompts[0])
->>> # gens, steps = runner.run_prompt(prompts[0], index=0)   # rows for decoding.benchmark.summarize
+>>> # gens, steps = runner.run_prompt(prompts[0], index=0)   # rows for decoding.benchmark.summarize_methods
 """
 
 from __future__ import annotations

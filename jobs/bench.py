@@ -338,7 +338,7 @@ def make_plots(out: Path, run_id: str, order=()) -> list[Path]:
     gens, steps = read_run(out, run_id, "generations"), read_run(out, run_id, "traces")
     if not gens:
         return []
-    s = bm.summarize(gens, steps, order=order)
+    s = bm.summarize_methods(gens, steps, order=order)
     plots = Path(out) / "plots"
     plots.mkdir(parents=True, exist_ok=True)
     written = []
@@ -743,7 +743,7 @@ def finish(out: Path, run_id: str, meta: dict, interrupted: bool) -> dict:
     """Summary and plots from the Parquet files of the run, written even after an interruption."""
     gens, steps = read_run(out, run_id, "generations"), read_run(out, run_id, "traces")
     summary = {**meta, "interrupted": interrupted, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    summary.update(bm.summarize(gens, steps, order=meta["specray_methods"] + list(meta.get("peer_modes", {}))))
+    summary.update(bm.summarize_methods(gens, steps, order=meta["specray_methods"] + list(meta.get("peer_modes", {}))))
     summary["contexts"] = bm.context_summary(gens, steps, {int(n): t for n, t in meta.get("forward_s", {}).items()}, SHORT_CONTEXT)
     summary["traces"] = str(out / "traces" / f"run={run_id}")
     summary["generations"] = str(out / "generations" / f"run={run_id}")

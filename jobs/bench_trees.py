@@ -139,7 +139,7 @@ def main_with_args(args) -> int:
         gens += g
         steps += s
         print(f"prompt {i + 1}/{len(prompts)} done", file=sys.stderr)
-    summary = bm.summarize(gens, steps, order=list(configs))
+    summary = bm.summarize_methods(gens, steps, order=list(configs))
     report = tree_report(summary, steps, drafters)
     render(summary, report)
     out = Path(args.out)
@@ -172,7 +172,7 @@ def tree_report(summary: dict, steps: list[dict], drafters) -> dict:
             "best_tree": bt,
             "tau_chain": chains[bc]["mean_accepted_tokens"],
             "tau_tree": trees[bt]["mean_accepted_tokens"],
-            "tau_ratio": bm._ratio(trees[bt]["mean_accepted_tokens"] or 0.0, chains[bc]["mean_accepted_tokens"] or 0.0),
+            "tau_ratio": bm.ratio(trees[bt]["mean_accepted_tokens"] or 0.0, chains[bc]["mean_accepted_tokens"] or 0.0),
             "speedup_chain": chains[bc]["speedup"],
             "speedup_tree": trees[bt]["speedup"],
             "best_tau_tree": max(trees, key=lambda m: trees[m]["mean_accepted_tokens"] or 0),

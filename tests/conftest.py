@@ -1,9 +1,30 @@
-"""Shared fixtures: a tiny random-weight Llama (fast unit tests) and the real SmolLM2 (slow tests)."""
+"""Shared fixtures: a tiny random-weight Llama (fast unit tests) and the real SmolLM2 (slow tests); the test tiers.
+
+Two markers hold what the fast tier (plain ``python -m pytest``) leaves out:
+``slow`` (loads the real SmolLM2) and ``cluster`` (starts Ray, Serve, Tune or
+Redis). A test that uses one of the fixtures below is marked here; a module
+that loads the model or starts a cluster another way sets ``pytestmark``.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+SLOW_FIXTURES = {"smollm2_fp32", "long_prompt_and_ar", "ar_greedy"}
+CLUSTER_FIXTURES = {"local_ray", "workers", "server", "redis_url", "first_run"}
+REDIS_STORE_PARAMS = {"store", "registry"}  # fixtures parametrized file/redis: the redis case starts a redis-server
+
+
+@pytest.hookimpl(tryfirst=True)  # mark before -m deselects
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if used & SLOW_FIXTURES:
+            item.add_marker(pytest.mark.slow)
+        if used & CLUSTER_FIXTURES or any(params.get(name) == "redis" for name in REDIS_STORE_PARAMS):
+            item.add_marker(pytest.mark.cluster)
 
 
 def tiny_llama(vocab: int = 12, layers: int = 3, seed: int = 0, sharpness: float = 4.0):
@@ -36,6 +57,18 @@ def tiny_llama(vocab: int = 12, layers: int = 3, seed: int = 0, sharpness: float
     return model
 
 
+@pytest.fixture(autouse=True)
+def _fast_tier_one_thread(request):
+    """Fast-tier tests run torch on one thread (tiny forwards on a shared 2-core machine: 2 threads only contend)."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny-model forwards are dominated by thread start-up; two threads on a busy 2-core machine are 40x slower."""
@@ -58,25 +91,34 @@ def smollm2_fp32():
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, smollm2_fp32):
-    """A 2-layer random model with SmolLM2's tokenizer, saved as a local HF model directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_model_dir(tmp_path_factory):
+    """A 2-layer random model (context 512) with the byte-level tiny tokenizer, saved as a local HF model directory."""
+    from tiny_models import build_tiny_model
 
-    out = tmp_path_factory.mktemp("tiny-smol")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=smollm2_fp32.model.config.vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=smollm2_fp32.tokenizer.eos_token_id,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    smollm2_fp32.tokenizer.save_pretrained(out)
-    return out
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), layers=2, hidden=32, context=512, weight_std=0.5)
+
+
+@pytest.fixture(scope="session")
+def ar_greedy(smollm2_fp32):
+    """``ar_greedy(question, max_new_tokens)``: AR's greedy float32 new tokens for a Spec-Bench question (chat template).
+
+    Each (question, length) is generated once per session, whichever module asks first.
+    """
+    from decoding.config import SpecConfig
+    from decoding.engine import SpecDecoder
+
+    decoders, outputs = {}, {}
+
+    def reference(question: dict, max_new_tokens: int) -> list[int]:
+        key = (question["question_id"], max_new_tokens)
+        if key not in outputs:
+            if max_new_tokens not in decoders:
+                decoders[max_new_tokens] = SpecDecoder(SpecConfig(dtype="float32", max_new_tokens=max_new_tokens))
+            dec = decoders[max_new_tokens]
+            outputs[key] = dec.generate_ids(dec.encode(question["turns"][0], chat=True)).token_ids
+        return outputs[key]
+
+    return reference
 
 
 @pytest.fixture(scope="session")

@@ -19,11 +19,6 @@ def spec_bench_prompts(per_category: int, categories=None) -> list[dict]:
     return rows
 
 
-def ar_reference(decoder, prompts: list[dict]) -> dict:
-    """question_id -> AR's greedy new tokens (chat template applied), from an ``ar`` decoder."""
-    return {q["question_id"]: decoder.generate_ids(decoder.encode(q["turns"][0], chat=True)).token_ids for q in prompts}
-
-
 def compare_with_ar(decoder, prompts: list[dict], reference: dict) -> tuple[list, float]:
     """Run ``decoder`` on the prompts: (question ids whose output differs from ``reference``, tokens per target forward)."""
     mismatched, forwards, tokens = [], 0, 0

@@ -1,7 +1,9 @@
 """Tiny random-weight models saved as local HF model directories (fast: no SmolLM2 load), shared by test modules.
 
-``build_tiny_model`` is the builder of tests/jobs/test_bench.py: a 4-layer
-random Llama with a byte-level tokenizer (259 tokens) and a chat template.
+``build_tiny_model`` writes a random Llama (4 layers unless told) with
+``tiny_tokenizer``: byte-level, 259 tokens (3 chat specials and the 256
+bytes, no merges, so any text encodes without a download) and a ChatML
+template like SmolLM2's.
 """
 
 from __future__ import annotations
@@ -15,11 +17,10 @@ CHAT = (
 )
 
 
-def build_tiny_model(d: Path, layers: int = 4) -> Path:
-    """A random Llama (``layers`` deep) with a byte-level tokenizer and a chat template, saved to ``d``."""
-    import torch
+def tiny_tokenizer():
+    """A byte-level PreTrainedTokenizerFast: ids 0-2 are <|endoftext|> (pad), <|im_start|> (bos), <|im_end|> (eos), then 256 bytes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
@@ -30,21 +31,39 @@ def build_tiny_model(d: Path, layers: int = 4) -> Path:
         tokenizer_object=tk, eos_token="<|im_end|>", bos_token="<|im_start|>", pad_token="<|endoftext|>", additional_special_tokens=specials
     )
     tok.chat_template = CHAT
+    return tok
+
+
+def build_tiny_model(d: Path, layers: int = 4, hidden: int = 64, context: int = 2048, weight_std: float | None = None) -> Path:
+    """A random Llama (``layers`` deep, ``hidden`` wide, ``context`` positions) with ``tiny_tokenizer``, saved to ``d``.
+
+    ``weight_std`` redraws every matrix from N(0, weight_std): with transformers' small default init a
+    259-token model says the same few bytes whatever the prompt; 0.5 makes its outputs follow the prompt.
+    """
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tok = tiny_tokenizer()
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=len(vocab),
-        hidden_size=64,
-        intermediate_size=128,
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=2048,
+        max_position_embeddings=context,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
         tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(cfg)
+    if weight_std is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0, weight_std)
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model.save_pretrained(d)
     tok.save_pretrained(d)

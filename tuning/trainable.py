@@ -70,7 +70,7 @@ METRIC_KEYS = tuple(METRIC_TYPES)
 
 def figures(gen_rows: Sequence[dict], step_rows: Sequence[dict], prompts_total: int, cfg: SpecConfig, threads: int | None = None) -> dict:
     """The trial's metrics from benchmark rows of ``ar`` and ``candidate`` (see the module docstring)."""
-    s = bm.summarize(gen_rows, step_rows, order=[bm.BASELINE, CANDIDATE])
+    s = bm.summarize_methods(gen_rows, step_rows, order=[bm.BASELINE, CANDIDATE])
     cand, ar = s["methods"].get(CANDIDATE, {}), s["methods"].get(bm.BASELINE, {})
     ident = cand.get("identity") or {}
     compared = ident.get("compared", 0)

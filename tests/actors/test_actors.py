@@ -20,7 +20,7 @@ from cluster.placement import PlacementError, place_workers  # noqa: E402
 from decoding.config import SpecConfig  # noqa: E402
 from decoding.engine import SpecDecoder  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 PROMPTS = spec_bench_prompts(per_category=1, categories=["writing", "coding", "summarization"])
 NEW = 40
@@ -28,13 +28,9 @@ BASE = SpecConfig(method="pearl", dtype="float32", max_new_tokens=NEW, placement
 
 
 @pytest.fixture(scope="module")
-def ar_reference(smollm2_fp32):
+def ar_reference(ar_greedy):
     dec = SpecDecoder(SpecConfig(dtype="float32", max_new_tokens=NEW))
-    out = {}
-    for q in PROMPTS:
-        ids = dec.encode(q["turns"][0], chat=True)
-        out[q["question_id"]] = (ids, dec.generate_ids(ids).token_ids)
-    return out
+    return {q["question_id"]: (dec.encode(q["turns"][0], chat=True), ar_greedy(q, NEW)) for q in PROMPTS}
 
 
 def decoder(workers, **changes):

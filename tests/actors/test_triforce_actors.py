@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray")
 from actors.driver import ActorDecoder  # noqa: E402
 from decoding.config import SpecConfig  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 NEW = 32  # conftest.long_prompt_and_ar: AR's 32 tokens on a 1.1K-token prompt
 BASE = SpecConfig(

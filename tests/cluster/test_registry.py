@@ -336,6 +336,7 @@ def test_redis_unreachable_raises_clear_error():
     assert time.monotonic() - t0 < 10  # short timeouts, no retry storm
 
 
+@pytest.mark.cluster
 def test_redis_going_down_fails_publishing_loudly():
     with redis_server() as url:
         reg = RedisRegistry(url)

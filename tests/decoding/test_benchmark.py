@@ -139,7 +139,7 @@ def _hand_table():
 
 def test_summary_maths_on_a_hand_built_table():
     gens, steps = _hand_table()
-    s = bm.summarize(gens, steps)
+    s = bm.summarize_methods(gens, steps)
     assert s["methods_order"] == ["ar", "ngram", "hf-plain"]
     assert (s["runs_complete"], s["runs_incomplete"]) == (2, 1)
     ar, ng = s["methods"]["ar"], s["methods"]["ngram"]
@@ -178,7 +178,7 @@ def test_summary_repeats_and_workers():
         g("ar", 1, "A", repeat=1, worker="w1", new_tokens=10, wall_s=1.0),
         g("sps", 1, "A", repeat=1, worker="w1", new_tokens=10, wall_s=0.25),
     ]
-    s = bm.summarize(gens, [], order=["sps", "ar"])
+    s = bm.summarize_methods(gens, [], order=["sps", "ar"])
     assert s["methods_order"] == ["sps", "ar"]
     assert s["repeats"] == 2 and s["prompts_complete"] == 1 and s["runs_complete"] == 2
     assert s["methods"]["sps"]["speedup"] == pytest.approx(20 / 0.75 / 10)
@@ -191,8 +191,8 @@ def test_summary_repeats_and_workers():
 
 def test_summary_needs_the_baseline():
     with pytest.raises(ValueError, match="baseline"):
-        bm.summarize([bm.gen_row("sps", 1, "A", new_tokens=1, wall_s=1.0)], [])
-    empty = bm.summarize([], [])
+        bm.summarize_methods([bm.gen_row("sps", 1, "A", new_tokens=1, wall_s=1.0)], [])
+    empty = bm.summarize_methods([], [])
     assert empty["methods"] == {} and empty["runs_complete"] == 0
 
 

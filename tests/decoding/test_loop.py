@@ -15,7 +15,9 @@ from decoding.verify import verify_speculative
 
 PROMPT = torch.tensor([[3, 7, 3, 7, 3]])  # repeats, so prompt lookup has something to propose
 N_TOKENS = 3  # joint distribution of the first 3 new tokens (tokens 2 and 3 come from speculative steps)
-DRAWS = 3000
+# Draws per distribution test: the broken rule below gives p ~ 4e-6 at 300 draws, well under the 1e-4 the right rules must
+# pass; the control itself runs CONTROL_DRAWS and must reach 1e-6 (4e-8 at 400).
+DRAWS, CONTROL_DRAWS = 300, 400
 
 
 def drafters(model):
@@ -88,7 +90,7 @@ def test_wrong_rule_is_caught_end_to_end(tiny_model, monkeypatch):
         return verdict
 
     monkeypatch.setattr(loop_module, "verify_speculative", resample_from_p)
-    counts = sample_counts(tiny_model, drafters(tiny_model)["sps"], SAMPLING)
+    counts = sample_counts(tiny_model, drafters(tiny_model)["sps"], SAMPLING, draws=CONTROL_DRAWS)
     assert chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING)) < 1e-6
 
 

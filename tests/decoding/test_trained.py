@@ -57,7 +57,7 @@ def test_greedy_equals_ar(tiny_model, recipe, threshold):
 
 @pytest.mark.parametrize("recipe", list(KNOBS))
 def test_sampled_distribution_matches_target(tiny_model, recipe):
-    counts = sample_counts(tiny_model, drafter(tiny_model, recipe), SAMPLING, k=2, draws=1500)
+    counts = sample_counts(tiny_model, drafter(tiny_model, recipe), SAMPLING, k=2, draws=300)
     p = chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING))
     assert p > 1e-4, f"{recipe}: sampled tokens do not follow the target (p={p:.2e})"
 
@@ -116,7 +116,7 @@ def test_vocab_trimmed_drafters_stay_lossless(tiny_model, recipe, tmp_path):
     out = generate(target, prompt, drafter=d, k=3, max_new_tokens=16)
     assert out.token_ids == generate(target, prompt, max_new_tokens=16).token_ids
     assert drafted and set(drafted) <= {3, 7, 1, 0, 5, 9}
-    counts = sample_counts(tiny_model, art.drafter(0.0, draft_vocab=6), SAMPLING, k=2, draws=600)
+    counts = sample_counts(tiny_model, art.drafter(0.0, draft_vocab=6), SAMPLING, k=2, draws=300)
     assert chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING)) > 1e-4
 
 
@@ -159,7 +159,7 @@ def test_tree_drafts_greedy_equal_ar(tiny_model, recipe, shape):
 @pytest.mark.parametrize("recipe", ["medusa", "hydra"])
 @pytest.mark.parametrize("shape", list(TREE_SHAPES))
 def test_tree_drafts_sample_the_target(tiny_model, recipe, shape):
-    counts = sample_counts(tiny_model, tree_drafter(tiny_model, recipe, shape), SAMPLING, k=2, draws=1500)
+    counts = sample_counts(tiny_model, tree_drafter(tiny_model, recipe, shape), SAMPLING, k=2, draws=300)
     p = chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING))
     assert p > 1e-4, f"{recipe} {shape}: sampled tokens do not follow the target (p={p:.2e})"
 

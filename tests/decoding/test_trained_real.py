@@ -28,9 +28,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def ar_outputs(smollm2_fp32):
-    dec = SpecDecoder(BASE)
-    return {q["question_id"]: dec.generate_ids(dec.encode(q["turns"][0], chat=True)).token_ids for q in PROMPTS}
+def ar_outputs(ar_greedy):
+    return {q["question_id"]: ar_greedy(q, BASE.max_new_tokens) for q in PROMPTS}
 
 
 def test_every_recipe_is_covered():

@@ -13,7 +13,7 @@ from decoding.metrics import chi_square_pvalue
 from decoding.sampling import sample_from
 from decoding.trees import Dynamic, Tree, TreeError, chain, expected_accepted, sequoia_paths, tree_mask, validate_paths
 from decoding.verify import verify_tree_greedy, verify_tree_speculative
-from tests.decoding.test_loop import N_TOKENS, PROMPT, SAMPLING, exact_joint, sample_counts
+from tests.decoding.test_loop import CONTROL_DRAWS, N_TOKENS, PROMPT, SAMPLING, exact_joint, sample_counts
 
 MEDUSA = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
@@ -263,7 +263,7 @@ def no_q_update(node_tokens, parents, draft_probs, target_probs, u_accept, u_sam
 @pytest.mark.parametrize("mode", ["without-replacement", "deterministic", "wrong"])
 def test_recursive_rejection_sampling_first_token(mode):
     gen = torch.Generator().manual_seed(1)
-    n, draws = 3, 8000
+    n, draws = 3, 3000  # the wrong rule: p ~ 4e-10 at 3000 draws (7e-6 at 2000), the right ones p > 0.1
     tree = Tree.from_parents([-1, 0, 0, 0])
     target = torch.stack([P_ROOT] + [torch.full((V,), 1 / V, dtype=torch.float64)] * n)[None]
     counts = torch.zeros(V)
@@ -361,7 +361,7 @@ def test_wrong_tree_rule_is_caught_end_to_end(tiny_model, monkeypatch):
         return v
 
     monkeypatch.setattr(loop_module, "verify_tree_speculative", draw_from_p)
-    counts = sample_counts(tiny_model, tree_drafters(tiny_model)["sps-static"], SAMPLING)
+    counts = sample_counts(tiny_model, tree_drafters(tiny_model)["sps-static"], SAMPLING, draws=CONTROL_DRAWS)
     assert chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING)) < 1e-6
 
 

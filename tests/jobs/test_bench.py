@@ -150,7 +150,7 @@ def test_trace_rows_agree_with_generation_rows(full_run):
         # every generation: 1 prefill forward + one per step
         assert all(r["target_forwards"] == r["steps"] + 1 for r in mine)
         assert all(s["accepted"] <= s["drafted"] for s in steps if s["method"] == m)
-    assert bm.summarize(gens, steps)["methods"]["ngram"]["steps"] == full_run["summary"]["methods"]["ngram"]["steps"]
+    assert bm.summarize_methods(gens, steps)["methods"]["ngram"]["steps"] == full_run["summary"]["methods"]["ngram"]["steps"]
 
 
 def test_plots_are_written_as_png(full_run):
@@ -264,6 +264,7 @@ def test_repeats_report_a_spread(tiny, tmp_path):
 # ---- on a (local) Ray cluster --------------------------------------------------------------------------
 
 
+@pytest.mark.cluster
 def test_on_cluster_fans_prompts_out_over_actors(tiny, tmp_path):
     ray = pytest.importorskip("ray")
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)

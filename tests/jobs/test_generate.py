@@ -1,17 +1,10 @@
 """The `specray generate` contract: JSON shape, and one-line errors with exit code 2."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from jobs.generate import main
-
-
-def run(*args):
-    proc = subprocess.run([sys.executable, "-m", "jobs.generate", *args], capture_output=True, text=True, timeout=300)
-    return proc.returncode, proc.stdout, proc.stderr
 
 
 def assert_one_line_error(rc, err, needle):
@@ -45,14 +38,14 @@ def test_unknown_model(capsys):
     assert_one_line_error(rc, capsys.readouterr().err, "no-such-model")
 
 
-def test_exit_layer_outside_model(tiny_model_dir):
-    rc, _, err = run("--model", str(tiny_model_dir), "--method", "early-exit", "--set", "exit_layer=2", "--prompt", "hi")
-    assert_one_line_error(rc, err, "exit_layer")
+def test_exit_layer_outside_model(tiny_model_dir, capsys):
+    rc = main(["--model", str(tiny_model_dir), "--method", "early-exit", "--set", "exit_layer=2", "--prompt", "hi"])
+    assert_one_line_error(rc, capsys.readouterr().err, "exit_layer")
 
 
-def test_context_overflow(tiny_model_dir):
-    rc, _, err = run("--model", str(tiny_model_dir), "--prompt", "hello there", "--max-new-tokens", "600")
-    assert_one_line_error(rc, err, "context")
+def test_context_overflow(tiny_model_dir, capsys):
+    rc = main(["--model", str(tiny_model_dir), "--prompt", "hello there", "--max-new-tokens", "600"])
+    assert_one_line_error(rc, capsys.readouterr().err, "context")
 
 
 @pytest.mark.parametrize("method", ["ar", "sps", "ngram", "early-exit"])

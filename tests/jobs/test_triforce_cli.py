@@ -1,11 +1,10 @@
 """`generate --method triforce` on the usual contract: JSON output, and bad knobs as one line with exit code 2."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from jobs.cli import main as cli_main
 from jobs.generate import main
 
 SMALL = ["--set", "triforce_budget=8", "--set", "triforce_chunk_size=4", "--set", "triforce_sinks=1", "--set", "triforce_window=4"]
@@ -38,12 +37,13 @@ def test_model_bottom_without_draft_model_exits_2(tiny_model_dir, capsys):
 
 
 @pytest.mark.parametrize("bottom", ["layers", "ngram", "model"])
-def test_json_output(tiny_model_dir, bottom):
+def test_json_output(tiny_model_dir, bottom, capsys):
     extra = ["--set", "draft_layers=1"] if bottom == "layers" else ["--set", f"draft_model={tiny_model_dir}"] if bottom == "model" else []
     args = ["--model", str(tiny_model_dir), "--method", "triforce", "--set", f"triforce_bottom={bottom}", *SMALL, *extra]
     args += ["--prompt", "Tell me a story about a cat and a dog", "--chat", "--max-new-tokens", "9", "--json", "--dtype", "float32"]
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "generate", *args], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
+    rc = cli_main(["generate", *args])  # in process: a subprocess would spend seconds importing torch and transformers
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    out = json.loads(captured.out)
     assert out["method"] == "triforce" and 1 <= len(out["token_ids"]) <= 9
     assert out["stats"]["new_tokens"] == len(out["token_ids"]) and out["stats"]["target_forwards"] >= 1

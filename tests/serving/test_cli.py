@@ -51,6 +51,7 @@ def test_infra_serve_yaml_is_a_valid_serve_config():
     assert type(app_builder(args)).__name__ == "Application"
 
 
+@pytest.mark.cluster
 def test_serve_command_serves_and_stops_on_ctrl_c(tmp_path, tiny_model_dir):
     reg = open_registry(tmp_path / "reg")
     reg.put(Entry("tiny/cli/ngram", SpecConfig(method="ngram", dtype="float32", model=str(tiny_model_dir)), metrics={"speedup": 1.3}))

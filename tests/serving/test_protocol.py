@@ -199,6 +199,7 @@ def test_metrics_ratios_and_live_speedup():
     assert samples[("specray_time_per_output_token_seconds_count", (("model", "b"),))] == 1
 
 
+@pytest.mark.cluster
 def test_catalog_over_redis_follows_published_updates():
     import time
 

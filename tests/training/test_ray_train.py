@@ -20,6 +20,7 @@ def test_deepspeed_needs_gpus_and_the_package():
     assert scaling({"CPU": 4}, 2, "ddp") == (2, False)
 
 
+@pytest.mark.cluster
 def test_ray_train_writes_the_artifact(tmp_path, monkeypatch):
     from decoding.config import SpecConfig
     from decoding.engine import SpecDecoder
