@@ -355,7 +355,7 @@ def over_best_peer(methods: dict, categories: dict) -> dict | None:
 
     def table(rates: dict) -> dict:
         best = max(peers, key=lambda m: rates[m] or 0.0)
-        return {"best_peer": best, **{m: _ratio(rates[m] or 0.0, rates[best] or 0.0) for m in ours}}
+        return {"best_peer": best, **{m: ratio(rates[m] or 0.0, rates[best] or 0.0) for m in ours}}
 
     out = {"overall": table({m: v["tokens_per_s"] for m, v in methods.items()})}
     out["categories"] = {c: table({m: v["tokens_per_s"] for m, v in cat.items()}) for c, cat in categories.items()}

@@ -2,7 +2,7 @@
 (3 prompts x 40 tokens), warm across the prompts (the decoder's memory) and cold."""
 
 import pytest
-from tests_support import ar_reference, compare_with_ar, spec_bench_prompts
+from tests_support import compare_with_ar, spec_bench_prompts
 
 from decoding.config import SpecConfig
 from decoding.engine import SpecDecoder
@@ -20,8 +20,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def ar_outputs():
-    return ar_reference(SpecDecoder(BASE), PROMPTS)
+def ar_outputs(ar_greedy):
+    return {q["question_id"]: ar_greedy(q, BASE.max_new_tokens) for q in PROMPTS}
 
 
 @pytest.fixture(autouse=True, scope="module")
