@@ -20,13 +20,16 @@ from decoding.models import load_model, resolve_device
 
 
 class DeviceLog(TorchDispatchMode):
-    """Records the device of every tensor an op returns."""
+    """Records the device of every tensor an op is given or returns."""
 
     def __init__(self):
         super().__init__()
         self.devices: dict[str, str] = {}  # device -> the first op that made a tensor there
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in (*args, *(kwargs or {}).values()):  # what an op is given (a stray input is caught even if the op fails)
+            if isinstance(t, torch.Tensor):
+                self.devices.setdefault(str(t.device), str(func))
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, tuple | list) else (out,):
             if isinstance(t, torch.Tensor):
