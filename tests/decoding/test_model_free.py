@@ -27,6 +27,9 @@ from decoding.verify import verify_tree_speculative
 from tests.decoding.test_loop import N_TOKENS, PROMPT, SAMPLING, exact_joint, sample_counts
 
 V = 12  # the tiny model's vocabulary
+# this wrong rule differs from the right one only after a rejected tree node: at 300 draws recycling's control gave
+# p = 0.08; it needs more draws than the loop's controls
+BROKEN_RULE_DRAWS = 1500
 
 
 # ---- Token Recycling's adjacency matrix ------------------------------------------------------------------------------
@@ -307,5 +310,5 @@ def test_a_broken_tree_rule_is_caught(tiny_model, one_thread, monkeypatch, name)
         return v
 
     monkeypatch.setattr(loop_module, "verify_tree_speculative", draw_from_p)
-    counts = sample_counts(tiny_model, drafters()[name], SAMPLING, k=3)
+    counts = sample_counts(tiny_model, drafters()[name], SAMPLING, k=3, draws=BROKEN_RULE_DRAWS)
     assert chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING)) < 1e-6
