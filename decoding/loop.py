@@ -431,7 +431,7 @@ class Batch:
         results = verify_step(
             [s.state for s in rows], [s.drafter for s in rows], proposals, seconds, self._batch_view() if len(rows) > 1 else None
         )
-        if self.cost is not None and len(rows) > 1:
+        if self.cost is not None:
             self.cost.observe(len(rows), self.widths[-1], results[0].record.verify_s)
         for seq, res, budget in zip(list(rows), results, budgets, strict=True):
             res.record.k = budget

@@ -7,8 +7,9 @@ Starts an embedded Ray with the app on a free loopback port (``--address`` /
 ``RAY_ADDRESS`` joins a cluster instead) and a temporary registry with one entry
 per method (``ar`` is the plain model id: batched AR, the denominator). For
 each concurrency C of the sweep and each method it sends C streaming chat
-completions at once (Spec-Bench prompts, one per request, greedy) with the
-``openai`` client; with ``--rate`` it sends ``--requests`` requests with
+completions at once (Spec-Bench prompts taken a category at a time, so any C
+requests span the categories; one per request, greedy) with the
+``openai`` client, in back-to-back waves until the level has ``--min-requests``; with ``--rate`` it sends ``--requests`` requests with
 exponential gaps instead. Reported per (method, C): aggregate tokens/s,
 requests/s, time to first token and inter-token latency p50/p99, goodput
 (tokens/s of the requests that met ``--slo-ttft-s`` and ``--slo-itl-s``), and the
@@ -26,6 +27,7 @@ Writes ``OUT/load.parquet`` (one row per method and concurrency),
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import random
@@ -49,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, help="Poisson mode: mean requests per second (instead of the sweep)")
     p.add_argument("--requests", type=int, default=32, help="Poisson mode: how many requests")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--min-requests", type=int, default=4, help="sweep: back-to-back waves until a level has this many requests")
     p.add_argument("--prompts", help="Spec-Bench JSONL (default: the bundled questions)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the replica and of the in-process peers")
     p.add_argument("--max-batch-rows", type=int, default=32)
@@ -74,6 +77,20 @@ def percentile(values: list[float], q: float) -> float | None:
     pos = (len(xs) - 1) * q / 100
     lo, hi = math.floor(pos), math.ceil(pos)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def interleave_categories(prompts) -> list[str]:
+    """First prompts of every category, then the second ones, ...: any first C requests span the categories.
+
+    >>> from decoding.workloads import Prompt
+    >>> interleave_categories([Prompt(1, "a", ("a1",)), Prompt(2, "a", ("a2",)), Prompt(3, "b", ("b1",))])
+    ['a1', 'b1', 'a2']
+    """
+    by_category: dict[str, list[str]] = {}
+    for p in prompts:
+        by_category.setdefault(p.category, []).append(p.prompt)
+    rounds = itertools.zip_longest(*by_category.values())
+    return [text for group in rounds for text in group if text is not None]
 
 
 def summarize_wave(requests: list[dict], wall: float, slo_ttft: float, slo_itl: float) -> dict:
@@ -118,18 +135,22 @@ def run(args) -> dict:
     concurrency = parse_ints(args.concurrency, "--concurrency", 1)
     if args.rate is not None and args.rate <= 0:
         fail(f"--rate: must be > 0, got {args.rate}")
-    if args.max_tokens < 1 or args.requests < 1 or args.threads < 1 or args.max_batch_rows < 1:
-        fail("--max-tokens, --requests, --threads and --max-batch-rows must be >= 1")
+    if min(args.max_tokens, args.requests, args.threads, args.max_batch_rows, args.min_requests) < 1:
+        fail("--max-tokens, --requests, --threads, --max-batch-rows and --min-requests must be >= 1")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if "ar" not in methods:
         methods.insert(0, "ar")
     try:
-        prompts = [p.prompt for p in load_prompts(args.prompts)]
+        prompts = interleave_categories(load_prompts(args.prompts))
         base = SpecConfig(model=args.model, dtype=args.dtype, max_new_tokens=args.max_tokens, threads=args.threads)
         entries = {m: base.for_method(m).with_overrides(args.set or ["k=auto"]) for m in methods if m != "ar"}
     except (ConfigError, WorkloadError) as e:
         fail(str(e))
-    wave = max(concurrency) if args.rate is None else args.requests
+
+    def waves_of(c: int) -> int:
+        return 1 if args.rate is not None else -(-max(c, args.min_requests) // c)
+
+    wave = max(c * waves_of(c) for c in concurrency) if args.rate is None else args.requests
     if len(prompts) < wave:
         prompts = (prompts * (wave // len(prompts) + 1))[:wave]
     out = Path(args.out)
@@ -140,7 +161,7 @@ def run(args) -> dict:
     chats = [ar.encode(p, chat=True) for p in prompts[:wave]]
     reference = {}
     if args.check:  # each prompt alone, in process: what every stream must say
-        for i, ids in enumerate(chats):
+        for i, ids in enumerate(chats):  # (every prompt a wave sends)
             reference[i] = ar.decode(ar.generate_ids(ids, max_new_tokens=args.max_tokens).token_ids)
 
     peers = {}
@@ -189,16 +210,20 @@ def run(args) -> dict:
         levels = concurrency if args.rate is None else [args.requests]
         for c in levels:
             for m in methods:
-                t0 = time.perf_counter()
-                reqs = _wave(client, names[m], prompts[:c], args.max_tokens, None if args.rate is None else args.rate)
-                wall = time.perf_counter() - t0
+                reqs, wall = [], 0.0
+                for w in range(waves_of(c)):  # back-to-back waves of c: at least --min-requests requests per level
+                    index = list(range(w * c, w * c + c))
+                    t0 = time.perf_counter()
+                    got = _wave(client, names[m], [prompts[i] for i in index], args.max_tokens, args.rate)
+                    wall += time.perf_counter() - t0
+                    reqs += [dict(r, index=i) for i, r in zip(index, got, strict=True)]
                 fig = summarize_wave(reqs, wall, args.slo_ttft_s, args.slo_itl_s)
-                mismatched = [i for i, r in enumerate(reqs) if reference and r["ok"] and r["text"] != reference[i]]
+                mismatched = [r["index"] for r in reqs if reference and r["ok"] and r["text"] != reference[r["index"]]]
                 row = {"method": m, "concurrency": c, "mode": "sweep" if args.rate is None else f"poisson@{args.rate}", **fig}
                 row["mismatched"] = len(mismatched) if reference else None
                 rows.append(row)
-                for i, r in enumerate(reqs):
-                    request_rows.append({"method": m, "concurrency": c, "index": i, **{k: v for k, v in r.items() if k != "itl_s"}})
+                for r in reqs:
+                    request_rows.append({"method": m, "concurrency": c, **{k: v for k, v in r.items() if k != "itl_s"}})
                 print(
                     f"{m:>10} c={c:<3} {fig['tokens_per_s']:7.1f} tok/s {fig['requests_per_s']:6.2f} req/s "
                     f"TTFT p50/p99 {fig['ttft_p50_s'] or 0:.2f}/{fig['ttft_p99_s'] or 0:.2f}s "

@@ -1,8 +1,6 @@
 """Continuous batching on a tiny random model: every row equals its own AR run, rows join and leave,
 sampling is per row and lossless in batches, k=auto drafts at low load and stops at high load."""
 
-import itertools
-
 import pytest
 import torch
 
@@ -12,9 +10,10 @@ from decoding.drafters import DraftModelDrafter, EarlyExitDrafter, NgramDrafter
 from decoding.goodput import CostModel
 from decoding.loop import Batch, NotBatchable, Sequence, generate, generate_many
 from decoding.metrics import chi_square_pvalue
-from decoding.sampling import SamplingParams, sample_from, warp
+from decoding.sampling import SamplingParams, sample_from
 from decoding.trees import Dynamic, Tree
 from decoding.verify import verify_speculative
+from tests.decoding.test_loop import exact_joint
 
 PROMPTS = [
     [3, 7, 3, 7, 3],
@@ -153,18 +152,6 @@ SAMPLING = SamplingParams(temperature=1.0)
 N_TOKENS = 3
 
 
-def exact_joint(model, prompt, n, sampling):
-    v = model.config.vocab_size
-    joint = torch.ones([], dtype=torch.float64)
-    with torch.inference_mode():
-        for depth in range(n):
-            prefixes = list(itertools.product(range(v), repeat=depth))
-            x = torch.tensor([list(prompt) + list(p) for p in prefixes])
-            probs = warp(model(input_ids=x).logits[:, -1], sampling).double()
-            joint = joint.reshape(-1, 1) * probs
-    return joint.reshape([v] * n)
-
-
 def test_sampled_row_does_not_depend_on_its_neighbours(tiny_model, target, one_thread):
     def seq(p, seed, name="sps"):
         return Sequence(
@@ -210,7 +197,7 @@ def batched_counts(model, target, draws, name="sps", k=2, rows=16, neighbours=Tr
 @pytest.mark.parametrize("name", ["sps", "ngram"])
 def test_batched_sampling_follows_the_target(tiny_model, target, name, one_thread):
     counts = batched_counts(tiny_model, target, 1500, name)
-    p = chi_square_pvalue(counts, exact_joint(tiny_model, PROMPTS[0], N_TOKENS, SAMPLING))
+    p = chi_square_pvalue(counts, exact_joint(tiny_model, ids(PROMPTS[0]), N_TOKENS, SAMPLING))
     assert p > 1e-4, f"{name}: batched sampled tokens do not follow the target (p={p:.2e})"
 
 
@@ -223,7 +210,7 @@ def test_batched_wrong_rule_is_caught(tiny_model, target, monkeypatch, one_threa
 
     monkeypatch.setattr(loop_module, "verify_speculative", resample_from_p)
     counts = batched_counts(tiny_model, target, 1500, "sps")
-    assert chi_square_pvalue(counts, exact_joint(tiny_model, PROMPTS[0], N_TOKENS, SAMPLING)) < 1e-6
+    assert chi_square_pvalue(counts, exact_joint(tiny_model, ids(PROMPTS[0]), N_TOKENS, SAMPLING)) < 1e-6
 
 
 # ---- k=auto -----------------------------------------------------------------------------------
