@@ -82,7 +82,7 @@ class CostModel:
 
     ``table`` holds measured points {(R, T): seconds}; other sizes are interpolated linearly in R and in T
     between the nearest measured ones (and extrapolated in proportion beyond them). :meth:`observe` folds in
-    the time of real steps, so the model follows the machine (other load, longer contexts) as it runs.
+    the time of real steps, so the model's level follows the machine (other load, longer contexts) as it runs.
 
     >>> c = CostModel({(1, 1): 1.0, (1, 3): 2.0, (3, 1): 3.0, (3, 3): 5.0})
     >>> c(2, 2)
@@ -96,13 +96,10 @@ class CostModel:
         self.smoothing = smoothing
         self.rows = sorted({r for r, _ in table})
         self.widths = sorted({t for _, t in table})
-        self.observed: dict[tuple[int, int], float] = {}
+        self.scale = 1.0  # observed / measured level (see observe)
 
     def __call__(self, rows: int, width: int) -> float:
-        seen = self.observed.get((rows, width))
-        if seen is not None:
-            return seen
-        return self._interp(rows, width)
+        return self._interp(rows, width) * self.scale
 
     def _interp(self, rows: int, width: int) -> float:
         def along(points, x, value):
@@ -130,8 +127,18 @@ class CostModel:
         return s * (rows * width) / (r * t)
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
-        prev = self.observed.get((rows, width))
-        self.observed[(rows, width)] = seconds if prev is None else prev * (1 - self.smoothing) + seconds * self.smoothing
+        """Fold in a real step: the measured shape (how cost grows with rows and tokens) is kept and its level
+        follows the machine (a moving average of observed / predicted), so sizes a batch has not tried yet are
+        never compared with a stale level.
+
+        >>> c = CostModel({(1, 1): 1.0, (1, 3): 2.0})
+        >>> for _ in range(50):
+        ...     c.observe(1, 1, 0.5)
+        >>> round(c(1, 1), 3), round(c(1, 3), 3)
+        (0.5, 1.0)
+        """
+        ratio = seconds / max(self._interp(rows, width), 1e-12)
+        self.scale = self.scale * (1 - self.smoothing) + ratio * self.smoothing
 
     def to_dict(self) -> dict:
         return {"points": [[r, t, s] for (r, t), s in sorted(self.table.items())]}

@@ -311,7 +311,7 @@ def verify(winner: SpecConfig, space, base: SpecConfig, prompts, warmup: int) ->
     from tuning.trainable import decoder_for, measure
 
     default = next(p for p in space.default_points(base) if p["method"] == winner.method)
-    default_cfg = space.to_config(default, base).replace(threads=winner.threads)
+    default_cfg = space.to_config(default, base).replace(threads=winner.threads, device=winner.device)  # same host, same device
     extra = {"defaults": default_cfg} if default_cfg != winner else {}
     if extra and hosts_actors(winner.to_dict()) and not _room_for_two_pairs(winner):
         print("the cluster holds one draft/target worker pair at a time: the defaults are not re-measured", file=sys.stderr)

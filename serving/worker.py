@@ -155,9 +155,13 @@ class ModelWorker:
                     threading.Thread(target=measure, name="specray-calibrate", daemon=True).start()
             return engine
 
-    def served_config(self, cfg: SpecConfig) -> SpecConfig:
+    def served_config(self, cfg: SpecConfig, seeded_sampling: bool = False) -> SpecConfig:
         """Served entries draft k=auto (the goodput choice, capped at the entry's k) unless the settings say otherwise;
-        trees and methods that keep a fixed schedule (pearl, triforce) keep their k."""
+        trees and methods that keep a fixed schedule (pearl, triforce) keep their k. So does a sampled request with a
+        seed: under k=auto its draft lengths follow the load, and so would its tokens (same distribution, other
+        draws); with the entry's k the same seed gives the same text whatever else the replica is doing."""
+        if seeded_sampling:
+            return cfg
         if self.adaptive_k and not cfg.adaptive_k and cfg.method not in ("ar", "pearl", "triforce") and cfg.tree == "chain":
             return cfg.replace(adaptive_k=True)
         return cfg
@@ -167,7 +171,9 @@ class ModelWorker:
         rid = req.get("request_id", "?")
         t_arrive = time.perf_counter()
         try:
-            cfg = self.served_config(SpecConfig.from_dict(req["config"]))
+            entry = SpecConfig.from_dict(req["config"])
+            temperature = entry.temperature if req.get("temperature") is None else req["temperature"]
+            cfg = self.served_config(entry, seeded_sampling=req.get("seed") is not None and temperature > 0)
             dec = await self._decoder(cfg)
         except ConfigError as e:
             yield {"type": "error", "status": 400, "message": f"model {req.get('model')!r} cannot be served: {e}", "param": "model"}

@@ -10,7 +10,7 @@ from decoding.engine import SpecDecoder
 PROMPTS = spec_bench_prompts(per_category=1, categories=["summarization", "coding", "math_reasoning"])
 BASE = SpecConfig(dtype="float32", max_new_tokens=40, k=5)
 METHODS = {
-    "recycling": dict(method="recycling"),
+    "recycling": dict(method="recycling", tree_fit="budget", tree_budget=12),  # its tree size does not follow the host's load
     "suffix": dict(method="suffix"),
     "hybrid": dict(method="hybrid"),
     "hybrid-cold-budget": dict(method="hybrid", draft_memory="cold", tree_fit="budget", tree_budget=12),
