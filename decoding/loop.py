@@ -329,7 +329,6 @@ class Batch:
         self.rows: list[Sequence] = []
         self.cache: KVCache | None = None
         self._view: tuple[int, KVCache] | None = None  # (rows, view of rows 0..rows-1)
-        self.widths: list[int] = []  # the width of every step (for reports)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -427,12 +426,12 @@ class Batch:
             return done
         rows = self.rows
         proposals, seconds, budgets = self._proposals(rows)
-        self.widths.append(1 + max(p.tokens.shape[1] for p in proposals))
+        width = 1 + max(p.tokens.shape[1] for p in proposals)
         results = verify_step(
             [s.state for s in rows], [s.drafter for s in rows], proposals, seconds, self._batch_view() if len(rows) > 1 else None
         )
         if self.cost is not None:
-            self.cost.observe(len(rows), self.widths[-1], results[0].record.verify_s)
+            self.cost.observe(len(rows), width, results[0].record.verify_s)
         for seq, res, budget in zip(list(rows), results, budgets, strict=True):
             res.record.k = budget
             seq.acceptance.observe(res.record.drafted, res.num_accepted)

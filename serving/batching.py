@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 from decoding.loop import Batch, Sequence
@@ -142,8 +141,6 @@ class EngineLoop:
 def run_alone(target, seq: Sequence) -> Sequence:
     """Decode one sequence in a batch of its own (drafters that keep the target cache to themselves)."""
     batch = Batch(target, max_rows=1)
-    t0 = time.perf_counter()
     batch.add(seq)
     batch.run()
-    seq.wall_s = seq.wall_s or time.perf_counter() - t0
     return seq
