@@ -93,6 +93,30 @@ def interleave_categories(prompts) -> list[str]:
     return [text for group in rounds for text in group if text is not None]
 
 
+def fitting_prompts(dec, prompts: list[str], max_tokens: int) -> tuple[list[str], list[list[int]]]:
+    """The prompts whose chat encoding plus ``max_tokens`` fits the model's context, with those encodings.
+
+    A prompt that cannot fit would only ever come back as a 400, so it is left out (and said so on stderr) rather
+    than counted as a failed request; no prompt fitting at all is a one-line error.
+    """
+    context = dec.target.max_context
+    kept, chats = [], []
+    for p in prompts:
+        ids = dec.encode(p, chat=True)
+        if ids.shape[-1] + max_tokens <= context:
+            kept.append(p)
+            chats.append(ids)
+    if not kept:
+        fail(f"no prompt fits the model's context of {context} tokens with --max-tokens {max_tokens}")
+    if len(kept) < len(prompts):
+        print(
+            f"left out {len(prompts) - len(kept)} of {len(prompts)} prompts: with --max-tokens {max_tokens} they "
+            f"exceed the model's context of {context} tokens",
+            file=sys.stderr,
+        )
+    return kept, chats
+
+
 def summarize_wave(requests: list[dict], wall: float, slo_ttft: float, slo_itl: float) -> dict:
     """Aggregate figures of one wave of requests (each: tokens, ttft_s, itl_s list, ok)."""
     done = [r for r in requests if r["ok"]]
@@ -151,14 +175,16 @@ def run(args) -> dict:
         return 1 if args.rate is not None else -(-max(c, args.min_requests) // c)
 
     wave = max(c * waves_of(c) for c in concurrency) if args.rate is None else args.requests
-    if len(prompts) < wave:
-        prompts = (prompts * (wave // len(prompts) + 1))[:wave]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     torch.set_num_threads(args.threads)
     ar = SpecDecoder(base)
-    chats = [ar.encode(p, chat=True) for p in prompts[:wave]]
+    prompts, chats = fitting_prompts(ar, prompts, args.max_tokens)
+    if len(prompts) < wave:
+        prompts = (prompts * (wave // len(prompts) + 1))[:wave]
+        chats = (chats * (wave // len(chats) + 1))[:wave]
+    chats = chats[:wave]
     reference = {}
     if args.check:  # each prompt alone, in process: what every stream must say
         for i, ids in enumerate(chats):  # (every prompt a wave sends)

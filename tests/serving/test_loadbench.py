@@ -77,7 +77,9 @@ def test_a_short_sweep_through_http(tiny_model_dir, tmp_path, capsys):
         ]
     )
     assert code == 0
-    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    assert "left out" in captured.err  # the tiny model's 512-token context cannot hold the long RAG/summary prompts
+    rows = json.loads(captured.out.strip().splitlines()[-1])
     assert {(r["method"], r["concurrency"]) for r in rows} == {("ar", 1), ("ar", 3), ("ngram", 1), ("ngram", 3)}
     assert all(r["completed"] == r["requests"] and r["tokens"] > 0 for r in rows)
     assert all(r["mismatched"] == 0 for r in rows)  # float32: every stream says what it says alone
