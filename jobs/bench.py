@@ -36,9 +36,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from decoding import benchmark as bm
 from decoding.config import METHODS, SpecConfig
-from decoding.workloads import DEFAULT_PROMPTS, Prompt, WorkloadError, load_prompts, long_context_prompt, select
+from evaluation import benchmark as bm
+from evaluation.workloads import DEFAULT_PROMPTS, Prompt, WorkloadError, load_prompts, long_context_prompt, select
 from jobs.common import Parser, add_config_args, config_from_args, fail, output_dir, parse_ints, run_cli
 
 SHORT_CONTEXT = 16  # the reference context of a decoding forward whose time is (almost) all weights
@@ -85,11 +85,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 # ---- the measurement: one prompt, every method ----------------------------------
 class Runner:
-    """The specray decoders (``decoding.evaluate.PromptRunner``, one per method, sharing one loaded model) plus the
+    """The specray decoders (``evaluation.runner.PromptRunner``, one per method, sharing one loaded model) plus the
     HF peer; runs a prompt through all of them in an order rotated per prompt."""
 
     def __init__(self, cfg: SpecConfig, methods: list[str], peer: str | None = None, worker: str = "local"):
-        from decoding.evaluate import PromptRunner  # heavy imports after the cheap checks
+        from evaluation.runner import PromptRunner  # heavy imports after the cheap checks
 
         self.cfg, self.worker = cfg, worker
         self.specray = PromptRunner({m: cfg.for_method(m) for m in methods}, worker=worker)

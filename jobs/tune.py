@@ -36,7 +36,7 @@ from pathlib import Path
 
 from decoding.config import SpecConfig
 from decoding.paths import specray_home
-from decoding.workloads import DEFAULT_PROMPTS, WorkloadError, load_prompts, select
+from evaluation.workloads import DEFAULT_PROMPTS, WorkloadError, load_prompts, select
 from jobs.common import Parser, add_config_args, config_from_args, fail, output_dir, path_name, run_cli
 
 DEFAULT_METHODS = "ngram,early-exit,sps"

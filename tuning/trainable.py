@@ -14,7 +14,7 @@ Figures (all over the prompts done so far):
 - ``mean_accepted_tokens``: tokens committed per decoding target forward (tau);
 - fidelity under greedy decoding: ``identical_fraction`` (outputs token-identical
   to AR's) and ``suspicious`` (divergences at an AR logit margin wider than the
-  dtype's rounding, see ``decoding.benchmark.compare_to_reference``).
+  dtype's rounding, see ``evaluation.benchmark.compare_to_reference``).
   ``fidelity_ok`` = no suspicious divergence; with sampling it is not checked
   (``fidelity_checked`` false) and counts as ok.
 - ``score``: the speedup when ``fidelity_ok``, else 0: a config that diverges
@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 
 import kernels
 from actors.devices import placed
-from decoding import benchmark as bm
 from decoding.config import ConfigError, SpecConfig
-from decoding.workloads import Prompt
+from evaluation import benchmark as bm
+from evaluation.workloads import Prompt
 
 CANDIDATE = "candidate"
 METRIC = "score"
@@ -138,7 +138,7 @@ def measure(
     re-measurement uses it to compare the winner with the untuned defaults.
     ``build(cfg)`` makes the non-baseline decoders (see :func:`decoder_for`).
     """
-    from decoding.evaluate import PromptRunner
+    from evaluation.runner import PromptRunner
 
     if not prompts:
         raise ConfigError("prompts", "no prompts to measure on")

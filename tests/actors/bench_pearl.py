@@ -48,7 +48,7 @@ def main():
     from cluster.runtime import connect
     from decoding.config import SpecConfig
     from decoding.engine import SpecDecoder
-    from decoding.workloads import load_prompts
+    from evaluation.workloads import load_prompts
 
     base = SpecConfig(dtype=args.dtype, max_new_tokens=args.max_new_tokens, k=args.k, draft_layers=args.draft_layers)
     connect(num_cpus=2)

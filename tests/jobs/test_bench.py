@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tiny_models import build_tiny_model, write_prompts
 
-from decoding import benchmark as bm
+from evaluation import benchmark as bm
 from jobs import bench
 from jobs.cli import main as cli_main
 

@@ -14,7 +14,7 @@ first ``limit`` prompts of each, in file order.
 >>> parse_prompts(['{"question_id": 1}'], source="q.jsonl")
 Traceback (most recent call last):
 ...
-decoding.workloads.WorkloadError: q.jsonl:1: missing field 'category'
+evaluation.workloads.WorkloadError: q.jsonl:1: missing field 'category'
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def select(prompts: list[Prompt], wanted: Iterable[str] | None = None, limit: in
     >>> select(ps, ["z"])
     Traceback (most recent call last):
     ...
-    decoding.workloads.WorkloadError: prompts: unknown category 'z'; known categories: a, b
+    evaluation.workloads.WorkloadError: prompts: unknown category 'z'; known categories: a, b
     """
     known = categories(prompts)
     wanted = list(dict.fromkeys(wanted)) if wanted else known

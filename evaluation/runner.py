@@ -5,16 +5,16 @@ Hugging Face peer on top) and the measurement inside a Tune trial
 (``tuning/trainable.py``): one :class:`~decoding.engine.SpecDecoder` per named
 configuration, all sharing one loaded model (``decoding.models`` caches per
 process), the baseline ``ar`` among them. The configurations run in an order
-rotated per prompt (:func:`decoding.benchmark.method_order`) so no one of them
+rotated per prompt (:func:`evaluation.benchmark.method_order`) so no one of them
 always runs first, and every greedy output is compared with the baseline's on
-the same prompt (:func:`decoding.benchmark.compare_to_reference`).
+the same prompt (:func:`evaluation.benchmark.compare_to_reference`).
 
 Names are free-form labels (the bench uses method names; a trial uses
 ``ar`` and ``candidate``); the rows' ``method`` column carries the name.
 
 >>> # runner = PromptRunner({"ar": SpecConfig(), "candidate": SpecConfig(method="ngram", k=6)})
 >>> # runner.warmup(prompts[0])
->>> # gens, steps = runner.run_prompt(prompts[0], index=0)   # rows for decoding.benchmark.summarize_methods
+>>> # gens, steps = runner.run_prompt(prompts[0], index=0)   # rows for evaluation.benchmark.summarize_methods
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 
-from decoding import benchmark as bm
 from decoding.config import SpecConfig
-from decoding.workloads import Prompt
+from evaluation import benchmark as bm
+from evaluation.workloads import Prompt
 
 
 class PromptRunner:

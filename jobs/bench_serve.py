@@ -82,7 +82,7 @@ def percentile(values: list[float], q: float) -> float | None:
 def interleave_categories(prompts) -> list[str]:
     """First prompts of every category, then the second ones, ...: any first C requests span the categories.
 
-    >>> from decoding.workloads import Prompt
+    >>> from evaluation.workloads import Prompt
     >>> interleave_categories([Prompt(1, "a", ("a1",)), Prompt(2, "a", ("a2",)), Prompt(3, "b", ("b1",))])
     ['a1', 'b1', 'a2']
     """
@@ -152,7 +152,7 @@ def run(args) -> dict:
     from cluster.registry import Entry, open_registry
     from decoding.config import ConfigError, SpecConfig
     from decoding.engine import SpecDecoder
-    from decoding.workloads import WorkloadError, load_prompts
+    from evaluation.workloads import WorkloadError, load_prompts
     from serving.app import build_app
     from serving.settings import ServeSettings
 
