@@ -11,6 +11,7 @@ import pytest
 from tiny_models import build_tiny_model, write_prompts
 
 from evaluation import benchmark as bm
+from evaluation import hf_peer, report, traces
 from jobs import bench
 from jobs.cli import main as cli_main
 
@@ -57,7 +58,7 @@ def test_summary_structure_and_rows(full_run):
     assert s["interrupted"] is False
     assert s["specray_methods"] == SPECRAY  # ar first (always included), then in the order asked
     assert s["methods_order"][:4] == SPECRAY
-    assert set(s["methods_order"][4:]) == set(bench.PEER_MODES), s["peer_skipped"]
+    assert set(s["methods_order"][4:]) == set(hf_peer.PEER_MODES), s["peer_skipped"]
     assert s["runs_complete"] == 3 and s["runs_incomplete"] == 0
     assert list(s["categories"]) == ["writing", "qa", "summarization"]
     for m, row in s["methods"].items():
@@ -77,8 +78,8 @@ def test_hf_modes_run_at_specray_knobs_and_at_hf_defaults(full_run):
     assert modes["hf-prompt-lookup"]["prompt_lookup_num_tokens"] == 3  # specray's k
     assert modes["hf-prompt-lookup-default"] == {"prompt_lookup_num_tokens": 10}
     assert modes["hf-assistant"]["_assist"]["num_assistant_tokens"] == 3
-    assert modes["hf-assistant-default"]["_assist"] == bench.HF_ASSIST_DEFAULT
-    assert modes["hf-early-exit-default"]["_assist"] == bench.HF_ASSIST_DEFAULT
+    assert modes["hf-assistant-default"]["_assist"] == hf_peer.HF_ASSIST_DEFAULT
+    assert modes["hf-early-exit-default"]["_assist"] == hf_peer.HF_ASSIST_DEFAULT
 
 
 def test_over_hf_divides_by_the_best_hf_mode(full_run):
@@ -142,7 +143,7 @@ def test_parquet_is_partitioned_by_run_and_method(full_run):
 
 def test_trace_rows_agree_with_generation_rows(full_run):
     out, run = full_run["out"], full_run["summary"]["run_id"]
-    gens, steps = bench.read_run(out, run, "generations"), bench.read_run(out, run, "traces")
+    gens, steps = traces.read_run(out, run, "generations"), traces.read_run(out, run, "traces")
     for m in SPECRAY:
         mine = [r for r in gens if r["method"] == m]
         assert len(mine) == 3
@@ -163,7 +164,7 @@ def test_plots_are_written_as_png(full_run):
 
 def test_plain_table_names_every_method(full_run):
     buf = io.StringIO()
-    bench.render(full_run["summary"], file=buf)
+    report.render(full_run["summary"], file=buf)
     text = buf.getvalue()
     assert "speedup" in text and "tok/s" in text
     for m in full_run["summary"]["methods_order"]:
@@ -185,11 +186,11 @@ def test_plots_are_built_from_parquet_files(tmp_path):
          "drafted": 2, "accepted": a, "draft_s": 0.001, "verify_s": 0.002, "config": "{}"}
         for i, a in enumerate([2, 1, 0])
     ]  # fmt: skip
-    bench.TraceWriter(tmp_path, "r1").write(gens, steps)
-    paths = bench.make_plots(tmp_path, "r1")
+    traces.TraceWriter(tmp_path, "r1").write(gens, steps)
+    paths = report.make_plots(tmp_path, "r1")
     assert len(paths) == 2 and all(p.read_bytes()[:8] == PNG for p in paths)
-    assert bench.make_plots(tmp_path, "no-such-run") == []  # nothing on disk, nothing to plot
-    back = bench.read_run(tmp_path, "r1", "traces")
+    assert report.make_plots(tmp_path, "no-such-run") == []  # nothing on disk, nothing to plot
+    back = traces.read_run(tmp_path, "r1", "traces")
     assert [r["accepted"] for r in back] == [2, 1, 0] and back[0]["method"] == "ngram"
 
 
