@@ -25,7 +25,8 @@ class Runner:
     """The specray decoders (``evaluation.runner.PromptRunner``, one per method, sharing one loaded model) plus the
     HF peer; runs a prompt through all of them in an order rotated per prompt."""
 
-    def __init__(self, cfg: SpecConfig, methods: list[str], peer: str | None = None, worker: str = "local"):
+    def __init__(self, cfg: SpecConfig, methods: list[str], peer: list[str] | None = None, worker: str = "local"):
+        """``peer``: the HF modes to run beside specray's methods (None: no peer)."""
         from evaluation.runner import PromptRunner  # heavy imports after the cheap checks
 
         self.cfg, self.worker = cfg, worker
@@ -34,7 +35,7 @@ class Runner:
         self.ar = self.specray.ar
         self.configs = self.specray.configs
         self.chat = self.specray.chat
-        self.peer = HFPeer(self.ar, cfg) if peer == "hf" else None
+        self.peer = HFPeer(self.ar, cfg, modes=peer) if peer else None
         self.names = list(methods) + (list(self.peer.modes) if self.peer else [])
 
     def encode(self, prompt: Prompt):
@@ -99,7 +100,7 @@ def run_local(cfg, methods, peer, jobs, writer, new_progress, on_prompt_done, wa
 class BenchWorker:
     """The Ray actor body: loads the model once, runs every method on the prompts it is handed."""
 
-    def __init__(self, cfg_json: str, methods: list[str], peer: str | None, worker: str, warmup_prompt: Prompt, warmup: int):
+    def __init__(self, cfg_json: str, methods: list[str], peer: list[str] | None, worker: str, warmup_prompt: Prompt, warmup: int):
         from actors.devices import placed
 
         self.runner = Runner(placed(SpecConfig.from_json(cfg_json)), methods, peer, worker=worker)

@@ -35,7 +35,8 @@ class HFPeer:
     "over HF" figure divides by the best of these modes.
     """
 
-    def __init__(self, decoder, cfg: SpecConfig):
+    def __init__(self, decoder, cfg: SpecConfig, modes: list[str] | None = None):
+        """``modes``: the subset of ``PEER_MODES`` to run (default all this model supports)."""
         self.model = decoder.loaded.model
         self.cfg = cfg
         self.eos = decoder.loaded.eos_token_ids
@@ -55,6 +56,9 @@ class HFPeer:
         if cfg.exit_layer < depth:
             self.modes["hf-early-exit"] = {"assistant_early_exit": cfg.exit_layer, "_assist": assist}
             self.modes["hf-early-exit-default"] = {"assistant_early_exit": cfg.exit_layer, "_assist": dict(HF_ASSIST_DEFAULT)}
+        if modes is not None:
+            self.modes = {m: v for m, v in self.modes.items() if m in modes}
+            self.assistants = {m: a for m, a in self.assistants.items() if m in modes}
 
     @property
     def assistant(self):  # the assistant at specray's knobs

@@ -211,3 +211,74 @@ def _notes(summary: dict) -> list[str]:
         notes.append(f"{summary['runs_incomplete']} prompt run(s) left out: not every method finished them")
     notes.append(f"traces: {summary['traces']}  summary: {summary['summary_path']}")
     return notes
+
+
+# ---- Markdown (the README's Results) ---------------------------------------------------------
+def markdown_table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def replace_block(path: Path, name: str, body: str) -> None:
+    """Rewrite what lies between ``<!-- name -->`` and ``<!-- /name -->`` in ``path``; ValueError without them."""
+    begin, end = f"<!-- {name} -->", f"<!-- /{name} -->"
+    text = Path(path).read_text()
+    if begin not in text or end not in text:
+        raise ValueError(f"{path} has no {begin} ... {end} block to rewrite")
+    Path(path).write_text(text[: text.index(begin)] + f"{begin}\n{body}\n{end}" + text[text.index(end) + len(end) :])
+
+
+def category_mean(summary: dict, method: str) -> float | None:
+    """The mean over categories of a method's speedup (every category weighs the same, however many tokens)."""
+    vals = [v[method]["speedup"] for v in summary["categories"].values() if v.get(method, {}).get("speedup") is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def results_markdown(summary: dict) -> str:
+    """The bench's per-category table (every specray method and every HF mode, speedup over ar) with the best
+    specray method over HF's best mode, and a per-method table (acceptance, drafting's share of a step, identity)."""
+    base = summary["baseline"]
+    methods = [m for m in summary["methods_order"] if m != base]
+    over = summary.get("over_best_peer")
+    ours = [m for m in methods if summary["methods"][m]["kind"] == "specray"]
+
+    def best_over_hf(c: str) -> str:
+        if not over:
+            return "-"
+        v = over["categories"][c] if c in over["categories"] else over["overall"]
+        best = max(ours, key=lambda m: v.get(m) or 0.0)
+        return f"{v[best]:.2f}x ({best} / {v['best_peer']})"
+
+    head = ["category", "prompts"] + methods + (["best specray / best HF"] if over else [])
+    rows = []
+    for c, v in summary["categories"].items():
+        rows.append([c, str(v[base]["prompts"])] + [_f(v[m]["speedup"], "{:.2f}x") for m in methods] + ([best_over_hf(c)] if over else []))
+    rows.append(["**mean of categories**", ""] + [_f(category_mean(summary, m), "**{:.2f}x**") for m in methods] + (["-"] if over else []))
+    overall = [_f(summary["methods"][m]["speedup"], "{:.2f}x") for m in methods]
+    rows.append(["all tokens", str(summary["methods"][base]["prompts"])] + overall)
+    if over:
+        rows[-1].append(best_over_hf("overall"))
+    per_category = markdown_table(head, rows)
+
+    head2 = ["method", "tok/s", "speedup", "min category", "tau", "draft ms/step", "verify ms/step", "drafting share", "identical to ar"]
+    rows2 = []
+    for m in summary["methods_order"]:
+        v = summary["methods"][m]
+        d, w = v.get("draft_ms_per_step"), v.get("verify_ms_per_step")
+        share = d / (d + w) if d is not None and w and d + w > 0 else None
+        cats = [c[m]["speedup"] for c in summary["categories"].values() if c[m]["speedup"] is not None]
+        ident = v.get("identity")
+        rows2.append(
+            [
+                m,
+                _f(v["tokens_per_s"], "{:.1f}"),
+                _f(v["speedup"], "{:.2f}x"),
+                _f(min(cats) if cats and m != base else None, "{:.2f}x"),
+                _f(v["mean_accepted_tokens"]),
+                _f(d, "{:.1f}"),
+                _f(w, "{:.1f}"),
+                _f(share, "{:.0%}"),
+                f"{ident['identical']}/{ident['compared']}" if ident and ident["compared"] else "-",
+            ]
+        )
+    return per_category + "\n\n" + markdown_table(head2, rows2)

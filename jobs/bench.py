@@ -37,9 +37,10 @@ from pathlib import Path
 from decoding.config import METHODS, SpecConfig
 from evaluation import benchmark as bm
 from evaluation.bench import finish, long_prompts, run_cluster, run_local
+from evaluation.hf_peer import PEER_MODES
 from evaluation.report import render
 from evaluation.traces import TraceWriter
-from evaluation.workloads import DEFAULT_PROMPTS, Prompt, WorkloadError, load_prompts, select
+from evaluation.workloads import DEFAULT_PROMPTS, Prompt, WorkloadError, load_prompts, select, with_later_turns
 from jobs.common import Parser, add_config_args, config_from_args, fail, output_dir, parse_ints, run_cli
 
 
@@ -62,6 +63,21 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--repeats", type=int, default=1, help="run the whole prompt set R times and report the spread")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per method before measuring (default 1)")
     p.add_argument("--peer", choices=["hf"], help="also run Hugging Face generate() (plain and assisted) on the same model")
+    p.add_argument(
+        "--peer-modes",
+        help=f"with --peer hf: comma list of HF modes from {', '.join(PEER_MODES)} (default all; the assistant and early-exit "
+        "modes are slow on a CPU)",
+    )
+    p.add_argument(
+        "--later-turns",
+        action="store_true",
+        help="also run the later turns of multi-turn questions (MT-bench), each after the conversation so far with ar's answers",
+    )
+    p.add_argument(
+        "--readme",
+        metavar="README.md",
+        help="write the per-category Results table into README.md's <!-- bench-results --> block and the plots to docs/bench/",
+    )
     p.add_argument("--on-cluster", action="store_true", help="fan prompts out over Ray actors (RAY_ADDRESS, else a local Ray)")
     p.add_argument("--workers", type=int, help="with --on-cluster: number of actors (default: the cluster's CPUs)")
     p.add_argument("--out", default="bench-out", help="output directory (default ./bench-out)")
@@ -99,7 +115,8 @@ def load_workload(args, cfg: SpecConfig | None = None) -> list[Prompt]:
             if args.limit is not None and args.limit < 1:
                 fail(f"--limit must be >= 1, got {args.limit}")
             return long_prompts(load_prompts(source), lengths, args.limit or 1, cfg)
-        return select(load_prompts(source), wanted, args.limit, source=str(source))
+        chosen = select(load_prompts(source), wanted, args.limit, source=str(source))
+        return with_later_turns(chosen) if getattr(args, "later_turns", False) else chosen
     except WorkloadError as e:
         fail(str(e))
 
@@ -115,6 +132,9 @@ def run_bench(args, on_prompt_done: Callable[[int, Prompt], None] | None = None)
     if args.workers is not None and args.workers < 1:
         fail(f"--workers must be >= 1, got {args.workers}")
     output_dir(args.out, "--out")  # before any work: a file or an unwritable place fails here
+    peer = parse_peer_modes(args.peer, args.peer_modes)
+    if args.readme:
+        check_readme(Path(args.readme))
     prompts = load_workload(args, base)
     if not prompts:
         fail("no prompts selected")
@@ -143,6 +163,8 @@ def run_bench(args, on_prompt_done: Callable[[int, Prompt], None] | None = None)
         "prompts_selected": len(prompts),
         "repeats": args.repeats,
         "peer": args.peer,
+        "later_turns": bool(args.later_turns),
+        "command": getattr(args, "command_line", None),
         "peer_skipped": {},
         "on_cluster": bool(args.on_cluster),
         "host": {
@@ -164,7 +186,7 @@ def run_bench(args, on_prompt_done: Callable[[int, Prompt], None] | None = None)
     try:
         runner = run_cluster if args.on_cluster else run_local
         extra = {"workers": args.workers} if args.on_cluster else {}
-        runner(base, methods, args.peer, jobs, writer, new_progress, on_prompt_done, args.warmup, meta, **extra)
+        runner(base, methods, peer, jobs, writer, new_progress, on_prompt_done, args.warmup, meta, **extra)
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -172,11 +194,64 @@ def run_bench(args, on_prompt_done: Callable[[int, Prompt], None] | None = None)
             bar.close()
 
     summary = finish(out, run_id, meta, interrupted)
+    if args.readme and not interrupted:
+        publish(summary, Path(args.readme))
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
     else:
         render(summary)
     return (130 if interrupted else 0), summary
+
+
+def parse_peer_modes(peer: str | None, modes: str | None) -> list[str] | None:
+    if modes and not peer:
+        fail("--peer-modes needs --peer hf")
+    if not peer:
+        return None
+    wanted = [m.strip() for m in (modes or ",".join(PEER_MODES)).split(",") if m.strip()]
+    for m in wanted:
+        if m not in PEER_MODES:
+            fail(f"--peer-modes: unknown mode {m!r}; choose from {', '.join(PEER_MODES)}")
+    if not wanted:
+        fail("--peer-modes: no mode given")
+    return wanted
+
+
+def check_readme(readme: Path) -> None:
+    """Before any work: the README exists and has the block a finished run rewrites."""
+    if not readme.is_file():
+        fail(f"--readme: {readme} does not exist")
+    text = readme.read_text()
+    if "<!-- bench-results -->" not in text or "<!-- /bench-results -->" not in text:
+        fail(f"--readme: {readme} has no <!-- bench-results --> ... <!-- /bench-results --> block to rewrite")
+
+
+def publish(summary: dict, readme: Path) -> None:
+    """The run's tables into the README's bench-results block; its plots and summary to docs/bench/ beside it."""
+    import shutil
+
+    from evaluation.report import replace_block, results_markdown
+
+    docs = readme.resolve().parent / "docs" / "bench"
+    docs.mkdir(parents=True, exist_ok=True)
+    plots = []
+    for p in summary["plots"]:
+        shutil.copy(p, docs / Path(p).name)
+        plots.append(f"docs/bench/{Path(p).name}")
+    slim = {k: v for k, v in summary.items() if k not in ("config",)}
+    (docs / "summary.json").write_text(json.dumps(slim, indent=2, default=str))
+    host = summary["host"]
+    caption = (
+        f"Run {summary['run_id']} on {host['platform']} ({host['cpus']} CPUs), {summary['model']} {summary['dtype']}, "
+        f"{summary['threads']} torch threads, {summary['max_new_tokens']} new tokens per prompt, "
+        f"{summary['prompts_complete']} prompts"
+        + (" (later turns of multi-turn questions included)" if summary.get("later_turns") else "")
+        + f"; plots: {', '.join(f'`{p}`' for p in plots)}; figures: `docs/bench/summary.json`."
+    )
+    if summary.get("command"):
+        caption += f"\n\nRegenerate with:\n\n```\n{summary['command']}\n```"
+    replace_block(readme, "bench-results", results_markdown(summary) + "\n\n" + caption)
+    print(f"wrote the Results into {readme} and the plots to {docs}", file=sys.stderr)
 
 
 def main_with_args(args) -> int:
@@ -185,7 +260,15 @@ def main_with_args(args) -> int:
 
 
 def main(argv=None) -> int:
-    return run_cli(build_parser(), main_with_args, argv)
+    import shlex
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+
+    def body(args) -> int:
+        args.command_line = "specray bench " + shlex.join(argv)  # what regenerates the run (the README quotes it)
+        return main_with_args(args)
+
+    return run_cli(build_parser(), body, argv)
 
 
 if __name__ == "__main__":

@@ -107,6 +107,60 @@ def test_model_free_methods_run_in_the_bench(tiny, tmp_path, monkeypatch):
     assert list((tmp_path / "home" / "calibration").glob("verify-cost-*.json"))  # tree_fit=measured calibrated once
 
 
+def test_later_turns_chosen_peer_modes_and_the_readme_block(tiny, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# r\n\n<!-- bench-results -->\nold\n<!-- /bench-results -->\ntail\n")
+    argv = base_argv(tiny, tmp_path / "out", "--methods", "ngram", "--later-turns", "--peer", "hf")
+    argv += ["--peer-modes", "hf-plain,hf-prompt-lookup-default", "--readme", str(readme), "--json"]
+    args = bench.build_parser().parse_args(argv)
+    args.command_line = "specray bench --the-command"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code, s = bench.run_bench(args)
+    assert code == 0 and s["later_turns"] is True
+    assert s["methods_order"] == ["ar", "ngram", "hf-plain", "hf-prompt-lookup-default"]  # only the modes asked for
+    assert s["runs_complete"] == 6  # 3 questions, each with its second turn
+    gens = traces.read_run(tmp_path / "out", s["run_id"], "generations")
+    assert {r["prompt_id"] for r in gens if r["method"] == "ar"} == {"101", "101-t2", "102", "102-t2", "103", "103-t2"}
+    assert s["methods"]["ngram"]["identity"]["identical"] == 6  # float32: later turns identical to ar as well
+    text = readme.read_text()
+    assert "old" not in text and text.endswith("tail\n") and "| **mean of categories** |" in text
+    assert "specray bench --the-command" in text and "(later turns of multi-turn questions included)" in text
+    assert (tmp_path / "docs" / "bench" / "speedup_by_category.png").read_bytes()[:8] == PNG
+    assert json.loads((tmp_path / "docs" / "bench" / "summary.json").read_text())["run_id"] == s["run_id"]
+
+
+def test_a_later_turn_holds_the_conversation_with_ar_answers(tiny):
+    from decoding.config import SpecConfig
+    from evaluation.runner import PromptRunner
+    from evaluation.workloads import load_prompts, with_later_turns
+
+    cfg = SpecConfig(model=tiny["model"], dtype="float32", max_new_tokens=6, threads=1)
+    runner = PromptRunner({"ar": cfg})
+    first, second = with_later_turns(load_prompts(tiny["prompts"]))[:2]
+    answer = runner.ar.decode(runner.ar.generate_ids(runner.encode(first), 6).token_ids)
+    expected = runner.ar.encode(
+        [{"role": "user", "content": first.prompt}, {"role": "assistant", "content": answer}, {"role": "user", "content": "a second turn"}]
+    )
+    assert second.prompt_id == f"{first.question_id}-t2" and runner.encode(second).tolist() == expected.tolist()
+    _, tokens, _ = runner.generate("ar", runner.encode(first))  # a timed baseline generation is reused, not redone
+    assert list(runner.answers.values())[0] == tokens
+
+
+def test_bad_peer_modes_and_readme_fail_in_one_line(tiny, tmp_path, capsys):
+    readme = tmp_path / "R.md"
+    readme.write_text("no block here\n")
+    for extra in (
+        ["--peer-modes", "hf-plain"],
+        ["--peer", "hf", "--peer-modes", "hf-nonsense"],
+        ["--readme", str(readme)],
+        ["--readme", str(tmp_path / "missing.md")],
+    ):
+        assert cli_main(["bench", *base_argv(tiny, tmp_path / "o", *extra)]) == 2, extra
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 4 and all(line.startswith("error:") for line in err), err
+
+
 def test_float32_outputs_match_ar_without_suspicious_divergence(full_run):
     for m, row in full_run["summary"]["methods"].items():
         if m == "ar":
