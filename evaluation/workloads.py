@@ -222,3 +222,22 @@ def long_context_prompt(prompts: list[Prompt], tokens: int, count_tokens, index:
     if not parts:
         raise WorkloadError(f"a long-context prompt of {tokens} tokens has no room for a document")
     return Prompt(f"ctx{tokens}-{index}", f"ctx-{tokens}", (text(parts),))
+
+
+def split_held_out(prompts: list[Prompt], fraction: float) -> tuple[list[Prompt], list[Prompt]]:
+    """(tuning, held-out): about ``fraction`` of every category's prompts, spread through it, held out; disjoint.
+
+    A category with a single prompt keeps it for tuning; ``fraction`` 0 holds out nothing.
+
+    >>> ps = parse_prompts([f'{{"question_id": {i}, "category": "{c}", "turns": ["t"]}}' for i, c in enumerate("aaaab")])
+    >>> [[p.question_id for p in part] for part in split_held_out(ps, 0.5)]
+    [[0, 2, 4], [1, 3]]
+    """
+    if not 0 <= fraction < 1:
+        raise WorkloadError(f"the held-out fraction must be in [0, 1), got {fraction}")
+    seen: dict[str, int] = {}
+    tuning, held = [], []
+    for p in prompts:
+        i = seen[p.category] = seen.get(p.category, -1) + 1
+        (held if int((i + 1) * fraction) > int(i * fraction) else tuning).append(p)
+    return tuning, held

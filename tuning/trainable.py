@@ -51,6 +51,8 @@ METRIC_TYPES: dict[str, type] = {
     "ar_tokens_per_s": float,
     "speedup": float,
     "speedup_median": float,
+    "speedup_band_low": float,
+    "speedup_band_high": float,
     "mean_accepted_tokens": float,
     "acceptance_rate": float,
     "target_forwards_per_token": float,
@@ -79,6 +81,7 @@ def figures(gen_rows: Sequence[dict], step_rows: Sequence[dict], prompts_total: 
     fidelity_ok = (suspicious == 0) if checked else True
     speedup = cand.get("speedup")
     q = cand.get("speedup_per_prompt")
+    passes = cand.get("speedup_per_repeat")
     return {
         "valid": True,
         "invalid_reason": None,
@@ -89,6 +92,8 @@ def figures(gen_rows: Sequence[dict], step_rows: Sequence[dict], prompts_total: 
         "ar_tokens_per_s": ar.get("tokens_per_s"),
         "speedup": speedup,
         "speedup_median": q["median"] if q else None,
+        "speedup_band_low": passes["min"] if passes else None,  # the slowest and fastest whole pass (repeats > 1)
+        "speedup_band_high": passes["max"] if passes else None,
         "mean_accepted_tokens": cand.get("mean_accepted_tokens"),
         "acceptance_rate": cand.get("acceptance_rate"),
         "target_forwards_per_token": cand.get("target_forwards_per_token"),
@@ -129,8 +134,12 @@ def measure(
     warmup: int = 1,
     extra: dict[str, SpecConfig] | None = None,
     build: Callable[[SpecConfig], object] | None = None,
+    repeats: int = 1,
 ) -> dict:
     """Run ``cfg`` and AR on ``prompts``, interleaved; returns the final figures (see :func:`figures`).
+
+    With ``repeats`` > 1 the prompt set runs that many times and the figures carry ``speedup_band_low`` and ``_high``: the lowest
+    and highest speedup of one whole pass (the noise band of the measurement).
 
     ``on_prompt(n, figures)`` is called after each prompt with the figures over
     the first ``n`` prompts. ``extra`` adds named configs run in the same rotation
@@ -150,11 +159,12 @@ def measure(
             runner.warmup(prompts[0], warmup)
         gens, steps = [], []
         result: dict = {}
-        for i, prompt in enumerate(prompts):
-            g, s = runner.run_prompt(prompt, i)
+        runs = [(r, prompt) for r in range(repeats) for prompt in prompts]
+        for i, (r, prompt) in enumerate(runs):
+            g, s = runner.run_prompt(prompt, i, repeat=r)
             gens += g
             steps += s
-            result = _with_extra(gens, steps, len(prompts), cfg, threads, extra)
+            result = _with_extra(gens, steps, len(runs), cfg, threads, extra)
             if on_prompt is not None:
                 on_prompt(i + 1, result)
         return result
