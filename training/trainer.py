@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from decoding.artifacts import save_artifact
-from decoding.trained import LOSSES, Shared, agreement, get_recipe, vocab_order
+from decoding.trained import Shared, get_recipe
+from training.objectives import LOSSES, agreement, objectives, vocab_order
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def _crop(ex: dict, window: int, generator: torch.Generator | None = None, devic
 
 def example_loss(recipe, module, shared, ex, knobs, loss_fn) -> tuple[torch.Tensor, list[float]]:
     """Mean over heads of loss_fn(teacher, student), plus the recipe's auxiliary loss; and per-head agreement."""
-    pairs, aux = recipe.objectives(module, shared, ex, knobs)
+    pairs, aux = objectives(recipe, module, shared, ex, knobs)
     loss = sum(loss_fn(t, s) for s, t in pairs) / len(pairs)
     if aux is not None:
         loss = loss + aux

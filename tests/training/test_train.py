@@ -58,13 +58,14 @@ def test_loss_falls(target, examples, recipe, tmp_path):
 
 
 def test_tvdpp_loss_lowers_total_variation(target, examples, tmp_path):
-    from decoding.trained import Shared, get_recipe, tvd
+    from decoding.trained import Shared, get_recipe
+    from training.objectives import objectives, tvd
 
     recipe, knobs = get_recipe("distill"), {"draft_layers": 1}
 
     def mean_tvd(module):
         with torch.no_grad():
-            return sum(float(tvd(t, s)) for ex in examples for s, t in recipe.objectives(module, Shared(target), ex, knobs)[0]) / len(
+            return sum(float(tvd(t, s)) for ex in examples for s, t in objectives(recipe, module, Shared(target), ex, knobs)[0]) / len(
                 examples
             )
 
