@@ -367,8 +367,10 @@ class ModelWorker:
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy (and Serve replaces it)."""
-        if self._pool._shutdown:
-            raise RuntimeError("generation pool is shut down")
+        try:
+            self._pool.submit(int)  # a no-op; a shut-down pool refuses new work (its public face)
+        except RuntimeError:
+            raise RuntimeError("generation pool is shut down") from None
         for key, engine in list(self._engines.items()):
             if not engine.alive:
                 raise RuntimeError(f"the batch engine of {key[0]}/{key[1]} stopped")
