@@ -31,8 +31,6 @@ from decoding.methods import ACTOR_TRANSPORTS, WORKER_ROLES, on_actors
 from decoding.pearl import DraftRequest, TargetRequest, TwoSidedGeneration, generate_two_sided, round_summary
 from decoding.sampling import SamplingParams
 
-TRANSPORTS = ACTOR_TRANSPORTS  # the table's (decoding.methods)
-
 
 class WorkerError(RuntimeError):
     """A model worker failed during a generation."""
@@ -57,8 +55,8 @@ class ActorExecutor:
     def __init__(
         self, target, draft, timeout_s: float = 120.0, transport: str = "calls", parallel: bool = True, actor_ids: dict | None = None
     ):
-        if transport not in TRANSPORTS:
-            raise ConfigError("actor_transport", f"unknown transport {transport!r}; choose from {', '.join(TRANSPORTS)}")
+        if transport not in ACTOR_TRANSPORTS:
+            raise ConfigError("actor_transport", f"unknown transport {transport!r}; choose from {', '.join(ACTOR_TRANSPORTS)}")
         self.target, self.draft = target, draft
         self.actor_ids = dict(actor_ids or {})  # role -> the actor's id (hex), as the worker reports it in info()
         self.timeout_s = timeout_s
@@ -185,7 +183,7 @@ class ActorDecoder:
         if out.schedule_counts:
             stats["pearl"] = dict(out.schedule_counts, gamma=self.cfg.k)
         rss = self.executor.wait([self.target.peak_rss_mb.remote(), self.draft.peak_rss_mb.remote()], "workers")
-        stats["peak_rss_mb"] = dict(zip(("target", "draft"), rss, strict=True))
+        stats["peak_rss_mb"] = dict(zip(WORKER_ROLES, rss, strict=True))
         if self.plan.level_stats:
             stats["levels"] = self.executor.wait(self.draft.level_stats.remote(), "draft worker")
         return stats
