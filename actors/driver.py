@@ -27,10 +27,9 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from decoding.config import ConfigError, SpecConfig
 from decoding.loop import ContextTooLong
+from decoding.methods import ACTOR_TRANSPORTS, WORKER_ROLES, on_actors
 from decoding.pearl import DraftRequest, TargetRequest, TwoSidedGeneration, generate_two_sided, round_summary
 from decoding.sampling import SamplingParams
-
-TRANSPORTS = ("calls", "compiled")
 
 
 class WorkerError(RuntimeError):
@@ -46,12 +45,8 @@ class WorkerTimeout(WorkerError):
 
 
 def schedule_for(cfg: SpecConfig) -> str:
-    """The two-sided schedule a method runs over actors (``decoding.pearl``); TriForce's levels pick theirs."""
-    if cfg.method in ("pearl", "sps"):
-        return cfg.method
-    if cfg.method == "triforce":
-        return cfg.triforce_schedule
-    raise ConfigError("placement", f"placement=actors runs sps, pearl and triforce, not {cfg.method!r}")
+    """The two-sided schedule a method runs over actors (``decoding.pearl``), from the table; TriForce's levels pick theirs."""
+    return on_actors(cfg).schedule_of(cfg)
 
 
 class ActorExecutor:
@@ -60,8 +55,8 @@ class ActorExecutor:
     def __init__(
         self, target, draft, timeout_s: float = 120.0, transport: str = "calls", parallel: bool = True, actor_ids: dict | None = None
     ):
-        if transport not in TRANSPORTS:
-            raise ConfigError("actor_transport", f"unknown transport {transport!r}; choose from {', '.join(TRANSPORTS)}")
+        if transport not in ACTOR_TRANSPORTS:
+            raise ConfigError("actor_transport", f"unknown transport {transport!r}; choose from {', '.join(ACTOR_TRANSPORTS)}")
         self.target, self.draft = target, draft
         self.actor_ids = dict(actor_ids or {})  # role -> the actor's id (hex), as the worker reports it in info()
         self.timeout_s = timeout_s
@@ -91,7 +86,7 @@ class ActorExecutor:
     # ---- waiting with a deadline ----------------------------------------------------------------
     def _role_of(self, err: RayActorError) -> str:
         actor_id = getattr(err, "actor_id", None)
-        for role in ("target", "draft"):
+        for role in WORKER_ROLES:
             if actor_id and actor_id == self.actor_ids.get(role):
                 return f"{role} worker"
         return "a model worker"
@@ -134,12 +129,13 @@ class ActorDecoder:
 
     def __init__(self, cfg: SpecConfig, target, draft, placement: dict | None = None, on_close=None):
         self.cfg = cfg
-        self.schedule = schedule_for(cfg)
+        self.plan = on_actors(cfg)  # how the method runs on the workers (decoding.methods)
+        self.schedule = self.plan.schedule_of(cfg)
         self.target, self.draft = target, draft
         self.placement = dict(placement or {})
         self.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
         self._on_close = on_close
-        infos = {role: self.placement.get(role) or {} for role in ("target", "draft")}  # the workers' info(), from placement
+        infos = {role: self.placement.get(role) or {} for role in WORKER_ROLES}  # the workers' info(), from placement
         actor_ids = {role: info["actor_id"] for role, info in infos.items() if "actor_id" in info}
         self.executor = ActorExecutor(
             target, draft, cfg.rpc_timeout_s, cfg.actor_transport, parallel=(self.schedule == "pearl"), actor_ids=actor_ids
@@ -175,7 +171,7 @@ class ActorDecoder:
                 seed=self.cfg.seed if seed is None else seed,
                 max_context=self.max_context,
                 on_step=on_step,
-                ship_kv=self.cfg.method == "triforce",  # the middle level reads the target's exact KV
+                ship_kv=self.plan.ship_kv,  # TriForce: the middle level reads the target's exact KV
             )
         except ContextTooLong as e:
             raise ConfigError("max_new_tokens", str(e)) from None
@@ -187,8 +183,8 @@ class ActorDecoder:
         if out.schedule_counts:
             stats["pearl"] = dict(out.schedule_counts, gamma=self.cfg.k)
         rss = self.executor.wait([self.target.peak_rss_mb.remote(), self.draft.peak_rss_mb.remote()], "workers")
-        stats["peak_rss_mb"] = dict(zip(("target", "draft"), rss, strict=True))
-        if self.cfg.method == "triforce":
+        stats["peak_rss_mb"] = dict(zip(WORKER_ROLES, rss, strict=True))
+        if self.plan.level_stats:
             stats["levels"] = self.executor.wait(self.draft.level_stats.remote(), "draft worker")
         return stats
 

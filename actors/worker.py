@@ -33,12 +33,11 @@ from actors.devices import placed_device
 from decoding.adapter import ModelAdapter
 from decoding.config import ConfigError
 from decoding.engine import SpecDecoder, build_drafter
+from decoding.methods import METHOD_TABLE, TARGET_WITH_DRAFTER, WORKER_ROLES
 from decoding.metrics import peak_rss_mb, reset_peak_rss
 from decoding.models import load_model, resolve_device, set_threads
 from decoding.pearl import DraftRequest, DraftResult, DraftSide, TargetRequest, TargetResult, TargetSide
 from decoding.sampling import SamplingParams
-
-ROLES = ("draft", "target")
 
 
 @ray.remote(max_restarts=0, max_task_retries=0)
@@ -53,8 +52,8 @@ class ModelActor:
     def __init__(self, role: str, cfg_json: str, threads: int | None = None):
         from decoding.config import SpecConfig
 
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if role not in WORKER_ROLES:
+            raise ValueError(f"role must be one of {WORKER_ROLES}, got {role!r}")
         cfg = SpecConfig.from_json(cfg_json)
         self.role = role
         self.threads = set_threads(threads)
@@ -63,7 +62,9 @@ class ModelActor:
         t0 = time.perf_counter()
         # the draft worker's model: TriForce's middle level is the target itself (its bottom drafter comes with it),
         # else the separate draft model or the target's first draft_layers layers
-        draft = role == "draft" and cfg.method != "triforce"
+        plan = METHOD_TABLE[cfg.method].actors
+        with_drafter = plan is not None and plan.draft_worker == TARGET_WITH_DRAFTER
+        draft = role == "draft" and not with_drafter
         own_model = draft and bool(cfg.draft_model)
         loaded = load_model(cfg.draft_model if own_model else cfg.model, cfg.dtype, self.device)
         self.tokenizer = loaded.tokenizer
@@ -78,7 +79,7 @@ class ModelActor:
         sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
         if role == "target":
             self.side = TargetSide(self.adapter, sampling)
-        elif cfg.method == "triforce":
+        elif with_drafter:
             self.side = DraftSide(build_drafter(cfg, loaded, self.device), sampling, target=self.adapter)
         else:
             self.side = DraftSide.of_model(self.adapter, sampling, cfg.confidence_threshold)

@@ -25,8 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from decoding.config import ConfigError, SpecConfig
-
-ROLES = ("target", "draft")  # bundle 0 is the target, bundle 1 the draft
+from decoding.methods import WORKER_ROLES as ROLES  # bundle 0 is the target, bundle 1 the draft
 
 
 class PlacementError(ConfigError):

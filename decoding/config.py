@@ -21,15 +21,13 @@ import re
 import typing
 from dataclasses import dataclass, field
 
-METHODS = ("ar", "sps", "ngram", "early-exit", "pearl", "triforce", "trained", "recycling", "suffix", "hybrid")
+# the methods (METHODS: their names, re-exported here) and the constants they share live in the table
+from decoding.methods import ACTOR_TRANSPORTS, METHOD_TABLE, METHODS, TRIFORCE_BOTTOMS, TWO_SIDED_SCHEDULES
+
 DTYPES = ("float32", "bfloat16")
 PLACEMENTS = ("local", "actors")
-ACTOR_TRANSPORTS = ("calls", "compiled")
 TREE_SHAPES = ("chain", "static", "sequoia", "dyspec")  # the tree shapes a config may name (decoding.trees builds them)
-TRIFORCE_BOTTOMS = ("layers", "ngram", "model")
-TRIFORCE_SCHEDULES = ("sps", "pearl")
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # decoding.models.resolve_device turns it into a torch.device
-MODEL_FREE = ("recycling", "suffix", "hybrid")  # model-free tree drafters with state across requests
 DRAFT_MEMORIES = ("warm", "cold")
 TREE_FITS = ("measured", "budget")
 
@@ -226,7 +224,11 @@ class SpecConfig:
             "actor_transport",
             f"unknown transport {self.actor_transport!r}; choose from {', '.join(ACTOR_TRANSPORTS)}",
         )
-        _check(self.method != "trained" or bool(self.drafter), "drafter", "method trained needs drafter=NAME or a directory")
+        _check(
+            not METHOD_TABLE[self.method].needs_drafter or bool(self.drafter),
+            "drafter",
+            f"method {self.method} needs drafter=NAME or a directory",
+        )
         _check(
             DEVICE_RE.fullmatch(self.device) is not None,
             "device",
@@ -241,7 +243,7 @@ class SpecConfig:
         """Tree fields (see the class docstring); torch is imported only when a tree is configured."""
         _check(self.tree in TREE_SHAPES, "tree", f"unknown tree {self.tree!r}; choose from {', '.join(TREE_SHAPES)}")
         _check(self.tree_budget >= 1, "tree_budget", f"must be >= 1, got {self.tree_budget}")
-        _check(self.tree == "chain" or self.method != "pearl", "tree", "pearl drafts chains only")
+        _check(self.tree == "chain" or not METHOD_TABLE[self.method].chains_only, "tree", f"{self.method} drafts chains only")
         _check(self.tree != "static" or bool(self.tree_paths), "tree_paths", "tree=static needs tree_paths, e.g. [[0],[1],[0,0]]")
         if self.tree == "chain" and not self.tree_paths and not self.tree_acceptance:
             return
@@ -276,9 +278,9 @@ class SpecConfig:
             f"unknown bottom drafter {self.triforce_bottom!r}; choose from {', '.join(TRIFORCE_BOTTOMS)}",
         )
         _check(
-            self.triforce_schedule in TRIFORCE_SCHEDULES,
+            self.triforce_schedule in TWO_SIDED_SCHEDULES,
             "triforce_schedule",
-            f"unknown schedule {self.triforce_schedule!r}; choose from {', '.join(TRIFORCE_SCHEDULES)}",
+            f"unknown schedule {self.triforce_schedule!r}; choose from {', '.join(TWO_SIDED_SCHEDULES)}",
         )
 
     def _check_model_free(self) -> None:
@@ -301,7 +303,7 @@ class SpecConfig:
         'kangaroo-l10'
         """
         method, _, drafter = label.partition(":")
-        if method == "trained" and drafter:
+        if drafter and method in METHOD_TABLE and METHOD_TABLE[method].needs_drafter:
             return self.replace(method="trained", drafter=drafter)
         return self.replace(method=label)
 

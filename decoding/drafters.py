@@ -150,7 +150,7 @@ def _draft_tree(step, root_logits: torch.Tensor, shape: Tree | Dynamic, k: int, 
     With ``feed_last`` every node is fed (early exit needs all their hidden states), else the deepest ones are not.
     Returns (tokens [B, j], probs [B, j, V] or None, tree over j+1 nodes, fed: nodes 1..fed were fed).
     """
-    parents, toks, probs = [-1], [], []
+    parents, toks, probs = [-1], [], []  # the drafted tree so far: node i's parent, token [B] and q row [B, V]
     fed = 0
 
     def feed(lo, hi):
@@ -168,41 +168,45 @@ def _draft_tree(step, root_logits: torch.Tensor, shape: Tree | Dynamic, k: int, 
         return len(parents) - 1
 
     if isinstance(shape, Tree):
+        # the template's nodes ("slots") become drafted nodes where their parent was drafted and their rank is valid
         shape = shape.prune(k)
-        sp, srank, sdepth = shape.parents.tolist(), shape.rank.tolist(), shape.depth.tolist()
-        nchild = [0] * shape.size
-        for par in sp[1:]:
-            nchild[par] += 1
-        node_of, logits_of, cands = {0: 0}, {0: root_logits}, {}
-        for d in range(1, shape.max_depth + 1):
+        slot_parent, slot_rank, slot_depth = shape.parents.tolist(), shape.rank.tolist(), shape.depth.tolist()
+        children_of_slot = [0] * shape.size
+        for parent_slot in slot_parent[1:]:
+            children_of_slot[parent_slot] += 1
+        node_of_slot, logits_of_node, candidates_of_node = {0: 0}, {0: root_logits}, {}
+        for level in range(1, shape.max_depth + 1):
             lo = len(parents)
-            for s in (i for i in range(shape.size) if sdepth[i] == d):
-                a = node_of.get(sp[s])
-                if a is None or a not in logits_of:
+            for slot in (i for i in range(shape.size) if slot_depth[i] == level):
+                parent = node_of_slot.get(slot_parent[slot])
+                if parent is None or parent not in logits_of_node:
                     continue
-                if a not in cands:
-                    cands[a] = _candidates(logits_of[a], nchild[sp[s]], state, stochastic=True)
-                tok, q, _, valid = cands[a]
-                if bool(valid[srank[s]]):
-                    node_of[s] = add(a, tok[:, srank[s]], q)
+                if parent not in candidates_of_node:
+                    n_children = children_of_slot[slot_parent[slot]]
+                    candidates_of_node[parent] = _candidates(logits_of_node[parent], n_children, state, stochastic=True)
+                cand_tokens, cand_q, _, cand_valid = candidates_of_node[parent]
+                if bool(cand_valid[slot_rank[slot]]):
+                    node_of_slot[slot] = add(parent, cand_tokens[:, slot_rank[slot]], cand_q)
             hi = len(parents)
             if hi == lo:
                 break
-            grows = any(node_of.get(sp[c], -1) >= lo for c in range(shape.size) if sdepth[c] == d + 1)
+            next_level = (slot for slot in range(shape.size) if slot_depth[slot] == level + 1)
+            grows = any(node_of_slot.get(slot_parent[child], -1) >= lo for child in next_level)
             if grows or feed_last:
-                logits_of.update(feed(lo, hi))
+                logits_of_node.update(feed(lo, hi))
     else:
         import heapq
 
         budget, depth, path_p = (shape.budget if k > 0 else 0), [0], [1.0]
-        heap: list = []  # (-score, node, rank, tokens [B, n], score [n])
+        heap: list = []  # (-path score, parent node, rank, candidate tokens [B, n], candidate scores [n])
 
         def offer(node, logits):
             if depth[node] < k:
-                tok, _, score, valid = _candidates(logits, min(shape.max_rank, budget), state, stochastic=False)
-                n = int(valid.sum())
-                if n:
-                    heapq.heappush(heap, (-path_p[node] * float(score[0]), node, 0, tok[:, :n], score[:n]))
+                cand_tokens, _, cand_scores, cand_valid = _candidates(logits, min(shape.max_rank, budget), state, stochastic=False)
+                n_valid = int(cand_valid.sum())
+                if n_valid:
+                    neg_path_p = -path_p[node] * float(cand_scores[0])  # the path probability through the best candidate
+                    heapq.heappush(heap, (neg_path_p, node, 0, cand_tokens[:, :n_valid], cand_scores[:n_valid]))
 
         offer(0, root_logits)
         while len(parents) - 1 < budget:
@@ -214,12 +218,12 @@ def _draft_tree(step, root_logits: torch.Tensor, shape: Tree | Dynamic, k: int, 
                 for node, logits in feed(fed + 1, len(parents)).items():
                     offer(node, logits)
                 continue
-            neg, a, r, tok, score = heapq.heappop(heap)
-            node = add(a, tok[:, r], None)
-            depth.append(depth[a] + 1)
-            path_p.append(-neg)
-            if r + 1 < tok.shape[1]:
-                heapq.heappush(heap, (-path_p[a] * float(score[r + 1]), a, r + 1, tok, score))
+            neg_path_p, parent, rank, cand_tokens, cand_scores = heapq.heappop(heap)
+            add(parent, cand_tokens[:, rank], None)
+            depth.append(depth[parent] + 1)
+            path_p.append(-neg_path_p)
+            if rank + 1 < cand_tokens.shape[1]:  # the parent's next candidate takes its place in the queue
+                heapq.heappush(heap, (-path_p[parent] * float(cand_scores[rank + 1]), parent, rank + 1, cand_tokens, cand_scores))
         if feed_last and fed < len(parents) - 1:
             feed(fed + 1, len(parents))
     bsz = root_logits.shape[0]

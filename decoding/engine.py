@@ -16,9 +16,10 @@ import torch
 
 from decoding.adapter import ModelAdapter
 from decoding.config import ConfigError, SpecConfig
-from decoding.drafters import Drafter, DraftModelDrafter, EarlyExitDrafter, NgramDrafter, max_nodes_of
+from decoding.drafters import Drafter
 from decoding.goodput import CALIBRATION_ROWS, CostModel
 from decoding.loop import ContextTooLong, Generation, Sequence, generate, generate_many
+from decoding.methods import method_of
 from decoding.models import LoadedModel, load_model, set_threads
 from decoding.paths import specray_home
 from decoding.sampling import SamplingParams
@@ -72,71 +73,14 @@ def draft_depth(cfg: SpecConfig) -> int:
 
 
 def build_drafter(cfg: SpecConfig, target: LoadedModel, device: str | torch.device | None = None, memory=None) -> Drafter | None:
-    """The drafter a method uses; checks knobs that depend on the model (exit layer vs depth).
+    """The drafter a method uses (the table's builder, ``decoding.methods``); checks knobs that depend on the model
+    (exit layer vs depth).
 
     ``device``: where a separate draft model is put (default: the target's device).
     ``memory``: the decoder's ``DraftMemory`` (state of model-free drafters that outlives a request).
     """
     device = target.device if device is None else device
-    depth = len(ModelAdapter(target.model).layers)
-    shape = tree_shape(cfg)
-    if cfg.method == "ar":
-        return None
-    if cfg.method in ("recycling", "suffix", "hybrid"):
-        from decoding.model_free import build_model_free
-
-        return build_model_free(cfg, target, memory)
-    if cfg.method == "ngram":
-        return NgramDrafter(cfg.ngram_max, cfg.ngram_min, tree_budget=None if shape is None else max_nodes_of(shape, cfg.k))
-    if cfg.method == "early-exit":
-        if cfg.exit_layer >= depth:
-            raise ConfigError("exit_layer", f"must be below the model's {depth} layers, got {cfg.exit_layer}")
-        return EarlyExitDrafter(cfg.exit_layer, cfg.confidence_threshold, tree=shape)
-    if cfg.method in ("sps", "pearl"):
-        if cfg.draft_model:
-            draft = load_model(cfg.draft_model, cfg.dtype, device)
-            if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
-                raise ConfigError("draft_model", f"{cfg.draft_model!r} does not share the target's tokenizer")
-            return DraftModelDrafter(ModelAdapter(draft.model.to(device)), cfg.confidence_threshold, tree=shape)
-        if cfg.draft_layers >= depth:
-            raise ConfigError("draft_layers", f"must be below the model's {depth} layers, got {cfg.draft_layers}")
-        return DraftModelDrafter(ModelAdapter(target.model, num_layers=cfg.draft_layers), cfg.confidence_threshold, tree=shape)
-    if cfg.method == "triforce":
-        return _triforce_drafter(cfg, target, depth, device)
-    if cfg.method == "trained":
-        from decoding.artifacts import load_artifact
-
-        return load_artifact(cfg.drafter, target.model).drafter(cfg.confidence_threshold, cfg.draft_vocab, shape)
-    raise ConfigError("method", f"unknown method {cfg.method!r}")  # unreachable: SpecConfig checks it
-
-
-def _triforce_drafter(cfg: SpecConfig, target: LoadedModel, depth: int, device: str | torch.device | None = None) -> Drafter:
-    from decoding.triforce import TriForceDrafter
-
-    device = target.device if device is None else device
-    bottom = None
-    if cfg.triforce_bottom == "model":
-        if not cfg.draft_model:
-            raise ConfigError("draft_model", "triforce_bottom=model needs a draft_model (a local model directory)")
-        draft = load_model(cfg.draft_model, cfg.dtype, device)
-        if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
-            raise ConfigError("draft_model", f"{cfg.draft_model!r} does not share the target's tokenizer")
-        bottom = ModelAdapter(draft.model.to(device))
-    elif cfg.triforce_bottom == "layers":
-        if cfg.draft_layers >= depth:
-            raise ConfigError("draft_layers", f"must be below the model's {depth} layers, got {cfg.draft_layers}")
-        bottom = ModelAdapter(target.model, num_layers=cfg.draft_layers)
-    return TriForceDrafter(
-        cfg.triforce_bottom,
-        budget=cfg.triforce_budget,
-        chunk_size=cfg.triforce_chunk_size,
-        gamma=cfg.triforce_gamma,
-        sinks=cfg.triforce_sinks,
-        window=cfg.triforce_window,
-        bottom_adapter=bottom,
-        ngram=(cfg.ngram_max, cfg.ngram_min),
-        confidence_threshold=cfg.confidence_threshold,
-    )
+    return method_of(cfg.method).drafter(cfg, target, device, memory)
 
 
 def encode_chat(tokenizer, messages: list[dict], field: str = "chat", hint: str = "") -> torch.Tensor:
@@ -262,8 +206,9 @@ class SpecDecoder:
         out = self.generate_ids(self.encode(prompt, chat), max_new_tokens, seed)
         stats = out.stats.to_dict()
         stats["placement"] = {"mode": "local", "threads": self.threads, "schedule": "sequential"}
-        if self.cfg.method == "pearl":  # the overlap needs two workers (placement=actors); the output is the same
-            stats["placement"]["note"] = "pearl ran in one process: drafting and verifying took turns (the sps schedule)"
+        note = method_of(self.cfg.method).local_note  # pearl: the overlap needs two workers; the output is the same
+        if note:
+            stats["placement"]["note"] = note
         return {
             "method": self.cfg.method,
             "text": self.decode(out.token_ids),

@@ -117,7 +117,7 @@ class HybridDrafter(Drafter):
                 if p:
                     probs[i] = min(probs[i], probs[p - 1])
             out.append((toks, pars, probs, "ngram"))
-        self.suffix._catch_up(state)
+        self.suffix.catch_up(state)
         toks, pars, probs, _ = self.suffix.draft(seq[-self.suffix.max_match :].tolist(), k, cap)
         if toks:
             out.append((toks, pars, probs, "suffix"))

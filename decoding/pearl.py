@@ -64,14 +64,11 @@ import torch
 
 from decoding.adapter import KVCache, ModelAdapter
 from decoding.drafters import DecodeState, Drafter, DraftModelDrafter, Proposal
-from decoding.loop import ContextTooLong, Generation, verify
+from decoding.loop import GREEDY, ContextTooLong, Generation, verify
+from decoding.methods import TWO_SIDED_SCHEDULES as SCHEDULES
 from decoding.metrics import StepRecord, summarize
 from decoding.sampling import SamplingParams, warp
 from decoding.verify import verify_speculative
-
-GREEDY = SamplingParams()
-SCHEDULES = ("pearl", "sps")
-
 
 # ---- the messages between a schedule and the two sides --------------------------------------
 

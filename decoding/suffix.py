@@ -204,9 +204,10 @@ class SuffixDrafter(Drafter):
         self.local = SuffixTrie(self.depth)
         self._prompt_len = state.tokens.shape[1] - 1  # the first generated token is already committed
         self._fed = 0
-        self._catch_up(state)
+        self.catch_up(state)
 
-    def _catch_up(self, state: DecodeState) -> None:
+    def catch_up(self, state: DecodeState) -> None:
+        """Extend this request's suffix trie with the tokens committed since the last call (the hybrid calls it too)."""
         seq = state.tokens[0, self._fed :].tolist()
         self.local.extend(seq)
         self._fed += len(seq)
@@ -229,7 +230,7 @@ class SuffixDrafter(Drafter):
         return best
 
     def propose(self, state: DecodeState, k: int) -> Proposal:
-        self._catch_up(state)
+        self.catch_up(state)
         tokens, parents, probs, _ = self.draft(state.tokens[0, -self.max_match :].tolist(), k)
         if self.chooser is not None:  # best-first order: every prefix is a tree
             b = self.chooser.prefix(probs)

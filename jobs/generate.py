@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from decoding.methods import runs_on_actors
 from jobs.common import Parser, add_config_args, check_text, config_from_args, fail, input_file, run_cli
 
 
@@ -48,7 +49,7 @@ def read_prompt(args) -> str:
 def main_with_args(args) -> int:
     cfg = config_from_args(args)
     prompt = read_prompt(args)
-    if cfg.method == "pearl" or cfg.placement == "actors":
+    if runs_on_actors(cfg.method, cfg.placement):  # pearl always
         out = _generate_on_actors(cfg.replace(placement="actors"), prompt, args)
     else:
         from decoding.engine import SpecDecoder  # heavy imports after the cheap checks

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 import kernels
 from actors.devices import placed
 from decoding.config import ConfigError, SpecConfig
+from decoding.methods import METHOD_TABLE, runs_on_actors
 from serving.batching import EngineFailed, EngineLoop, run_alone
 from serving.protocol import prompt_surely_exceeds
 from serving.textstream import TextAssembler
@@ -157,7 +158,7 @@ class ModelWorker:
         draws); with the entry's k the same seed gives the same text whatever else the replica is doing."""
         if seeded_sampling:
             return cfg
-        if self.adaptive_k and not cfg.adaptive_k and cfg.method not in ("ar", "pearl", "triforce") and cfg.tree == "chain":
+        if self.adaptive_k and not cfg.adaptive_k and METHOD_TABLE[cfg.method].serves_auto_k and cfg.tree == "chain":
             return cfg.replace(adaptive_k=True)
         return cfg
 
@@ -353,7 +354,7 @@ class ModelWorker:
             "adaptive_k": cfg.adaptive_k,
         }
         out["method"] = cfg.method
-        if cfg.method == "pearl" or cfg.placement == "actors":
+        if runs_on_actors(cfg.method, cfg.placement):
             out["placement"] = "local"  # served in the replica with the sequential schedule (same output, lossless)
         out["outcome"] = outcome
         out["load_s"] = load_s
@@ -361,8 +362,10 @@ class ModelWorker:
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy (and Serve replaces it)."""
-        if self._pool._shutdown:
-            raise RuntimeError("generation pool is shut down")
+        try:
+            self._pool.submit(int)  # a no-op; a shut-down pool refuses new work (its public face)
+        except RuntimeError:
+            raise RuntimeError("generation pool is shut down") from None
         for key, engine in list(self._engines.items()):
             if not engine.alive:
                 raise RuntimeError(f"the batch engine of {key[0]}/{key[1]} stopped")

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from decoding.methods import runs_on_actors
+
 
 def hosts_actors(sample: Mapping) -> bool:
     method = sample.get("method")
     placement = (sample.get(method) or {}).get("placement") if isinstance(sample.get(method), Mapping) else None
-    return method == "pearl" or placement == "actors" or sample.get("placement") == "actors"
+    return runs_on_actors(method, placement) or sample.get("placement") == "actors"
 
 
 def bundles_for(sample: Mapping, cpus_per_trial: int = 1, gpus_per_trial: float = 0.0) -> list[dict]:

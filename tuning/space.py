@@ -16,11 +16,8 @@ The same space drives two searchers: Optuna as a define-by-run function
 (``space(trial)``: truly conditional, a method's knobs are only suggested when
 the method is) and Tune's own random search (:meth:`SearchSpace.tune_space`).
 
-Extension points: :data:`METHOD_KNOBS` maps a method to its knobs and
-:data:`RESOLVERS` to a function fixing invalid combinations; PEARL's adaptive
-draft length, TriForce's budgets and tree shapes (a ``choice`` knob over named
-path lists) register there with :func:`register_method` once the engine runs
-them inside a trial.
+The knobs, their default ranges and the resolvers of invalid combinations come from the table of methods
+(``decoding.methods``): :data:`METHOD_KNOBS` is derived from it; a new method is searchable once it has an entry.
 
 >>> space = SearchSpace.build(["ngram", "early-exit"], depth=4)
 >>> space.knobs["early-exit"][1]
@@ -37,21 +34,17 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from decoding.config import METHODS, ConfigError, SpecConfig
-
-DEPTH = "depth"  # a knob bound meaning "the model's depth - 1" (the deepest layer that can still draft)
+from decoding.methods import DEPTH, METHOD_TABLE, KnobSpec
 
 
 @dataclass(frozen=True)
-class Knob:
-    """One searchable SpecConfig field: an int or float range (``step`` makes it discrete) or a choice."""
+class Knob(KnobSpec):
+    """One searchable SpecConfig field (a table knob, ``decoding.methods.KnobSpec``): an int or float range
+    (``step`` makes it discrete) or a choice, with the searchers' views."""
 
-    field: str
-    kind: str  # "int" | "float" | "choice"
-    low: float | int | str | None = None  # a number, or DEPTH
-    high: float | int | str | None = None
-    choices: tuple = ()
-    step: float | None = None
-    log: bool = False
+    @classmethod
+    def of(cls, spec: KnobSpec) -> Knob:
+        return cls(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)})
 
     def __post_init__(self):
         if self.field not in {f.name for f in dataclasses.fields(SpecConfig)}:
@@ -99,69 +92,11 @@ class Knob:
         return f"{self.field} in [{self.low}, {self.high}]{step}"
 
 
-_K = Knob("k", "int", 1, 8)
-_CONFIDENCE = Knob("confidence_threshold", "float", 0.0, 0.9, step=0.05)
-
-# method -> knobs it reads. Extension point: register_method().
-METHOD_KNOBS: dict[str, tuple[Knob, ...]] = {
-    "ar": (),
-    "ngram": (_K, Knob("ngram_max", "int", 1, 5), Knob("ngram_min", "int", 1, 3)),
-    "early-exit": (_K, Knob("exit_layer", "int", 1, DEPTH), _CONFIDENCE),
-    "sps": (_K, Knob("draft_layers", "int", 1, DEPTH), _CONFIDENCE),
-    # draft and target in two Ray actors inside the trial's own placement group (tuning.resources, trainable.decoder_for)
-    "pearl": (_K, Knob("draft_layers", "int", 1, DEPTH), _CONFIDENCE),
-}
-
-# Token trees (decoding/trees.py): the drafters that grow trees also search the shape and the node budget
-# (static trees need user paths, so they are not searched; sequoia uses the config's tree_acceptance).
-_TREE_KNOBS = (Knob("tree", "choice", choices=("chain", "sequoia", "dyspec")), Knob("tree_budget", "int", 4, 32))
-for _method in ("sps", "early-exit", "ngram"):
-    METHOD_KNOBS[_method] = METHOD_KNOBS[_method] + _TREE_KNOBS
-
-# trained drafters (decoding/artifacts.py): k (Medusa/Hydra: how many heads draft), the confidence stop, and which
-# artifact (--range drafter=a,b,c searches artifacts with different exit layers / head counts; --set drafter=X fixes one)
-# and draft_vocab (VocabTrim: 0 = the full LM head)
-_DRAFT_VOCAB = Knob("draft_vocab", "choice", choices=(0, 4096, 8192, 16384))
-# Medusa, Hydra and distilled drafters also search tree shapes; a chain-only artifact's trials get chains (to_config)
-METHOD_KNOBS["trained"] = (_K, _CONFIDENCE, Knob("drafter", "choice", choices=("",)), _DRAFT_VOCAB, *_TREE_KNOBS)
-
-# model-free tree drafters (decoding/recycling.py, suffix.py, hybrid.py): k is the tree depth; tree_budget applies with
-# tree_fit=budget (measured picks the size from this host's verification cost)
-_FIT = (Knob("tree_fit", "choice", choices=("measured", "budget")), Knob("tree_budget", "int", 4, 48))
-_RECYCLE = (Knob("recycle_width", "int", 1, 8),)
-_SUFFIX = (Knob("suffix_factor", "float", 0.5, 4.0, step=0.5), Knob("suffix_min_prob", "float", 0.0, 0.5, step=0.05))
-METHOD_KNOBS["recycling"] = (_K, *_RECYCLE, *_FIT)
-METHOD_KNOBS["suffix"] = (_K, *_SUFFIX, *_FIT)
-METHOD_KNOBS["hybrid"] = (_K, *_RECYCLE, *_SUFFIX, *_FIT)
-
-
-def _resolve_trained(values: dict, depth: int) -> dict:
-    """No artifact list given (--range drafter=...): keep the base config's drafter."""
-    if values.get("drafter") == "":
-        del values["drafter"]
-    return values
-
-
-# Methods that need a model layer below the top one to draft from (dropped when the model has one layer).
-NEEDS_LAYERS = {"early-exit": "exit_layer", "sps": "draft_layers", "pearl": "draft_layers"}
-
-
-def _resolve_ngram(values: dict, depth: int) -> dict:
-    """ngram_min > ngram_max is not an error to search around: the two bounds are swapped."""
-    lo, hi = values.get("ngram_min"), values.get("ngram_max")
-    if lo is not None and hi is not None and lo > hi:
-        values["ngram_min"], values["ngram_max"] = hi, lo
-    return values
-
-
-RESOLVERS: dict[str, Callable[[dict, int], dict]] = {"ngram": _resolve_ngram, "trained": _resolve_trained}
-
-
-def register_method(method: str, knobs: Iterable[Knob], resolve: Callable[[dict, int], dict] | None = None) -> None:
-    """Make a method searchable (PEARL, TriForce, trees...): its knobs and an optional resolver of invalid combos."""
-    METHOD_KNOBS[method] = tuple(knobs)
-    if resolve is not None:
-        RESOLVERS[method] = resolve
+# method -> the knobs it reads (the table's, checked here). NEEDS_LAYERS: the methods that need a model layer below the
+# top one to draft from (dropped when the model has one layer), and the knob naming it.
+METHOD_KNOBS: dict[str, tuple[Knob, ...]] = {name: tuple(Knob.of(k) for k in m.knobs) for name, m in METHOD_TABLE.items()}
+NEEDS_LAYERS = {name: m.layer_knob for name, m in METHOD_TABLE.items() if m.layer_knob}
+RESOLVERS: dict[str, Callable[[dict, int], dict]] = {name: m.resolve for name, m in METHOD_TABLE.items() if m.resolve}
 
 
 def searchable_methods() -> list[str]:
@@ -267,12 +202,14 @@ class SearchSpace:
         for m in methods:
             if m not in METHOD_KNOBS:
                 raise ConfigError("methods", f"method {m!r} cannot be tuned; choose from {', '.join(searchable_methods())}")
-            if m in NEEDS_LAYERS and not (m in ("sps", "pearl") and draft_model) and depth < 2:
+            entry = METHOD_TABLE[m]
+            separate_draft = entry.draft_model_replaces_layers and bool(draft_model)
+            if entry.layer_knob and not separate_draft and depth < 2:
                 notes.append(f"{m} dropped: the model has {depth} layer(s), none below the top to draft from")
                 continue
             mk = []
             for knob in METHOD_KNOBS[m]:
-                if m in ("sps", "pearl") and knob.field == "draft_layers" and draft_model:
+                if separate_draft and knob.field == entry.layer_knob:
                     continue  # a separate draft model: draft_layers is not read
                 if knob.field in fixed:
                     continue
@@ -335,22 +272,15 @@ class SearchSpace:
     def to_config(self, sample: Mapping, base: SpecConfig) -> SpecConfig:
         """The base config with the sample's method and that method's knobs; raises ConfigError if still invalid."""
         method, values = self.knob_values(sample)
-        if method == "ngram" and "ngram_min" in values and "ngram_max" not in values:  # one side fixed by the user
-            values["ngram_min"] = min(values["ngram_min"], base.ngram_max)
-        if method == "ngram" and "ngram_max" in values and "ngram_min" not in values:
-            values["ngram_max"] = max(values["ngram_max"], base.ngram_min)
-        if method == "trained" and values.get("tree", "chain") != "chain":
-            from decoding.artifacts import drafts_trees
-
-            if not drafts_trees(values.get("drafter", base.drafter)):  # Kangaroo, feature head: chains only
-                values["tree"] = "chain"
-                values.pop("tree_budget", None)
+        fit = METHOD_TABLE[method].fit  # e.g. one ngram bound fixed by the user, a chain-only trained artifact
+        if fit is not None:
+            values = fit(values, base)
         return base.replace(method=method, **values)
 
     def check_base(self, base: SpecConfig) -> None:
         """A knob the user fixed (--set) that no trial could run with fails here, before any trial starts."""
         for m, name in NEEDS_LAYERS.items():
-            separate_draft = m in ("sps", "pearl") and base.draft_model
+            separate_draft = METHOD_TABLE[m].draft_model_replaces_layers and base.draft_model
             if m in self.methods and name in self.fixed and getattr(base, name) >= self.depth and not separate_draft:
                 raise ConfigError(name, f"must be below the model's {self.depth} layers, got {getattr(base, name)}")
 
@@ -377,19 +307,3 @@ class SearchSpace:
 def knob_fields() -> list[str]:
     """Every field any method's knobs set, in a stable order: the config columns of the results table."""
     return list(dict.fromkeys(k.field for ks in METHOD_KNOBS.values() for k in ks))
-
-
-# TriForce (decoding/triforce.py): top-level k, the bottom drafter and its draft length, the retrieval budget and chunk
-# size, the bottom's streaming window. Bounds keep triforce_budget >= sinks (default 4) + window.
-register_method(
-    "triforce",
-    (
-        _K,
-        Knob("triforce_gamma", "int", 1, 8),
-        Knob("triforce_bottom", "choice", choices=("ngram", "layers")),
-        Knob("draft_layers", "int", 1, DEPTH),
-        Knob("triforce_budget", "int", 256, 4096, log=True),
-        Knob("triforce_chunk_size", "int", 4, 64, log=True),
-        Knob("triforce_window", "int", 16, 252, log=True),
-    ),
-)

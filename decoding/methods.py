@@ -1,0 +1,383 @@
+"""One table of methods: per method its drafter builder, its knobs and their search ranges, how it runs on actors, its schedule.
+
+Every outer layer asks this table instead of comparing method names: ``decoding.engine.build_drafter`` calls the
+entry's ``drafter``; ``tuning.space`` derives Tune's space from ``knobs`` (and fixes invalid samples with
+``resolve`` / ``fit``); ``actors``, ``cluster``, ``tuning.resources``, ``serving`` and ``jobs`` read ``actors``.
+Adding a method is one :class:`Method` entry in :data:`METHOD_TABLE` and its drafter.
+
+>>> method_of("pearl").actors.schedule_of(None), method_of("pearl").schedule
+('pearl', 'pearl')
+>>> [k.field for k in method_of("ngram").knobs]
+['k', 'ngram_max', 'ngram_min', 'tree', 'tree_budget']
+>>> [m for m in METHODS if method_of(m).actors]
+['sps', 'pearl', 'triforce']
+>>> runs_on_actors("pearl", "local"), runs_on_actors("ngram", "local"), runs_on_actors("sps", "actors")
+(True, False, True)
+
+This module is torch-free and imports nothing at module level (``decoding.config`` imports it): the builders
+import what they need when they run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from decoding.config import SpecConfig
+    from decoding.drafters import Drafter
+    from decoding.models import LoadedModel
+
+# ---- constants: each defined here once, imported everywhere else ----------------------------------------------------
+WORKER_ROLES = ("target", "draft")  # the two model workers of placement=actors; placement bundle 0 is the target, 1 the draft
+ACTOR_TRANSPORTS = ("calls", "compiled")  # plain actor calls or Ray compiled graphs between the driver and the workers
+TWO_SIDED_SCHEDULES = ("sps", "pearl")  # decoding.pearl over a draft and a target side: sequential, or drafting while verifying
+TRIFORCE_BOTTOMS = ("layers", "ngram", "model")  # what drafts for TriForce's middle level
+# a method's own schedule: draft then verify (the one loop), draft while verifying (PEARL), a drafter that itself
+# runs a speculative step (TriForce's middle level)
+SEQUENTIAL, PARALLEL, HIERARCHICAL = "sequential", "pearl", "hierarchical"
+SCHEDULES = (SEQUENTIAL, PARALLEL, HIERARCHICAL)
+# what the draft worker hosts: the draft model (``draft_model`` or the target's first ``draft_layers`` layers), or the
+# target again with the method's drafter over its own cache (TriForce's middle and bottom levels)
+DRAFT_MODEL, TARGET_WITH_DRAFTER = "draft-model", "target-with-drafter"
+DEPTH = "depth"  # a knob bound meaning "the model's depth - 1" (the deepest layer that can still draft)
+
+
+# ---- knobs ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KnobSpec:
+    """One searchable SpecConfig field and its default search range: an int or float range (``step`` makes it
+    discrete; bounds are numbers or :data:`DEPTH`) or a choice. Plain data: ``tuning.space.Knob`` checks it
+    (a SpecConfig field, a known kind) and adds the searchers' views."""
+
+    field: str
+    kind: str  # "int" | "float" | "choice"
+    low: float | int | str | None = None  # a number, or DEPTH
+    high: float | int | str | None = None
+    choices: tuple = ()
+    step: float | None = None
+    log: bool = False
+
+
+_K = KnobSpec("k", "int", 1, 8)
+_CONFIDENCE = KnobSpec("confidence_threshold", "float", 0.0, 0.9, step=0.05)
+_DRAFT_LAYERS = KnobSpec("draft_layers", "int", 1, DEPTH)
+# token trees (decoding/trees.py): the drafters that grow trees also search the shape and the node budget (static trees
+# need user paths, so they are not searched; sequoia uses the config's tree_acceptance)
+_TREE = (KnobSpec("tree", "choice", choices=("chain", "sequoia", "dyspec")), KnobSpec("tree_budget", "int", 4, 32))
+# model-free tree drafters: k is the tree depth; tree_budget applies with tree_fit=budget (measured picks the size from
+# this host's verification cost)
+_FIT = (KnobSpec("tree_fit", "choice", choices=("measured", "budget")), KnobSpec("tree_budget", "int", 4, 48))
+_RECYCLE = (KnobSpec("recycle_width", "int", 1, 8),)
+_SUFFIX = (KnobSpec("suffix_factor", "float", 0.5, 4.0, step=0.5), KnobSpec("suffix_min_prob", "float", 0.0, 0.5, step=0.05))
+
+
+# ---- fixing a sample's invalid combinations (tuning.space) -----------------------------------------------------------
+def _resolve_ngram(values: dict, depth: int) -> dict:
+    """ngram_min > ngram_max is not an error to search around: the two bounds are swapped."""
+    lo, hi = values.get("ngram_min"), values.get("ngram_max")
+    if lo is not None and hi is not None and lo > hi:
+        values["ngram_min"], values["ngram_max"] = hi, lo
+    return values
+
+
+def _fit_ngram(values: dict, base: SpecConfig) -> dict:
+    """One bound fixed by the user (--set), the other searched: the searched one is kept on its side of it."""
+    if "ngram_min" in values and "ngram_max" not in values:
+        values["ngram_min"] = min(values["ngram_min"], base.ngram_max)
+    if "ngram_max" in values and "ngram_min" not in values:
+        values["ngram_max"] = max(values["ngram_max"], base.ngram_min)
+    return values
+
+
+def _resolve_trained(values: dict, depth: int) -> dict:
+    """No artifact list given (--range drafter=...): keep the base config's drafter."""
+    if values.get("drafter") == "":
+        del values["drafter"]
+    return values
+
+
+def _fit_trained(values: dict, base: SpecConfig) -> dict:
+    """Medusa, Hydra and distilled drafters search tree shapes; a chain-only artifact's trials get chains."""
+    if values.get("tree", "chain") != "chain":
+        from decoding.artifacts import drafts_trees
+
+        if not drafts_trees(values.get("drafter", base.drafter)):  # Kangaroo, feature head: chains only
+            values["tree"] = "chain"
+            values.pop("tree_budget", None)
+    return values
+
+
+# ---- drafter builders: (cfg, target, device, memory) -> Drafter | None ----------------------------------------------
+def _depth(target: LoadedModel) -> int:
+    from decoding.adapter import ModelAdapter
+
+    return len(ModelAdapter(target.model).layers)
+
+
+def _shape(cfg: SpecConfig):
+    from decoding.engine import tree_shape
+
+    return tree_shape(cfg)
+
+
+def _draft_model(cfg: SpecConfig, target: LoadedModel, device):
+    """The adapter of the separate ``draft_model``, on ``device``; it must share the target's tokenizer."""
+    from decoding.adapter import ModelAdapter
+    from decoding.config import ConfigError
+    from decoding.models import load_model
+
+    draft = load_model(cfg.draft_model, cfg.dtype, device)
+    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise ConfigError("draft_model", f"{cfg.draft_model!r} does not share the target's tokenizer")
+    return ModelAdapter(draft.model.to(device))
+
+
+def _first_layers(cfg: SpecConfig, target: LoadedModel):
+    """The adapter of the target's first ``draft_layers`` layers (plus its final norm and LM head)."""
+    from decoding.adapter import ModelAdapter
+    from decoding.config import ConfigError
+
+    depth = _depth(target)
+    if cfg.draft_layers >= depth:
+        raise ConfigError("draft_layers", f"must be below the model's {depth} layers, got {cfg.draft_layers}")
+    return ModelAdapter(target.model, num_layers=cfg.draft_layers)
+
+
+def _no_drafter(cfg, target, device, memory) -> None:
+    return None
+
+
+def _ngram_drafter(cfg, target, device, memory) -> Drafter:
+    from decoding.drafters import NgramDrafter, max_nodes_of
+
+    shape = _shape(cfg)
+    return NgramDrafter(cfg.ngram_max, cfg.ngram_min, tree_budget=None if shape is None else max_nodes_of(shape, cfg.k))
+
+
+def _early_exit_drafter(cfg, target, device, memory) -> Drafter:
+    from decoding.config import ConfigError
+    from decoding.drafters import EarlyExitDrafter
+
+    shape, depth = _shape(cfg), _depth(target)
+    if cfg.exit_layer >= depth:
+        raise ConfigError("exit_layer", f"must be below the model's {depth} layers, got {cfg.exit_layer}")
+    return EarlyExitDrafter(cfg.exit_layer, cfg.confidence_threshold, tree=shape)
+
+
+def _draft_model_drafter(cfg, target, device, memory) -> Drafter:
+    """SpS (and PEARL in one process): ``draft_model``, else the target's first ``draft_layers`` layers."""
+    from decoding.drafters import DraftModelDrafter
+
+    shape = _shape(cfg)
+    adapter = _draft_model(cfg, target, device) if cfg.draft_model else _first_layers(cfg, target)
+    return DraftModelDrafter(adapter, cfg.confidence_threshold, tree=shape)
+
+
+def _triforce_drafter(cfg, target, device, memory) -> Drafter:
+    from decoding.config import ConfigError
+    from decoding.triforce import TriForceDrafter
+
+    bottom = None
+    if cfg.triforce_bottom == "model":
+        if not cfg.draft_model:
+            raise ConfigError("draft_model", "triforce_bottom=model needs a draft_model (a local model directory)")
+        bottom = _draft_model(cfg, target, device)
+    elif cfg.triforce_bottom == "layers":
+        bottom = _first_layers(cfg, target)
+    return TriForceDrafter(
+        cfg.triforce_bottom,
+        budget=cfg.triforce_budget,
+        chunk_size=cfg.triforce_chunk_size,
+        gamma=cfg.triforce_gamma,
+        sinks=cfg.triforce_sinks,
+        window=cfg.triforce_window,
+        bottom_adapter=bottom,
+        ngram=(cfg.ngram_max, cfg.ngram_min),
+        confidence_threshold=cfg.confidence_threshold,
+    )
+
+
+def _trained_drafter(cfg, target, device, memory) -> Drafter:
+    from decoding.artifacts import load_artifact
+
+    return load_artifact(cfg.drafter, target.model).drafter(cfg.confidence_threshold, cfg.draft_vocab, _shape(cfg))
+
+
+def _model_free_drafter(cfg, target, device, memory) -> Drafter:
+    from decoding.model_free import build_model_free
+
+    return build_model_free(cfg, target, memory)
+
+
+# ---- the entries --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OnActors:
+    """How a method runs with ``placement=actors``: a target worker and a draft worker (``roles``), driven by
+    ``decoding.pearl``'s two-sided ``schedule`` (or the one the config field ``schedule_field`` names) over one of
+    ``transports``."""
+
+    draft_worker: str  # DRAFT_MODEL | TARGET_WITH_DRAFTER: what the draft worker hosts
+    schedule: str | None = None  # a TWO_SIDED_SCHEDULES name, fixed ...
+    schedule_field: str | None = None  # ... or the SpecConfig field that holds it
+    ship_kv: bool = False  # the target ships its exact KV with each verdict (the draft worker holds a copy of the target)
+    level_stats: bool = False  # the draft worker reports its levels' stats (a hierarchical drafter)
+    always: bool = False  # runs on actors whatever ``placement`` says (in process it takes turns: same tokens, no overlap)
+    roles: tuple[str, ...] = WORKER_ROLES
+    transports: tuple[str, ...] = ACTOR_TRANSPORTS
+
+    def schedule_of(self, cfg: SpecConfig | None) -> str:
+        """The two-sided schedule a config runs over the workers."""
+        return self.schedule if self.schedule is not None else getattr(cfg, self.schedule_field)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One method: everything the layers outside ``decoding/`` need to know about it."""
+
+    name: str
+    summary: str
+    drafter: Callable  # (cfg, target: LoadedModel, device, memory: DraftMemory | None) -> Drafter | None
+    knobs: tuple[KnobSpec, ...] = ()  # what Tune searches, in order, with default ranges
+    schedule: str = SEQUENTIAL  # SEQUENTIAL | PARALLEL | HIERARCHICAL
+    actors: OnActors | None = None  # None: placement=actors cannot run it
+    layer_knob: str | None = None  # the field naming how many target layers draft (a one-layer model cannot run it)
+    draft_model_replaces_layers: bool = False  # a separate draft_model makes layer_knob moot
+    chains_only: bool = False  # draft trees are not allowed (tree must be chain)
+    needs_drafter: bool = False  # needs drafter=NAME (a trained artifact); bench labels ``NAME:ARTIFACT``
+    serves_auto_k: bool = True  # a served entry drafts k=auto by default (not: no drafts, or a fixed schedule)
+    resolve: Callable[[dict, int], dict] | None = None  # a sample's knob values, the model depth -> valid values
+    fit: Callable[[dict, SpecConfig], dict] | None = None  # a sample's knob values, the base config -> valid values
+    local_note: str | None = None  # said in stats["placement"]["note"] when it runs in one process
+
+
+_ON_TWO_WORKERS = OnActors(DRAFT_MODEL, schedule="sps")
+METHOD_TABLE: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("ar", "plain autoregressive decoding: the baseline of every speedup", _no_drafter, serves_auto_k=False),
+        Method(
+            "sps",
+            "a smaller model of the same tokenizer (draft_model, else the target's first draft_layers layers) drafts",
+            _draft_model_drafter,
+            (_K, _DRAFT_LAYERS, _CONFIDENCE, *_TREE),
+            actors=_ON_TWO_WORKERS,
+            layer_knob="draft_layers",
+            draft_model_replaces_layers=True,
+        ),
+        Method(
+            "ngram",
+            "prompt lookup: drafts copied from earlier matches of the latest n-gram",
+            _ngram_drafter,
+            (_K, KnobSpec("ngram_max", "int", 1, 5), KnobSpec("ngram_min", "int", 1, 3), *_TREE),
+            resolve=_resolve_ngram,
+            fit=_fit_ngram,
+        ),
+        Method(
+            "early-exit",
+            "self-speculation: the target's first exit_layer layers draft",
+            _early_exit_drafter,
+            (_K, KnobSpec("exit_layer", "int", 1, DEPTH), _CONFIDENCE, *_TREE),
+            layer_knob="exit_layer",
+        ),
+        Method(
+            "pearl",
+            "SpS with drafting and verifying at the same time on two workers (pre- and post-verify)",
+            _draft_model_drafter,
+            (_K, _DRAFT_LAYERS, _CONFIDENCE),
+            schedule=PARALLEL,
+            actors=OnActors(DRAFT_MODEL, schedule="pearl", always=True),
+            layer_knob="draft_layers",
+            draft_model_replaces_layers=True,
+            chains_only=True,
+            serves_auto_k=False,
+            local_note="pearl ran in one process: drafting and verifying took turns (the sps schedule)",
+        ),
+        Method(
+            "triforce",
+            "the target over a retrieval-selected sparse KV cache drafts for the full target, a bottom drafter for it",
+            _triforce_drafter,
+            # bounds keep triforce_budget >= sinks (default 4) + window
+            (
+                _K,
+                KnobSpec("triforce_gamma", "int", 1, 8),
+                KnobSpec("triforce_bottom", "choice", choices=("ngram", "layers")),
+                _DRAFT_LAYERS,
+                KnobSpec("triforce_budget", "int", 256, 4096, log=True),
+                KnobSpec("triforce_chunk_size", "int", 4, 64, log=True),
+                KnobSpec("triforce_window", "int", 16, 252, log=True),
+            ),
+            schedule=HIERARCHICAL,
+            actors=OnActors(TARGET_WITH_DRAFTER, schedule_field="triforce_schedule", ship_kv=True, level_stats=True),
+            serves_auto_k=False,
+        ),
+        Method(
+            "trained",
+            "a trained drafter artifact (Kangaroo adapter, Medusa or Hydra heads, feature head, distilled draft)",
+            _trained_drafter,
+            # drafter: --range drafter=a,b,c searches artifacts, --set drafter=X fixes one; draft_vocab: VocabTrim
+            (
+                _K,
+                _CONFIDENCE,
+                KnobSpec("drafter", "choice", choices=("",)),
+                KnobSpec("draft_vocab", "choice", choices=(0, 4096, 8192, 16384)),
+                *_TREE,
+            ),
+            needs_drafter=True,
+            resolve=_resolve_trained,
+            fit=_fit_trained,
+        ),
+        Method(
+            "recycling",
+            "Token Recycling: a tree from the target's own past top-k candidates (an adjacency matrix)",
+            _model_free_drafter,
+            (_K, *_RECYCLE, *_FIT),
+        ),
+        Method(
+            "suffix",
+            "suffix decoding: a tree from suffix tries over this and earlier requests",
+            _model_free_drafter,
+            (_K, *_SUFFIX, *_FIT),
+        ),
+        Method(
+            "hybrid",
+            "recycling, suffix and prompt-lookup drafts merged into one tree",
+            _model_free_drafter,
+            (_K, *_RECYCLE, *_SUFFIX, *_FIT),
+        ),
+    )
+}
+METHODS = tuple(METHOD_TABLE)
+
+
+def method_of(name: str) -> Method:
+    """The table entry of a method; an unknown name fails with a ``ConfigError`` on ``method``."""
+    try:
+        return METHOD_TABLE[name]
+    except (KeyError, TypeError):
+        from decoding.config import ConfigError
+
+        raise ConfigError("method", f"unknown method {name!r}; choose from {', '.join(METHODS)}") from None
+
+
+def actor_methods() -> tuple[str, ...]:
+    """The methods ``placement=actors`` runs."""
+    return tuple(name for name, m in METHOD_TABLE.items() if m.actors is not None)
+
+
+def on_actors(cfg: SpecConfig) -> OnActors:
+    """How ``cfg`` runs over a target and a draft worker; a method the workers cannot run fails on ``placement``."""
+    plan = method_of(cfg.method).actors
+    if plan is None:
+        from decoding.config import ConfigError
+
+        *rest, last = actor_methods()
+        raise ConfigError("placement", f"placement=actors runs {', '.join(rest)} and {last}, not {cfg.method!r}")
+    return plan
+
+
+def runs_on_actors(method: str | None, placement: str | None) -> bool:
+    """Whether a config of ``method`` with ``placement`` hosts its models in actors (pearl always does)."""
+    entry = METHOD_TABLE.get(method) if isinstance(method, str) else None
+    return placement == "actors" or (entry is not None and entry.actors is not None and entry.actors.always)
