@@ -1,4 +1,4 @@
-"""Drive a two-sided schedule (``decoding.pearl``) over a target worker and a draft worker.
+"""Drive a two-sided schedule (``decoding.two_sided``) over a target worker and a draft worker.
 
 ``ActorExecutor`` turns a schedule's requests into actor calls:
 
@@ -28,8 +28,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from decoding.config import ConfigError, SpecConfig
 from decoding.loop import ContextTooLong
 from decoding.methods import ACTOR_TRANSPORTS, WORKER_ROLES, on_actors
-from decoding.pearl import DraftRequest, TargetRequest, TwoSidedGeneration, generate_two_sided, round_summary
 from decoding.sampling import SamplingParams
+from decoding.two_sided import DraftRequest, TwoSidedGeneration, VerifyRequest, generate_two_sided, round_summary
 
 
 class WorkerError(RuntimeError):
@@ -45,7 +45,7 @@ class WorkerTimeout(WorkerError):
 
 
 def schedule_for(cfg: SpecConfig) -> str:
-    """The two-sided schedule a method runs over actors (``decoding.pearl``), from the table; TriForce's levels pick theirs."""
+    """The two-sided schedule a method runs over actors (``decoding.two_sided``), from the table; TriForce's levels pick theirs."""
     return on_actors(cfg).schedule_of(cfg)
 
 
@@ -110,7 +110,7 @@ class ActorExecutor:
         first, _ = self.wait(refs, "workers' prefill")[0]
         return first
 
-    def step(self, treq: TargetRequest, dreq: DraftRequest, parallel: bool):
+    def step(self, treq: VerifyRequest, dreq: DraftRequest, parallel: bool):
         if self._dag is not None:
             out = self.wait(self._dag.execute(treq, dreq), "compiled graph")
             result = (out[0], out[1]) if parallel else (out, None)

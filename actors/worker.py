@@ -1,8 +1,8 @@
-"""A Ray actor hosting one model (draft or target) with its KV cache: a thin RPC face over ``decoding.pearl``'s sides.
+"""A Ray actor hosting one model (draft or target) with its KV cache: a thin RPC face over ``decoding.two_sided``'s sides.
 
 The worker loads its model on the device it was placed on (``cuda`` when Ray
 gave it a GPU, else CPU with its own ``torch.set_num_threads``) and forwards
-each call to a ``TargetSide`` or ``DraftSide``; all decoding logic stays in
+each call to a ``VerifySide`` or ``DraftSide``; all decoding logic stays in
 ``decoding/``.
 
 What crosses the wire, per round:
@@ -36,8 +36,8 @@ from decoding.engine import SpecDecoder, build_drafter
 from decoding.methods import METHOD_TABLE, TARGET_WITH_DRAFTER, WORKER_ROLES
 from decoding.metrics import peak_rss_mb, reset_peak_rss
 from decoding.models import load_model, resolve_device, set_threads
-from decoding.pearl import DraftRequest, DraftResult, DraftSide, TargetRequest, TargetResult, TargetSide
 from decoding.sampling import SamplingParams
+from decoding.two_sided import DraftRequest, DraftResult, DraftSide, VerifyRequest, VerifyResult, VerifySide
 
 
 @ray.remote(max_restarts=0, max_task_retries=0)
@@ -78,7 +78,7 @@ class ModelActor:
         self.adapter = ModelAdapter(loaded.model, num_layers=layers)
         sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
         if role == "target":
-            self.side = TargetSide(self.adapter, sampling)
+            self.side = VerifySide(self.adapter, sampling)
         elif with_drafter:
             self.side = DraftSide(build_drafter(cfg, loaded, self.device), sampling, target=self.adapter)
         else:
@@ -118,7 +118,7 @@ class ModelActor:
         reset_peak_rss()  # peak_rss_mb then reports this generation's peak
         return self.side.prefill(prompt, max_len, seed, sampling)
 
-    def verify(self, req: TargetRequest, chained: DraftResult | None = None) -> TargetResult:
+    def verify(self, req: VerifyRequest, chained: DraftResult | None = None) -> VerifyResult:
         return self.side.verify(req, chained)
 
     def draft(self, req: DraftRequest) -> DraftResult:

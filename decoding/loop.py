@@ -17,6 +17,12 @@ rule and generator. A row's tokens never depend on which other rows share
 its step (greedy float32: identical to running alone). ``generate`` is a batch
 of one, and with one row the step makes exactly the calls a plain loop would.
 
+The two-sided runtime (``decoding.two_sided``: PEARL, SpS and TriForce with
+the draft and the target on two sides) uses this module's pieces rather than
+copies of them: the context check (``check_context``), the prefill
+(``prefill``, ``fill``), the verification rule (``verify``, ``committed_by``)
+and the output (``Output``: the commit rule and the stats record).
+
 How many drafts a row offers is the row's ``k`` (fixed), or, with
 ``adaptive=True``, chosen per step from its measured acceptance and the
 measured cost of the forward (``decoding.goodput``): long drafts at low load,
@@ -82,6 +88,40 @@ def verify_tree(proposal: Proposal, logits: torch.Tensor, sampling: SamplingPara
     return verify_tree_speculative(nodes, tree.parents, q, warp(logits, sampling), u_accept, u_sample)
 
 
+def check_context(prompt_len: int, max_new_tokens: int, max_context: int) -> None:
+    """Raise ``ContextTooLong`` when the prompt and the new tokens cannot fit the model's context."""
+    if prompt_len + max_new_tokens > max_context:
+        raise ContextTooLong(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of {max_context}"
+        )
+
+
+def fill(model: ModelAdapter, cache: KVCache, prompt: torch.Tensor) -> torch.Tensor:
+    """Run the prompt [1, T] into an empty ``cache``, which then holds exactly the prompt; returns the hidden states [1, T, H]."""
+    h = model.forward(cache, 0, input_ids=prompt)
+    cache.rollback(prompt.shape[1])
+    return h
+
+
+def prefill(
+    target: ModelAdapter, cache: KVCache, prompt: torch.Tensor, sampling: SamplingParams, generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fill ``cache`` with the prompt [1, T] and draw the first new token with the loop's rule.
+
+    Returns (first token [1, 1], the prompt's hidden states [1, T, H]). Afterwards the cache holds the prompt
+    and the first token is pending: the loop's invariant.
+    """
+    h = fill(target, cache, prompt)
+    first = verify(Proposal.empty(1, prompt.device), target.logits(h[:, -1:]), sampling, generator)
+    return first.tokens[:, :1], h
+
+
+def committed_by(verdict: Verdict) -> tuple[int, list[int]]:
+    """(m, the m + 1 tokens the verdict commits: the accepted drafts, then the target's token) of a one-row verdict."""
+    m = int(verdict.num_accepted[0])
+    return m, verdict.tokens[0, : m + 1].tolist()
+
+
 @dataclass
 class StepResult:
     proposal: Proposal
@@ -143,8 +183,7 @@ def verify_step(
             verdict = verify_tree(proposal, logit_rows[b], state.sampling, state.generator, tokens[:, -1:])
         else:
             verdict = verify(proposal, logit_rows[b], state.sampling, state.generator)
-        m = int(verdict.num_accepted[0])
-        committed = verdict.tokens[0, : m + 1].tolist()
+        m, committed = committed_by(verdict)
         state.tokens = torch.cat([tokens, torch.tensor([committed], dtype=tokens.dtype, device=tokens.device)], dim=1)
         state.accepted_path = None
         state.target_hidden = hs[b][:, : m + 1]  # [1, m+1, H] pending + accepted drafts
@@ -222,7 +261,62 @@ def speculative_step(state: DecodeState, drafter: Drafter, k: int) -> StepResult
 StepCallback = Callable[[list[int]], "str | None"]
 
 
-class Sequence:
+class Output:
+    """What one generation has committed, its limits and how it ended: the commit rule and the stats record.
+
+    Shared by the loop's :class:`Sequence` and the two-sided runtime (``decoding.two_sided``). ``commit`` takes
+    a step's tokens, cuts them after the first EOS, ends the generation at ``max_new_tokens`` (a step never
+    brings more than ``remaining`` tokens: drafts are capped at ``remaining - 1``) and hands the tokens to
+    ``on_step``, whose returned string (if any) ends it with that finish reason.
+
+    >>> out = Output(max_new_tokens=8, eos_token_ids=[2])
+    >>> out.commit([5]); out.commit([6, 2, 7]); out.new, out.finish_reason
+    ([5, 6, 2], 'stop')
+    """
+
+    def __init__(self, max_new_tokens: int, eos_token_ids: tuple[int, ...] | list[int] = (), on_step: StepCallback | None = None):
+        self.max_new_tokens = max_new_tokens
+        self.eos = {int(e) for e in eos_token_ids}
+        self.on_step = on_step
+        self.new: list[int] = []
+        self.steps: list[StepRecord] = []
+        self.finish_reason: str | None = None
+        self.t_start = self.prefill_s = self.wall_s = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        """Tokens that may still be committed."""
+        return self.max_new_tokens - len(self.new)
+
+    def commit(self, tokens: list[int]) -> None:
+        """Append a step's tokens (cut after EOS; at the limit the generation ends) and hand them to ``on_step``."""
+        for i, tok in enumerate(tokens):
+            if tok in self.eos:
+                tokens, self.finish_reason = tokens[: i + 1], "stop"
+                break
+        self.new.extend(tokens)
+        if self.finish_reason is None and len(self.new) >= self.max_new_tokens:
+            self.finish_reason = "length"
+        if self.on_step:
+            reason = self.on_step(tokens)
+            if reason is not None and self.finish_reason is None:
+                self.finish_reason = str(reason)
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """End the generation before its next step (call between steps, from the thread that runs it)."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+
+    def result(self) -> Generation:
+        stats = summarize(len(self.new), self.wall_s, self.prefill_s, self.steps)
+        return Generation(token_ids=list(self.new), finish_reason=self.finish_reason or "length", stats=stats, steps=self.steps)
+
+
+class Sequence(Output):
     """One request in the batch: its prompt, drafter, draft length, sampling, generator, limits and output.
 
     ``on_step(tokens)`` receives each step's newly committed tokens (after EOS trimming, so streaming sees
@@ -249,28 +343,18 @@ class Sequence:
             raise ValueError(f"a sequence is one row of prompt ids [1, T], got shape {tuple(prompt_ids.shape)}")
         if prompt_ids.shape[1] < 1:
             raise ValueError("empty prompt")
+        super().__init__(max_new_tokens, eos_token_ids, on_step)
         self.prompt_ids = prompt_ids
         self.drafter = drafter or Drafter()
         self.k, self.adaptive = k, adaptive
         self.sampling, self.generator = sampling, generator
-        self.max_new_tokens = max_new_tokens
-        self.eos = {int(e) for e in eos_token_ids}
-        self.on_step = on_step
         self.tag = tag
         self.state: DecodeState | None = None
-        self.new: list[int] = []
-        self.steps: list[StepRecord] = []
-        self.finish_reason: str | None = None
         self.acceptance = Acceptance()
-        self.t_start = self.prefill_s = self.wall_s = 0.0
 
     @property
     def prompt_len(self) -> int:
         return self.prompt_ids.shape[1]
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
     @property
     def max_len(self) -> int:
@@ -280,29 +364,6 @@ class Sequence:
     def step_k(self) -> int:
         """Never draft more than can be committed: m + 1 <= remaining."""
         return max(0, min(self.k, self.max_new_tokens - len(self.new) - 1))
-
-    def commit(self, tokens: list[int]) -> None:
-        """Append a step's tokens (cut after EOS or at the limit) and hand them to ``on_step``."""
-        for i, tok in enumerate(tokens):
-            if tok in self.eos:
-                tokens, self.finish_reason = tokens[: i + 1], "stop"
-                break
-        self.new.extend(tokens)
-        if self.finish_reason is None and len(self.new) >= self.max_new_tokens:
-            self.finish_reason = "length"
-        if self.on_step:
-            reason = self.on_step(tokens)
-            if reason is not None and self.finish_reason is None:
-                self.finish_reason = str(reason)
-
-    def cancel(self, reason: str = "cancelled") -> None:
-        """End the sequence before its next step (call between steps, from the thread that runs the batch)."""
-        if self.finish_reason is None:
-            self.finish_reason = reason
-
-    def result(self) -> Generation:
-        stats = summarize(len(self.new), self.wall_s, self.prefill_s, self.steps)
-        return Generation(token_ids=list(self.new), finish_reason=self.finish_reason or "length", stats=stats, steps=self.steps)
 
 
 class Batch:
@@ -340,11 +401,7 @@ class Batch:
     # ---- joining and leaving ----------------------------------------------------------
     def check(self, seq: Sequence) -> None:
         """Raise ``ContextTooLong`` / ``NotBatchable`` for a sequence this batch cannot take (before any work)."""
-        if seq.prompt_len + seq.max_new_tokens > self.target.max_context:
-            raise ContextTooLong(
-                f"prompt ({seq.prompt_len} tokens) + max_new_tokens ({seq.max_new_tokens}) exceeds the model's context "
-                f"of {self.target.max_context}"
-            )
+        check_context(seq.prompt_len, seq.max_new_tokens, self.target.max_context)
         if not getattr(seq.drafter, "batchable", True) and (self.rows or self.max_rows > 1):
             raise NotBatchable(f"{seq.drafter.name} decodes one sequence at a time; run it in a batch of max_rows=1")
 
@@ -362,13 +419,11 @@ class Batch:
         view = self.cache.row(index)
         target = self.target
         prompt = seq.prompt_ids.to(target.device)
-        h = target.forward(view, 0, input_ids=prompt)
-        first = verify(Proposal.empty(1, prompt.device), target.logits(h[:, -1:]), seq.sampling, seq.generator)
-        view.rollback(seq.prompt_len)
-        tokens = torch.cat([prompt, first.tokens[:, :1]], dim=1)
+        first, h = prefill(target, view, prompt, seq.sampling, seq.generator)
+        tokens = torch.cat([prompt, first], dim=1)
         seq.state = DecodeState(tokens, target, view, seq.sampling, seq.generator, seq.max_len, target_hidden=h)
         seq.prefill_s = time.perf_counter() - seq.t_start
-        seq.commit([int(first.tokens[0, 0])])
+        seq.commit([int(first[0, 0])])
         if seq.finished:
             seq.wall_s = time.perf_counter() - seq.t_start
             return seq

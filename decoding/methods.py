@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # ---- constants: each defined here once, imported everywhere else ----------------------------------------------------
 WORKER_ROLES = ("target", "draft")  # the two model workers of placement=actors; placement bundle 0 is the target, 1 the draft
 ACTOR_TRANSPORTS = ("calls", "compiled")  # plain actor calls or Ray compiled graphs between the driver and the workers
-TWO_SIDED_SCHEDULES = ("sps", "pearl")  # decoding.pearl over a draft and a target side: sequential, or drafting while verifying
+TWO_SIDED_SCHEDULES = ("sps", "pearl")  # decoding.two_sided over a draft and a target side: sequential, or drafting while verifying
 TRIFORCE_BOTTOMS = ("layers", "ngram", "model")  # what drafts for TriForce's middle level
 # a method's own schedule: draft then verify (the one loop), draft while verifying (PEARL), a drafter that itself
 # runs a speculative step (TriForce's middle level)
@@ -215,7 +215,7 @@ def _model_free_drafter(cfg, target, device, memory) -> Drafter:
 @dataclass(frozen=True)
 class OnActors:
     """How a method runs with ``placement=actors``: a target worker and a draft worker (``roles``), driven by
-    ``decoding.pearl``'s two-sided ``schedule`` (or the one the config field ``schedule_field`` names) over one of
+    ``decoding.two_sided``'s ``schedule`` (or the one the config field ``schedule_field`` names) over one of
     ``transports``."""
 
     draft_worker: str  # DRAFT_MODEL | TARGET_WITH_DRAFTER: what the draft worker hosts

@@ -97,7 +97,7 @@ def main():
                 t["rss"] = stats["peak_rss_mb"]
         refs.append(ref)
 
-    from decoding.pearl import round_summary
+    from decoding.two_sided import round_summary
 
     probe = next(iter(decs.values())).rpc_probe(50)
     rows = {}
@@ -138,7 +138,7 @@ def synthetic_run(args, actor_cfg, target, draft, ids, refs, ar, totals):
     import ray
 
     from actors.driver import ActorDecoder
-    from decoding.pearl import DraftResult, DraftSide, round_summary
+    from decoding.two_sided import DraftResult, DraftSide, round_summary
 
     @ray.remote(num_cpus=0)
     class SyntheticDraft:

@@ -9,8 +9,8 @@ from decoding.config import ConfigError, SpecConfig
 from decoding.kv_views import RetrievalCache, SparseKVCache, ViewAdapter, chunk_scores_reference, streaming_cache
 from decoding.loop import GREEDY, generate
 from decoding.metrics import chi_square_pvalue
-from decoding.pearl import DraftRequest, DraftSide, LocalExecutor, TargetSide, generate_two_sided
 from decoding.triforce import TriForceDrafter
+from decoding.two_sided import DraftRequest, DraftSide, LocalExecutor, VerifySide, generate_two_sided
 from tests.decoding.test_loop import N_TOKENS, PROMPT, SAMPLING, WARPED, exact_joint, sample_counts
 
 LONG = torch.tensor([[3, 7, 3, 7, 3, 1, 2, 5, 6, 3, 7, 9, 4, 4, 8, 3, 7, 3]])  # 18 tokens: 4 chunks of 4 + a partial chunk
@@ -179,7 +179,7 @@ def test_middle_level_is_sparse_and_rejected_sometimes(tiny_model):
 def two_sided(model, sampling=GREEDY, **knobs):
     """A target side and a draft side hosting TriForce's lower levels over its own copy of the target."""
     draft = DraftSide(triforce(model, **knobs), sampling, target=ModelAdapter(model))
-    return LocalExecutor(TargetSide(ModelAdapter(model), sampling), draft)
+    return LocalExecutor(VerifySide(ModelAdapter(model), sampling), draft)
 
 
 @pytest.mark.parametrize("schedule", ["sps", "pearl"])

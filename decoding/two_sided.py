@@ -1,16 +1,22 @@
-"""Two-sided speculative decoding: PEARL and sequential SpS as pure schedules over a target side and a draft side.
+"""The two-sided runtime: speculative decoding with the draft model and the target model on two sides.
 
 The draft model and the target model each live behind a *side* that owns the
-model's KV cache and answers one request at a time (``TargetSide.verify``,
+model's KV cache and answers one request at a time (``VerifySide.verify``,
 ``DraftSide.draft``). A *schedule* is a pure state machine: it says what each
 side must do next (``requests()``) and folds both answers into committed
 tokens (``join()``). Nothing here knows whether a side is a local object or a
 Ray actor; ``actors/`` runs the same schedules with each side in its own
 worker, and ``generate_two_sided`` with ``LocalExecutor`` runs them in process
-(one action after the other), which is how the tests drive them.
+(one action after the other), which is how the tests drive them. Two
+schedules: ``SequentialSchedule`` (``"sps"``) and ``PearlSchedule`` (``"pearl"``).
 
-Invariant (the one of ``decoding/loop.py``): the target cache holds every
-committed token but the last one ("pending").
+What is the loop's is the loop's (``decoding/loop.py``): its invariant (the
+target cache holds every committed token but the last one, "pending"), its
+context check (``check_context``), its prefill (``prefill``, ``fill``), its
+verification rule (``verify``, ``committed_by``) and its output (``Output``:
+the commit rule that cuts after EOS and stops at max_new_tokens or when
+``on_step`` says so, and the stats record). This module adds only what two
+sides need: the messages between them, the sides, and the schedules.
 
 PEARL (Liu et al. 2024, "Parallel Speculative Decoding with Adaptive Draft
 Length"), as scheduled here. ``D`` is the list of drafted tokens that follow
@@ -57,16 +63,15 @@ worker to the target worker.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from decoding.adapter import KVCache, ModelAdapter
 from decoding.drafters import DecodeState, Drafter, DraftModelDrafter, Proposal
-from decoding.loop import GREEDY, ContextTooLong, Generation, verify
+from decoding.loop import GREEDY, Generation, Output, StepCallback, check_context, committed_by, fill, prefill, verify
 from decoding.methods import TWO_SIDED_SCHEDULES as SCHEDULES
-from decoding.metrics import StepRecord, summarize
+from decoding.metrics import StepRecord
 from decoding.sampling import SamplingParams, warp
 from decoding.verify import verify_speculative
 
@@ -83,7 +88,7 @@ class KVBlock:
 
 
 @dataclass
-class TargetRequest:
+class VerifyRequest:
     start: int  # cache slot of the pending token (committed length - 1)
     ids: list[int]  # [pending, d_1 .. d_j]
     probs: torch.Tensor | None = None  # [1, j, V] q rows of d_1..d_j (sampling with a model draft only)
@@ -92,7 +97,7 @@ class TargetRequest:
 
 
 @dataclass
-class TargetResult:
+class VerifyResult:
     num_accepted: int  # m of the j drafts in the request (plus any chained from a DraftResult)
     tokens: list[int]  # the m + 1 tokens the verdict commits: accepted drafts, then the target's token
     drafted: int  # j
@@ -120,8 +125,8 @@ class DraftResult:
 # ---- the two sides: thin owners of a model adapter and its cache ---------------------------
 
 
-class TargetSide:
-    """The target model and its cache; verifies with the loop's own rule (``decoding.loop.verify``)."""
+class VerifySide:
+    """The target model and its cache: prefills and verifies with the loop's own rule (``decoding.loop.verify``)."""
 
     def __init__(self, adapter: ModelAdapter, sampling: SamplingParams = GREEDY):
         self.adapter = adapter
@@ -137,12 +142,10 @@ class TargetSide:
         self.sampling = sampling or self.sampling
         ids = torch.tensor([prompt], dtype=torch.long, device=a.device)
         self.cache = a.new_cache(1, max_len)
-        h = a.forward(self.cache, 0, input_ids=ids)
-        first = verify(Proposal.empty(1, a.device), a.logits(h[:, -1:]), self.sampling, self.generator)
-        self.cache.rollback(len(prompt))
-        return int(first.tokens[0, 0]), time.perf_counter() - t0
+        first, _ = prefill(a, self.cache, ids, self.sampling, self.generator)
+        return int(first[0, 0]), time.perf_counter() - t0
 
-    def verify(self, req: TargetRequest, chained: DraftResult | None = None) -> TargetResult:
+    def verify(self, req: VerifyRequest, chained: DraftResult | None = None) -> VerifyResult:
         """One forward over [pending, drafts] at ``req.start``; the cache keeps pending + accepted drafts.
 
         ``chained``: drafts handed over directly by the draft side (sequential
@@ -157,16 +160,16 @@ class TargetSide:
         input_ids = torch.tensor([ids], dtype=torch.long, device=dev)  # [1, j+1]
         logits = a.logits(a.forward(self.cache, req.start, input_ids=input_ids))  # [1, j+1, V]
         proposal = Proposal(tokens=input_ids[:, 1:], probs=None if probs is None else probs.to(dev))
-        verdict = verify(proposal, logits, self.sampling, self.generator)
-        j, m = len(ids) - 1, int(verdict.num_accepted[0])
+        m, tokens = committed_by(verify(proposal, logits, self.sampling, self.generator))
+        j = len(ids) - 1
         self.cache.rollback(req.start + 1 + m)
         p_last = None
         if req.want_p and m == j and not self.sampling.greedy:
             p_last = warp(logits[:, -1], self.sampling).cpu()
         kv = KVBlock(req.start, *self.cache.export(req.start, req.start + 1 + m)) if req.want_kv else None
-        return TargetResult(
+        return VerifyResult(
             num_accepted=m,
-            tokens=verdict.tokens[0, : m + 1].tolist(),
+            tokens=tokens,
             drafted=j,
             p_last=p_last,
             compute_s=time.perf_counter() - t0,
@@ -214,13 +217,11 @@ class DraftSide:
         if self.target is not None:
             # this side's full cache of the prompt; the drafter starts at the first request, which brings the pending token
             self.state.target_cache = self.target.new_cache(1, max_len)
-            self.target.forward(self.state.target_cache, 0, input_ids=ids)
-            self.state.target_cache.rollback(len(prompt))
+            fill(self.target, self.state.target_cache, ids)
             self.started = False
         else:  # a draft model: prefill its cache now, beside the target's prefill
             self.drafter.start(self.state)
-            self.drafter.adapter.forward(self.drafter.cache, 0, input_ids=ids)
-            self.drafter.cache.rollback(len(prompt))
+            fill(self.drafter.adapter, self.drafter.cache, ids)
             self.started = True
         return time.perf_counter() - t0
 
@@ -274,73 +275,62 @@ class RoundRecord:
         return max(0.0, self.wall_s - compute)
 
 
-class _Schedule:
-    """Committed-token bookkeeping shared by both schedules: EOS, max_new_tokens, step records."""
+class Schedule:
+    """What both schedules keep besides the loop's ``Output``: the committed length, the pending token, the draft
+    side's next sync and the round records. ``out`` commits (EOS, max_new_tokens, ``on_step``) and records steps."""
 
     parallel = False
 
-    def __init__(
-        self, prompt_len: int, first_token: int, k: int, max_new_tokens: int, eos=(), sampling=GREEDY, generator=None, ship_kv=False
-    ):
+    def __init__(self, out: Output, prompt_len: int, k: int, sampling=GREEDY, generator=None, ship_kv=False):
+        """``out`` holds the prefill's first token, already committed."""
+        self.out = out
         self.k = k
         self.ship_kv = ship_kv  # pass the target's KV of each verdict's tokens on to the draft side (TriForce over actors)
         self.kv: KVBlock | None = None  # the latest verdict's KV, for the next draft request
-        self.max_new_tokens = max_new_tokens
-        self.eos = {int(e) for e in eos}
         self.sampling = sampling
         self.generator = generator
-        self.n = prompt_len + 1  # committed length; token n-1 is pending
-        self.pending = first_token
-        self.new = [first_token]
-        self.finished = first_token in self.eos or max_new_tokens <= 1
-        self.stopped_by_eos = first_token in self.eos
-        self.draft_keep, self.draft_append = prompt_len, [first_token]  # the draft side's next sync
-        self.steps: list[StepRecord] = []
+        self.n = prompt_len + len(out.new)  # committed length; token n-1 is pending
+        self.pending = out.new[-1]
+        self.draft_keep, self.draft_append = prompt_len, list(out.new)  # the draft side's next sync
         self.rounds: list[RoundRecord] = []
 
     @property
-    def remaining(self) -> int:
-        return self.max_new_tokens - len(self.new)
+    def finished(self) -> bool:
+        return self.out.finished
 
-    def _requests(self, ids: list[int], k: int, probs=None, want_p=False) -> tuple[TargetRequest, DraftRequest]:
-        treq = TargetRequest(start=self.n - 1, ids=ids, probs=probs, want_p=want_p, want_kv=self.ship_kv)
+    def _requests(self, ids: list[int], k: int, probs=None, want_p=False) -> tuple[VerifyRequest, DraftRequest]:
+        treq = VerifyRequest(start=self.n - 1, ids=ids, probs=probs, want_p=want_p, want_kv=self.ship_kv)
         return treq, DraftRequest(keep=self.draft_keep, append=self.draft_append, k=k, kv=self.kv)
 
     def _commit(self, tokens: list[int]) -> list[int]:
-        """Append tokens, cut at the first EOS and at max_new_tokens; returns what was committed."""
-        out = []
-        for tok in tokens[: self.remaining]:
-            out.append(tok)
-            if tok in self.eos:
-                self.finished = self.stopped_by_eos = True
-                break
-        self.new.extend(out)
-        self.n += len(out)
-        if out:
-            self.pending = out[-1]
-        if self.remaining <= 0:
-            self.finished = True
-        return out
+        """Commit a round's tokens through the loop's rule; returns what was committed."""
+        before = len(self.out.new)
+        self.out.commit(tokens)
+        committed = self.out.new[before:]
+        self.n += len(committed)
+        if committed:
+            self.pending = committed[-1]
+        return committed
 
 
-class SequentialSchedule(_Schedule):
+class SequentialSchedule(Schedule):
     """SpS over two sides: draft k, then verify them (the draft result is chained into the target request)."""
 
     mode = "sequential"
 
-    def requests(self) -> tuple[TargetRequest, DraftRequest]:
-        kk = max(0, min(self.k, self.remaining - 1))  # never draft more than can be committed
+    def requests(self) -> tuple[VerifyRequest, DraftRequest]:
+        kk = max(0, min(self.k, self.out.remaining - 1))  # never draft more than can be committed
         return self._requests([self.pending], kk)
 
-    def join(self, t: TargetResult, d: DraftResult | None = None) -> list[int]:
+    def join(self, t: VerifyResult, d: DraftResult | None = None) -> list[int]:
         m, n_before, self.kv = t.num_accepted, self.n, t.kv
-        self.steps.append(StepRecord(drafted=t.drafted, accepted=m, draft_s=t.draft_compute_s, verify_s=t.compute_s))
+        self.out.steps.append(StepRecord(drafted=t.drafted, accepted=m, draft_s=t.draft_compute_s, verify_s=t.compute_s))
         # the draft sequence was committed + drafts; its first n_before + m tokens survive the verdict
         self.draft_keep, self.draft_append = n_before + m, [t.tokens[m]]
         return self._commit(t.tokens)
 
 
-class PearlSchedule(_Schedule):
+class PearlSchedule(Schedule):
     """PEARL's pre-verify / post-verify schedule (see the module docstring); ``k`` is PEARL's gamma."""
 
     parallel = True
@@ -355,16 +345,16 @@ class PearlSchedule(_Schedule):
     def mode(self) -> str:
         return "post-verify" if self.unverified else "pre-verify"
 
-    def requests(self) -> tuple[TargetRequest, DraftRequest]:
+    def requests(self) -> tuple[VerifyRequest, DraftRequest]:
         j = len(self.unverified)
         # this round commits at most j + 1 tokens; drafts past what can ever be committed are wasted work
-        gamma = max(0, min(self.k, self.remaining - j - 1))
+        gamma = max(0, min(self.k, self.out.remaining - j - 1))
         return self._requests([self.pending, *self.unverified], gamma, self.unverified_q, not self.sampling.greedy and gamma > 0)
 
-    def join(self, t: TargetResult, d: DraftResult) -> list[int]:
+    def join(self, t: VerifyResult, d: DraftResult) -> list[int]:
         D, j, m, n_before, self.kv = self.unverified, len(self.unverified), t.num_accepted, self.n, t.kv
         self.counts["post_verify_rounds" if j else "pre_verify_rounds"] += 1
-        self.steps.append(StepRecord(drafted=j, accepted=m, draft_s=d.compute_s, verify_s=t.compute_s))
+        self.out.steps.append(StepRecord(drafted=j, accepted=m, draft_s=d.compute_s, verify_s=t.compute_s))
         X = d.tokens
         self.unverified, self.unverified_q = [], None
         if m < j or not X:
@@ -386,7 +376,7 @@ class PearlSchedule(_Schedule):
             self.unverified, self.unverified_q = [], None
         return committed
 
-    def _check_first(self, x1: int, t: TargetResult, d: DraftResult) -> tuple[bool, int]:
+    def _check_first(self, x1: int, t: VerifyResult, d: DraftResult) -> tuple[bool, int]:
         """Verify one draft against the target's distribution after D: (accepted, token to commit)."""
         if self.sampling.greedy:
             target_token = t.tokens[-1]  # the argmax after D
@@ -420,13 +410,13 @@ class LocalExecutor:
         self.draft.prefill(prompt, max_len, seed + 1, sampling)
         return self.target.prefill(prompt, max_len, seed, sampling)[0]
 
-    def step(self, treq: TargetRequest, dreq: DraftRequest, parallel: bool) -> tuple[TargetResult, DraftResult | None]:
+    def step(self, treq: VerifyRequest, dreq: DraftRequest, parallel: bool) -> tuple[VerifyResult, DraftResult | None]:
         if parallel:
             return self.target.verify(treq), self.draft.draft(dreq)
         return self.target.verify(treq, self.draft.draft(dreq)), None
 
 
-def make_schedule(name: str, *args, **kwargs) -> _Schedule:
+def make_schedule(name: str, *args, **kwargs) -> Schedule:
     if name == "pearl":
         return PearlSchedule(*args, **kwargs)
     if name == "sps":
@@ -445,12 +435,14 @@ def generate_two_sided(
     eos_token_ids=(),
     seed: int = 0,
     max_context: int | None = None,
-    on_step: Callable[[list[int]], None] | None = None,
+    on_step: StepCallback | None = None,
     ship_kv: bool = False,
-) -> Generation:
+) -> TwoSidedGeneration:
     """Generate with a two-sided schedule; ``executor`` runs the requests (``LocalExecutor`` or an actor executor).
 
-    ``ship_kv``: the draft side reads the target's cache (TriForce's middle level): each verdict's KV goes to it.
+    ``on_step`` receives each round's committed tokens, as in the loop: returning a string stops the generation
+    with that finish reason. ``ship_kv``: the draft side reads the target's cache (TriForce's middle level): each
+    verdict's KV goes to it.
 
     Seeds: target side ``seed``, draft side ``seed + 1``, the schedule's own
     draws (PEARL's first-draft check) ``seed + 2``.
@@ -461,39 +453,29 @@ def generate_two_sided(
     prompt = prompt[0]
     if not prompt:
         raise ValueError("empty prompt")
-    if max_context is not None and len(prompt) + max_new_tokens > max_context:
-        raise ContextTooLong(
-            f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of {max_context}"
-        )
+    if max_context is not None:
+        check_context(len(prompt), max_new_tokens, max_context)
     max_len = len(prompt) + max_new_tokens + 2 * k + 2  # PEARL's draft runs up to 2k past the committed tokens
-    t_start = time.perf_counter()
+    out = Output(max_new_tokens, eos_token_ids, on_step)
+    out.t_start = time.perf_counter()
     first = executor.prefill(prompt, max_len, seed, sampling)
-    prefill_s = time.perf_counter() - t_start
+    out.prefill_s = time.perf_counter() - out.t_start
+    out.commit([first])
     gen = torch.Generator().manual_seed(seed + 2)
-    sched = make_schedule(schedule, len(prompt), first, k, max_new_tokens, eos_token_ids, sampling, gen, ship_kv)
-    if on_step:
-        on_step([first])
-    while not sched.finished:
+    sched = make_schedule(schedule, out, len(prompt), k, sampling, gen, ship_kv)
+    while not out.finished:
         mode = sched.mode
         treq, dreq = sched.requests()
         t0 = time.perf_counter()
         t, d = executor.step(treq, dreq, sched.parallel)
         wall = time.perf_counter() - t0
-        committed = sched.join(t, d)
+        sched.join(t, d)
         draft_s = d.compute_s if d is not None else t.draft_compute_s
         sched.rounds.append(RoundRecord(mode, wall, t.compute_s, draft_s, sched.parallel))
-        if on_step and committed:
-            on_step(committed)
-    wall = time.perf_counter() - t_start
-    stats = summarize(len(sched.new), wall, prefill_s, sched.steps)
-    return TwoSidedGeneration(
-        token_ids=sched.new,
-        finish_reason="stop" if sched.stopped_by_eos else "length",
-        stats=stats,
-        steps=sched.steps,
-        rounds=sched.rounds,
-        schedule_counts=dict(getattr(sched, "counts", {})),
-    )
+    out.wall_s = time.perf_counter() - out.t_start
+    g = out.result()
+    counts = dict(getattr(sched, "counts", {}))
+    return TwoSidedGeneration(g.token_ids, g.finish_reason, g.stats, g.steps, rounds=sched.rounds, schedule_counts=counts)
 
 
 def round_summary(rounds: list[RoundRecord]) -> dict:
@@ -528,14 +510,14 @@ class _ScriptedTarget:
         self.prompt_len = len(prompt)
         return self._at(0), 0.0
 
-    def verify(self, req: TargetRequest, chained: DraftResult | None = None) -> TargetResult:
+    def verify(self, req: VerifyRequest, chained: DraftResult | None = None) -> VerifyResult:
         ids = list(req.ids) + (chained.tokens if chained else [])
         self.calls.append(ids)
         pos = req.start + 1 - self.prompt_len  # generated index of the first draft
         drafts, m = ids[1:], 0
         while m < len(drafts) and drafts[m] == self._at(pos + m):
             m += 1
-        return TargetResult(num_accepted=m, tokens=drafts[:m] + [self._at(pos + m)], drafted=len(drafts))
+        return VerifyResult(num_accepted=m, tokens=drafts[:m] + [self._at(pos + m)], drafted=len(drafts))
 
 
 @dataclass

@@ -3,22 +3,22 @@
 import pytest
 import torch
 
-from decoding import pearl as pearl_module
+from decoding import two_sided
 from decoding.adapter import ModelAdapter
-from decoding.loop import generate
+from decoding.loop import ContextTooLong, generate
 from decoding.metrics import chi_square_pvalue
-from decoding.pearl import (
+from decoding.sampling import SamplingParams
+from decoding.two_sided import (
     GREEDY,
     DraftSide,
     LocalExecutor,
     PearlSchedule,
-    TargetSide,
+    VerifySide,
     _ScriptedDraft,
     _ScriptedTarget,
     generate_two_sided,
     round_summary,
 )
-from decoding.sampling import SamplingParams
 
 TEXT = "abcdefghijklmnopqrstuvwxyz"
 
@@ -91,6 +91,28 @@ def test_stops_right_after_eos(schedule):
     assert as_text(out.token_ids) == "abcdef" and out.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("schedule", ["pearl", "sps"])
+def test_on_step_stops_with_its_reason(schedule):
+    # the loop's Output: a string from on_step ends the generation after those tokens, with exact stats
+    seen = []
+
+    def stop_at_five(tokens):
+        seen.extend(tokens)
+        return "stopped" if len(seen) >= 5 else None
+
+    t, d = _ScriptedTarget(TEXT), _ScriptedDraft(["bcd", "efg", "hij", "klm"])
+    out = generate_two_sided(LocalExecutor(t, d), [[0]], schedule=schedule, k=3, max_new_tokens=20, on_step=stop_at_five)
+    assert out.finish_reason == "stopped" and out.token_ids == seen and 5 <= len(seen) < 20
+    assert as_text(out.token_ids) == TEXT[: len(seen)] and out.stats.new_tokens == len(seen)
+
+
+def test_context_check_is_the_loops():
+    t, d = _ScriptedTarget(TEXT), _ScriptedDraft([])
+    with pytest.raises(ContextTooLong, match=r"prompt \(3 tokens\) \+ max_new_tokens \(8\) exceeds the model's context of 10"):
+        generate_two_sided(LocalExecutor(t, d), [[0, 1, 2]], max_new_tokens=8, max_context=10)
+    assert t.prompt_len == 0 and not t.calls  # refused before the prefill
+
+
 def test_sequential_schedule_is_plain_sps():
     out, t, d = run(["bcX", "efX", "hij"], schedule="sps", k=3, max_new=9)
     assert as_text(out.token_ids) == TEXT[:9]
@@ -100,10 +122,10 @@ def test_sequential_schedule_is_plain_sps():
 
 
 def test_round_summary_overhead():
-    rec = [pearl_module.RoundRecord("pre-verify", 0.010, 0.007, 0.008, True)]
+    rec = [two_sided.RoundRecord("pre-verify", 0.010, 0.007, 0.008, True)]
     s = round_summary(rec)
     assert s["rounds"] == 1 and abs(s["overhead_ms"] - 2.0) < 1e-9
-    seq = pearl_module.RoundRecord("sequential", 0.020, 0.007, 0.008, False)
+    seq = two_sided.RoundRecord("sequential", 0.020, 0.007, 0.008, False)
     assert abs(seq.overhead_s - 0.005) < 1e-12
 
 
@@ -114,7 +136,7 @@ PROMPT = torch.tensor([[3, 7, 3, 7, 3]])
 
 def sides(model, sampling=GREEDY, draft_layers=1):
     draft = DraftSide.of_model(ModelAdapter(model, num_layers=draft_layers), sampling)
-    return LocalExecutor(TargetSide(ModelAdapter(model), sampling), draft)
+    return LocalExecutor(VerifySide(ModelAdapter(model), sampling), draft)
 
 
 @pytest.mark.parametrize("schedule", ["pearl", "sps"])
