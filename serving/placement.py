@@ -9,11 +9,12 @@ comes and goes with the replica. The layout depends on the cluster
 
 - three nodes that can each hold one of replica, target, draft: three bundles,
   ``STRICT_SPREAD``: draft and target on different nodes, the replica on a third;
-- two nodes: two bundles ``[replica + target, draft]``, ``STRICT_SPREAD``: the
-  replica shares the target's node, the draft has the other (three bundles on
-  two nodes would leave Ray free to put draft and target together);
-- one node: three bundles, ``STRICT_PACK``, the node's cores split as
-  ``cluster.placement.plan_placement`` splits them.
+- otherwise the layout of a Tune trial (``tuning.resources``): two bundles
+  ``[target, draft]`` as ``cluster.placement.plan_placement`` sizes them
+  (``STRICT_SPREAD`` on two nodes, ``STRICT_PACK`` on one), the replica pinned
+  to bundle 0 beside the target and asking no CPUs of its own (it tokenizes and
+  waits while the workers compute). Three bundles on two nodes would leave Ray
+  free to put draft and target together.
 
 An entry the cluster cannot hold fails at deploy time (``build_app``, ``specray
 serve``) with one line naming what it wants and what the cluster has.
@@ -24,10 +25,10 @@ serve``) with one line naming what it wants and what the cluster has.
 >>> p.strategy, p.bundles, p.index
 ('STRICT_SPREAD', [{'CPU': 1.0}, {'CPU': 1.0}, {'CPU': 1.0}], {'target': 1, 'draft': 2})
 >>> p = plan_replica(cfg, [{"Alive": True, "Resources": {"CPU": 2.0}}] * 2)
->>> p.strategy, p.bundles, p.index
-('STRICT_SPREAD', [{'CPU': 2.0}, {'CPU': 1.0}], {'target': 0, 'draft': 1})
->>> plan_replica(cfg, [{"Alive": True, "Resources": {"CPU": 4.0}}]).strategy
-'STRICT_PACK'
+>>> p.strategy, p.bundles, p.index, p.replica
+('STRICT_SPREAD', [{'CPU': 1.0}, {'CPU': 1.0}], {'target': 0, 'draft': 1}, {'CPU': 0.0})
+>>> plan_replica(SpecConfig(method="pearl"), [{"Alive": True, "Resources": {"CPU": 2.0}}]).bundles  # one 2-core machine
+[{'CPU': 1.0}, {'CPU': 1.0}]
 >>> try:
 ...     plan_replica(cfg.replace(num_gpus_per_model=1.0), three)
 ... except PlacementError as e:
@@ -45,7 +46,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-from cluster.placement import ROLES, PlacementError, _can_spread, _fits, _fmt, _sum, plan_placement
+from cluster.placement import ROLES, PlacementError, _fits, _fmt, plan_placement
 from decoding.config import ConfigError, SpecConfig
 
 log = logging.getLogger("ray.serve")
@@ -89,30 +90,22 @@ def _distinct(bundles: list[dict], nodes: list[dict]) -> bool:
     return place(0, set())
 
 
-def _minus_cpu(nodes: list[dict], cpus: float) -> list[dict]:
-    out = []
-    for n in nodes:
-        res = dict(n.get("Resources", {}))
-        res["CPU"] = max(0.0, res.get("CPU", 0.0) - cpus)
-        out.append({**n, "Resources": res})
-    return out
-
-
 def plan_replica(cfg: SpecConfig, nodes: list[dict], replica_cpus: float = 1.0) -> ReplicaPlan:
     """Bundles and strategy of the replica of an actor entry on ``nodes`` (``ray.nodes()`` rows); PlacementError if impossible."""
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
     replica = {"CPU": float(replica_cpus)}
-
-    def plan(on):
-        try:
-            p = plan_placement(cfg, on)
-        except PlacementError:
-            return None
-        return p, dict(zip(ROLES, p.bundles, strict=True))
-
-    whole = plan(nodes)
-    if whole and whole[0].strategy == "STRICT_SPREAD" and _distinct([replica, whole[1]["target"], whole[1]["draft"]], alive):
-        p, w = whole
+    try:
+        p = plan_placement(cfg, nodes)
+    except PlacementError:
+        w = _wanted_workers(cfg)
+        nodes_text = ", ".join(str(_fmt(n)) for n in alive) or "none alive"
+        raise PlacementError(
+            "placement",
+            f"the entry wants a replica {replica}, a target worker {w['target']} and a draft worker {w['draft']} "
+            f"(on separate nodes with STRICT_SPREAD, else one node with STRICT_PACK); the cluster has {len(alive)} node(s): {nodes_text}",
+        ) from None
+    w = dict(zip(ROLES, p.bundles, strict=True))
+    if p.strategy == "STRICT_SPREAD" and _distinct([replica, w["target"], w["draft"]], alive):
         return ReplicaPlan(
             "STRICT_SPREAD",
             [replica, w["target"], w["draft"]],
@@ -122,36 +115,9 @@ def plan_replica(cfg: SpecConfig, nodes: list[dict], replica_cpus: float = 1.0) 
             replica,
             "replica, target and draft each on its own node",
         )
-    shared = plan(_minus_cpu(nodes, replica_cpus))  # the workers sized to leave the replica its CPUs on their node
-    if shared:
-        p, w = shared
-        if p.strategy == "STRICT_SPREAD" and _can_spread([_sum(replica, w["target"]), w["draft"]], alive):
-            return ReplicaPlan(
-                "STRICT_SPREAD",
-                [_sum(replica, w["target"]), w["draft"]],
-                {"target": 0, "draft": 1},
-                w,
-                p.threads,
-                replica,
-                "two nodes: the replica beside the target, the draft on the other node",
-            )
-        if any(_fits(_sum(replica, w["target"], w["draft"]), n) for n in alive):
-            return ReplicaPlan(
-                "STRICT_PACK",
-                [replica, w["target"], w["draft"]],
-                {"target": 1, "draft": 2},
-                w,
-                p.threads,
-                replica,
-                f"one node: {p.reason}",
-            )
-    w = (whole or shared or (None, _wanted_workers(cfg)))[1]
-    nodes_text = ", ".join(str(_fmt(n)) for n in alive) or "none alive"
-    raise PlacementError(
-        "placement",
-        f"the entry wants a replica {replica}, a target worker {w['target']} and a draft worker {w['draft']} "
-        f"(on separate nodes with STRICT_SPREAD, else one node with STRICT_PACK); the cluster has {len(alive)} node(s): {nodes_text}",
-    )
+    # as a Tune trial does (tuning.resources): the replica rides in the target's bundle, asking nothing of its own
+    beside = f"the replica beside the target; {p.reason}"
+    return ReplicaPlan(p.strategy, [w["target"], w["draft"]], {"target": 0, "draft": 1}, w, p.threads, {"CPU": 0.0}, beside)
 
 
 def _wanted_workers(cfg: SpecConfig) -> dict:

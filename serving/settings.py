@@ -80,7 +80,8 @@ class ServeSettings:
         ``placement=actors``) as Tune measured it: a deployment of its own whose replica reserves a
         placement group for its two workers (``serving.placement``), validated against the cluster at
         deploy time; ``false`` serves them in the model replica with the sequential schedule.
-    placed_replica_num_cpus: Ray CPUs of such a replica (bundle 0 of its group; it tokenizes and drives).
+    placed_replica_num_cpus: Ray CPUs of such a replica when it has a bundle of its own (three nodes or more);
+        otherwise it rides in its target worker's bundle, as a Tune trial does.
     """
 
     registry: str | None = None
