@@ -31,9 +31,9 @@ import ray
 import kernels
 from actors.devices import placed_device
 from decoding.adapter import ModelAdapter
-from decoding.benchmark import peak_rss_mb, reset_peak_rss
 from decoding.config import ConfigError
 from decoding.engine import SpecDecoder, build_drafter
+from decoding.metrics import peak_rss_mb, reset_peak_rss
 from decoding.models import load_model, resolve_device, set_threads
 from decoding.pearl import DraftRequest, DraftResult, DraftSide, TargetRequest, TargetResult, TargetSide
 from decoding.sampling import SamplingParams

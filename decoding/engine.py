@@ -139,6 +139,16 @@ def _triforce_drafter(cfg: SpecConfig, target: LoadedModel, depth: int, device: 
     )
 
 
+def encode_chat(tokenizer, messages: list[dict], field: str = "chat", hint: str = "") -> torch.Tensor:
+    """Ids [1, T] (on the host: they cross RPCs) of a conversation with the generation prompt appended; a model
+    without a chat template is a ConfigError on ``field`` (``hint`` says what to do instead)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(field, "this model has no chat template" + hint)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return torch.tensor([ids], dtype=torch.long, device="cpu")
+
+
 class SpecDecoder:
     """A loaded target, a drafter and sampling settings: the in-process way to generate.
 
@@ -179,17 +189,16 @@ class SpecDecoder:
         return twin
 
     # ---- text <-> ids ----------------------------------------------------
-    def encode(self, prompt: str, chat: bool = False) -> torch.Tensor:
-        """Token ids [1, T] of a prompt; ``chat`` applies the model's chat template."""
+    def encode(self, prompt: str | list[dict], chat: bool = False) -> torch.Tensor:
+        """Token ids [1, T] of a prompt; ``chat`` applies the model's chat template. A list of ``{"role", "content"}``
+        messages (a conversation: earlier turns and their answers) is always a chat."""
+        if isinstance(prompt, list):
+            return encode_chat(self.tokenizer, prompt)
         if not prompt or not prompt.strip():
             raise ConfigError("prompt", "is empty")
         if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ConfigError("chat", "this model has no chat template")
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            ids = self.tokenizer(prompt)["input_ids"]
+            return encode_chat(self.tokenizer, [{"role": "user", "content": prompt}])
+        ids = self.tokenizer(prompt)["input_ids"]
         return torch.tensor([ids], dtype=torch.long, device="cpu")  # host ids (they cross RPCs); generate_ids moves them
 
     def decode(self, ids: list[int]) -> str:

@@ -93,3 +93,25 @@ def chi_square_pvalue(counts, probs, min_expected: float = 5.0) -> float:
         return 1.0
     stat = ((obs - exp) ** 2 / exp).sum()
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark of this process (Linux >= 4.0: ``5`` to /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mb() -> float | None:
+    """VmHWM of this process in MiB (the peak since the last ``reset_peak_rss``), None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None

@@ -35,8 +35,6 @@ from functools import cached_property, lru_cache
 
 import torch
 
-from decoding.config import TREE_SHAPES  # noqa: F401  (re-exported: the shapes a config may name)
-
 # Per-rank acceptance used by ``sequoia`` when no ``tree_acceptance`` is given: P(the rank-r draft token is the one the
 # target accepts). A generic, steeply falling profile, not a measurement: measure your drafter's vector with
 # ``python -m jobs.bench_trees --calibrate`` and pass it as ``tree_acceptance``.

@@ -5,7 +5,7 @@
         --dtype bfloat16 --threads 2 --out bench-trees
 
 Every prompt runs ``ar``, each drafter as a chain for every k in ``--chain-k`` and as a tree for every shape
-and node budget, in an order rotated per prompt (``decoding.evaluate.PromptRunner``). Printed: per variant
+and node budget, in an order rotated per prompt (``evaluation.runner.PromptRunner``). Printed: per variant
 tokens/s, speedup over ar, tau (mean tokens committed per target forward), nodes per step and verify ms per
 step; per drafter the best chain and the best tree by speedup and their tau ratio (the issue's figure), and
 the node budget beyond which the verify cost outweighs the extra acceptance (the budget after which speedup
@@ -21,8 +21,8 @@ import json
 import sys
 from pathlib import Path
 
-from decoding import benchmark as bm
 from decoding.config import SpecConfig
+from evaluation import benchmark as bm
 from jobs.bench import load_workload
 from jobs.common import Parser, add_config_args, config_from_args, fail, output_dir, parse_ints, run_cli
 
@@ -129,7 +129,7 @@ def main_with_args(args) -> int:
                 print(f"calibrated per-rank acceptance of {d}: {acc}", file=sys.stderr)
     configs = variants(base, drafters, chain_k, shapes, budgets, args.depth, acceptance)
 
-    from decoding.evaluate import PromptRunner
+    from evaluation.runner import PromptRunner
 
     runner = PromptRunner(configs)
     runner.warmup(prompts[0], args.warmup)

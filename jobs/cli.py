@@ -9,7 +9,7 @@ COMMANDS = {
     "generate": "jobs.generate",
     "pipeline": "jobs.pipeline",
     "bench": "jobs.bench",
-    "bench-serve": "serving.loadbench",
+    "bench-serve": "jobs.bench_serve",
     "registry": "jobs.registry",
     "serve": "jobs.serve",
     "tune": "jobs.tune",

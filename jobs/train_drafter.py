@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from decoding.config import DEVICE_RE
-from decoding.workloads import DEFAULT_PROMPTS, WorkloadError, load_prompts, select
+from evaluation.workloads import DEFAULT_PROMPTS, WorkloadError, load_prompts, select
 from jobs.common import Parser, fail, output_dir, path_name, run_cli
 
 RECIPE_NAMES = ("kangaroo", "medusa", "hydra", "feature", "distill")

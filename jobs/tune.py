@@ -36,7 +36,7 @@ from pathlib import Path
 
 from decoding.config import SpecConfig
 from decoding.paths import specray_home
-from decoding.workloads import DEFAULT_PROMPTS, WorkloadError, load_prompts, select
+from evaluation.workloads import DEFAULT_PROMPTS, WorkloadError, load_prompts, select, split_held_out
 from jobs.common import Parser, add_config_args, config_from_args, fail, output_dir, path_name, run_cli
 
 DEFAULT_METHODS = "ngram,early-exit,sps"
@@ -64,6 +64,16 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--max-concurrent", type=int, help="at most N trials at once (default: cluster CPUs // CPUs per trial)")
     p.add_argument("--max-failures", type=int, default=2, help="retries of a trial whose worker failed (default 2)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per config in each trial (default 1)")
+    p.add_argument(
+        "--holdout",
+        type=float,
+        default=0.5,
+        help="fraction of every category's prompts kept out of the search; the winner and its method's defaults are "
+        "re-measured on them (default 0.5; 0: re-measure on the tuning prompts)",
+    )
+    p.add_argument(
+        "--verify-repeats", type=int, default=3, help="passes over the held-out prompts when re-measuring: the noise band (default 3)"
+    )
     p.add_argument(
         "--publish", nargs="?", const="", metavar="NAME", help="put the winner into the registry (default name <model>/<workload>/<method>)"
     )
@@ -114,11 +124,14 @@ def settings_from_args(args):
         ("--max-concurrent", args.max_concurrent, 1),
         ("--max-failures", args.max_failures, 0),
         ("--warmup", args.warmup, 0),
+        ("--verify-repeats", args.verify_repeats, 1),
         ("--grace-period", args.grace_period, 1),
         ("--reduction-factor", args.reduction_factor, 2),
     ):
         if value is not None and value < low:
             fail(f"{name} must be >= {low}, got {value}")
+    if not 0 <= args.holdout < 1:
+        fail(f"--holdout must be in [0, 1), got {args.holdout}")
     if args.time_budget_s is not None and args.time_budget_s <= 0:
         fail(f"--time-budget-s must be > 0, got {args.time_budget_s}")
     fixed = [item.partition("=")[0].strip().replace("-", "_") for item in args.set]
@@ -152,6 +165,8 @@ def settings_from_args(args):
         max_failures=args.max_failures,
         warmup=args.warmup,
         seed_defaults=not args.no_seed_defaults,
+        holdout=args.holdout,
+        verify_repeats=args.verify_repeats,
     )
 
 
@@ -224,7 +239,7 @@ def run(args, callbacks=None) -> tuple[int, dict]:
     else:
         settings = settings_from_args(args)
     base = settings.base_config
-    prompts = load_workload(settings)
+    prompts, held_out = split_held_out(load_workload(settings), settings.holdout)
     if not prompts:
         fail("no prompts selected")
     if not args.resume and settings.experiment_path.exists() and any(settings.experiment_path.iterdir()):
@@ -245,7 +260,9 @@ def run(args, callbacks=None) -> tuple[int, dict]:
 
     ray_info = connect(args.address)
     print(
-        f"specray tune {settings.name}: {len(prompts)} prompts, {settings.num_samples} trials, Ray {ray_info['address']}", file=sys.stderr
+        f"specray tune {settings.name}: {len(prompts)} prompts to tune on, {len(held_out)} held out, {settings.num_samples} trials, "
+        f"Ray {ray_info['address']}",
+        file=sys.stderr,
     )
     for line in space.describe():
         print(line, file=sys.stderr)
@@ -266,6 +283,7 @@ def run(args, callbacks=None) -> tuple[int, dict]:
         "prompts_file": settings.prompts_file,
         "categories": sorted({p.category for p in prompts}, key=[p.category for p in prompts].index),
         "prompts": len(prompts),
+        "held_out_prompts": len(held_out),
         "space": space.to_dict(),
         "searcher": settings.searcher,
         "trials": len(rows),
@@ -290,7 +308,7 @@ def run(args, callbacks=None) -> tuple[int, dict]:
     if interrupted:
         summary["resume"] = f"specray tune --resume {exp}"
     elif best is not None and (args.verify_best if args.verify_best is not None else publish_name is not None):
-        summary["verify"] = verify(winner, space, base, prompts, settings.warmup)
+        summary["verify"] = verify(winner, space, base, held_out or prompts, settings.warmup, settings.verify_repeats, bool(held_out))
         doc = res.best_document(best, meta)
         doc["verify"] = summary["verify"]
         res.write_json(doc, written["paths"]["best_json"])
@@ -305,8 +323,10 @@ def run(args, callbacks=None) -> tuple[int, dict]:
     return code, summary
 
 
-def verify(winner: SpecConfig, space, base: SpecConfig, prompts, warmup: int) -> dict:
-    """The winner vs AR, and the untuned defaults of its method vs AR, measured again here (interleaved per prompt)."""
+def verify(winner: SpecConfig, space, base: SpecConfig, prompts, warmup: int, repeats: int = 1, held_out: bool = False) -> dict:
+    """The winner vs AR, and the untuned defaults of its method vs AR, measured again here (interleaved per prompt),
+    on the held-out prompts when there are any, ``repeats`` passes: each figure comes with its noise band (the
+    slowest and fastest pass), and the winner ``beats_defaults`` only when its band lies above the defaults'."""
     from tuning.resources import hosts_actors
     from tuning.trainable import decoder_for, measure
 
@@ -316,15 +336,35 @@ def verify(winner: SpecConfig, space, base: SpecConfig, prompts, warmup: int) ->
     if extra and hosts_actors(winner.to_dict()) and not _room_for_two_pairs(winner):
         print("the cluster holds one draft/target worker pair at a time: the defaults are not re-measured", file=sys.stderr)
         extra = {}
-    print(f"verifying the winner outside Tune on {len(prompts)} prompts...", file=sys.stderr)
-    m = measure(winner, prompts, warmup=warmup, extra=extra, build=decoder_for)
+    split = "held-out" if held_out else "tuning"
+    if not held_out:
+        print("no held-out prompts (--holdout 0, or no category has 2 prompts): re-measuring on the tuning prompts", file=sys.stderr)
+    print(f"verifying the winner outside Tune on {len(prompts)} {split} prompts, {repeats} pass(es)...", file=sys.stderr)
+    m = measure(winner, prompts, warmup=warmup, extra=extra, build=decoder_for, repeats=repeats)
     d = m.get("extra", {}).get("defaults", m)
-    keys = ("speedup", "tokens_per_s", "ar_tokens_per_s", "mean_accepted_tokens", "identical_fraction", "suspicious", "fidelity_ok")
+    keys = (
+        "speedup",
+        "speedup_band_low",
+        "speedup_band_high",
+        "tokens_per_s",
+        "ar_tokens_per_s",
+        "mean_accepted_tokens",
+        "identical_fraction",
+        "suspicious",
+        "fidelity_ok",
+    )
+    beats = None
+    if extra and m.get("speedup_band_low") is not None and d.get("speedup_band_high") is not None:
+        beats = m["speedup_band_low"] > d["speedup_band_high"]
     return {
+        "prompts": split,
+        "prompt_count": len(prompts),
+        "repeats": repeats,
         "winner": {k: m.get(k) for k in keys},
         "defaults": {"config": default_cfg.to_dict(), **{k: d.get(k) for k in keys}},
         "winner_is_defaults": not extra,
         "winner_over_defaults": (m["speedup"] / d["speedup"]) if m.get("speedup") and d.get("speedup") else None,
+        "beats_defaults": beats,
     }
 
 
@@ -443,14 +483,21 @@ def render(summary: dict, rows: list[dict], file=None, as_json: bool = False, to
         )
         v = summary.get("verify")
         if v:
+            where = f"on {v.get('prompt_count', '?')} {v.get('prompts', 'tuning')} prompts x {v.get('repeats', 1)} pass(es)"
+
+            def band(fig: dict) -> str:
+                lo, hi = fig.get("speedup_band_low"), fig.get("speedup_band_high")
+                return f" [{_f(lo)}, {_f(hi)}]" if lo is not None and hi is not None else ""
+
             if v["winner_is_defaults"]:
-                print(
-                    f"verified outside Tune: winner {_f(v['winner']['speedup'])}x over AR (the winner is the untuned defaults)", file=file
-                )
+                print(f"verified outside Tune {where}: winner {_f(v['winner']['speedup'])}x{band(v['winner'])} over AR "
+                      "(the winner is the untuned defaults)", file=file)  # fmt: skip
             else:
+                verdict = {True: "beyond the noise band", False: "within the noise band", None: "no band (1 pass)"}[v.get("beats_defaults")]
                 print(
-                    f"verified outside Tune: winner {_f(v['winner']['speedup'])}x over AR; untuned defaults "
-                    f"{_f(v['defaults']['speedup'])}x; winner / defaults {_f(v['winner_over_defaults'])}",
+                    f"verified outside Tune {where}: winner {_f(v['winner']['speedup'])}x{band(v['winner'])} over AR; untuned "
+                    f"defaults {_f(v['defaults']['speedup'])}x{band(v['defaults'])}; winner / defaults "
+                    f"{_f(v['winner_over_defaults'])} ({verdict})",
                     file=file,
                 )
         print("best config (JSON):", file=file)

@@ -44,15 +44,10 @@ log = logging.getLogger("ray.serve")
 
 
 def encode_chat(tokenizer, messages: list[dict]):
-    """Ids [1, T] of a conversation with the generation prompt: what ``SpecDecoder.encode(chat=True)`` does,
-    for any number of messages."""
-    import torch
+    """Ids [1, T] of a conversation with the generation prompt (``decoding.engine.encode_chat``)."""
+    from decoding.engine import encode_chat as chat_ids
 
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("messages", "this model has no chat template; use /v1/completions")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return torch.tensor([ids], dtype=torch.long, device="cpu")  # host ids; SpecDecoder.generate_ids moves them
+    return chat_ids(tokenizer, messages, field="messages", hint="; use /v1/completions")
 
 
 class ModelWorker:

@@ -126,7 +126,7 @@ def long_prompt_and_ar(smollm2_fp32):
     """A Spec-Bench long-context prompt of 1.1-1.2K tokens (chat template included) and AR's 32 greedy float32 tokens."""
     from decoding.config import SpecConfig
     from decoding.engine import SpecDecoder
-    from decoding.workloads import load_prompts, long_context_prompt
+    from evaluation.workloads import load_prompts, long_context_prompt
 
     ar = SpecDecoder(SpecConfig(dtype="float32", max_new_tokens=32, threads=1))
     prompt = long_context_prompt(load_prompts(), 1200, lambda text: ar.encode(text, chat=True).shape[1])

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from decoding.paths import specray_home
-from decoding.workloads import Prompt
+from evaluation.workloads import Prompt
 
 FLOAT16_MAX = 65504.0
 

@@ -58,6 +58,8 @@ class TuneSettings:
     max_failures: int = 2
     warmup: int = 1
     seed_defaults: bool = True
+    holdout: float = 0.0  # fraction of every category's prompts kept out of the search (specray tune: 0.5)
+    verify_repeats: int = 1  # passes over those prompts when the winner is re-measured
 
     @property
     def base_config(self) -> SpecConfig:

@@ -14,7 +14,7 @@ Figures (all over the prompts done so far):
 - ``mean_accepted_tokens``: tokens committed per decoding target forward (tau);
 - fidelity under greedy decoding: ``identical_fraction`` (outputs token-identical
   to AR's) and ``suspicious`` (divergences at an AR logit margin wider than the
-  dtype's rounding, see ``decoding.benchmark.compare_to_reference``).
+  dtype's rounding, see ``evaluation.benchmark.compare_to_reference``).
   ``fidelity_ok`` = no suspicious divergence; with sampling it is not checked
   (``fidelity_checked`` false) and counts as ok.
 - ``score``: the speedup when ``fidelity_ok``, else 0: a config that diverges
@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 
 import kernels
 from actors.devices import placed
-from decoding import benchmark as bm
 from decoding.config import ConfigError, SpecConfig
-from decoding.workloads import Prompt
+from evaluation import benchmark as bm
+from evaluation.workloads import Prompt
 
 CANDIDATE = "candidate"
 METRIC = "score"
@@ -51,6 +51,8 @@ METRIC_TYPES: dict[str, type] = {
     "ar_tokens_per_s": float,
     "speedup": float,
     "speedup_median": float,
+    "speedup_band_low": float,
+    "speedup_band_high": float,
     "mean_accepted_tokens": float,
     "acceptance_rate": float,
     "target_forwards_per_token": float,
@@ -79,6 +81,7 @@ def figures(gen_rows: Sequence[dict], step_rows: Sequence[dict], prompts_total: 
     fidelity_ok = (suspicious == 0) if checked else True
     speedup = cand.get("speedup")
     q = cand.get("speedup_per_prompt")
+    passes = cand.get("speedup_per_repeat")
     return {
         "valid": True,
         "invalid_reason": None,
@@ -89,6 +92,8 @@ def figures(gen_rows: Sequence[dict], step_rows: Sequence[dict], prompts_total: 
         "ar_tokens_per_s": ar.get("tokens_per_s"),
         "speedup": speedup,
         "speedup_median": q["median"] if q else None,
+        "speedup_band_low": passes["min"] if passes else None,  # the slowest and fastest whole pass (repeats > 1)
+        "speedup_band_high": passes["max"] if passes else None,
         "mean_accepted_tokens": cand.get("mean_accepted_tokens"),
         "acceptance_rate": cand.get("acceptance_rate"),
         "target_forwards_per_token": cand.get("target_forwards_per_token"),
@@ -129,8 +134,12 @@ def measure(
     warmup: int = 1,
     extra: dict[str, SpecConfig] | None = None,
     build: Callable[[SpecConfig], object] | None = None,
+    repeats: int = 1,
 ) -> dict:
     """Run ``cfg`` and AR on ``prompts``, interleaved; returns the final figures (see :func:`figures`).
+
+    With ``repeats`` > 1 the prompt set runs that many times and the figures carry ``speedup_band_low`` and ``_high``: the lowest
+    and highest speedup of one whole pass (the noise band of the measurement).
 
     ``on_prompt(n, figures)`` is called after each prompt with the figures over
     the first ``n`` prompts. ``extra`` adds named configs run in the same rotation
@@ -138,7 +147,7 @@ def measure(
     re-measurement uses it to compare the winner with the untuned defaults.
     ``build(cfg)`` makes the non-baseline decoders (see :func:`decoder_for`).
     """
-    from decoding.evaluate import PromptRunner
+    from evaluation.runner import PromptRunner
 
     if not prompts:
         raise ConfigError("prompts", "no prompts to measure on")
@@ -150,11 +159,12 @@ def measure(
             runner.warmup(prompts[0], warmup)
         gens, steps = [], []
         result: dict = {}
-        for i, prompt in enumerate(prompts):
-            g, s = runner.run_prompt(prompt, i)
+        runs = [(r, prompt) for r in range(repeats) for prompt in prompts]
+        for i, (r, prompt) in enumerate(runs):
+            g, s = runner.run_prompt(prompt, i, repeat=r)
             gens += g
             steps += s
-            result = _with_extra(gens, steps, len(prompts), cfg, threads, extra)
+            result = _with_extra(gens, steps, len(runs), cfg, threads, extra)
             if on_prompt is not None:
                 on_prompt(i + 1, result)
         return result

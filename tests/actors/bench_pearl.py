@@ -48,7 +48,7 @@ def main():
     from cluster.runtime import connect
     from decoding.config import SpecConfig
     from decoding.engine import SpecDecoder
-    from decoding.workloads import load_prompts
+    from evaluation.workloads import load_prompts
 
     base = SpecConfig(dtype=args.dtype, max_new_tokens=args.max_new_tokens, k=args.k, draft_layers=args.draft_layers)
     connect(num_cpus=2)
@@ -68,7 +68,7 @@ def main():
     if args.method == "pearl":
         texts = [q["turns"][0] for q in spec_bench_prompts(per_category=1, categories=args.categories.split(","))[: args.prompts]]
     else:
-        from jobs.bench import long_prompts
+        from evaluation.bench import long_prompts
 
         texts = [p.prompt for p in long_prompts(load_prompts(), [args.context_tokens], args.prompts, base)]
     ids = [enc.encode(t, chat=True) for t in texts]

@@ -103,7 +103,7 @@ def test_smollm2_on_cuda_figures(kernels_on):
 
 
 def test_hf_peer_on_cuda(tiny_model_dir):
-    from jobs.bench import HFPeer
+    from evaluation.hf_peer import HFPeer
 
     cfg = SpecConfig(model=str(tiny_model_dir), dtype="float32", device="cuda", k=3, draft_layers=1, exit_layer=1)
     dec = SpecDecoder(cfg)

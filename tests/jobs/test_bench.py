@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from tiny_models import build_tiny_model, write_prompts
 
-from decoding import benchmark as bm
+from evaluation import benchmark as bm
+from evaluation import hf_peer, report, traces
 from jobs import bench
 from jobs.cli import main as cli_main
 
@@ -57,7 +58,7 @@ def test_summary_structure_and_rows(full_run):
     assert s["interrupted"] is False
     assert s["specray_methods"] == SPECRAY  # ar first (always included), then in the order asked
     assert s["methods_order"][:4] == SPECRAY
-    assert set(s["methods_order"][4:]) == set(bench.PEER_MODES), s["peer_skipped"]
+    assert set(s["methods_order"][4:]) == set(hf_peer.PEER_MODES), s["peer_skipped"]
     assert s["runs_complete"] == 3 and s["runs_incomplete"] == 0
     assert list(s["categories"]) == ["writing", "qa", "summarization"]
     for m, row in s["methods"].items():
@@ -77,8 +78,8 @@ def test_hf_modes_run_at_specray_knobs_and_at_hf_defaults(full_run):
     assert modes["hf-prompt-lookup"]["prompt_lookup_num_tokens"] == 3  # specray's k
     assert modes["hf-prompt-lookup-default"] == {"prompt_lookup_num_tokens": 10}
     assert modes["hf-assistant"]["_assist"]["num_assistant_tokens"] == 3
-    assert modes["hf-assistant-default"]["_assist"] == bench.HF_ASSIST_DEFAULT
-    assert modes["hf-early-exit-default"]["_assist"] == bench.HF_ASSIST_DEFAULT
+    assert modes["hf-assistant-default"]["_assist"] == hf_peer.HF_ASSIST_DEFAULT
+    assert modes["hf-early-exit-default"]["_assist"] == hf_peer.HF_ASSIST_DEFAULT
 
 
 def test_over_hf_divides_by_the_best_hf_mode(full_run):
@@ -104,6 +105,60 @@ def test_model_free_methods_run_in_the_bench(tiny, tmp_path, monkeypatch):
     for m in ("recycling", "suffix", "hybrid"):
         assert s["methods"][m]["identity"]["identical"] == s["methods"][m]["identity"]["compared"] > 0, m
     assert list((tmp_path / "home" / "calibration").glob("verify-cost-*.json"))  # tree_fit=measured calibrated once
+
+
+def test_later_turns_chosen_peer_modes_and_the_readme_block(tiny, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# r\n\n<!-- bench-results -->\nold\n<!-- /bench-results -->\ntail\n")
+    argv = base_argv(tiny, tmp_path / "out", "--methods", "ngram", "--later-turns", "--peer", "hf")
+    argv += ["--peer-modes", "hf-plain,hf-prompt-lookup-default", "--readme", str(readme), "--json"]
+    args = bench.build_parser().parse_args(argv)
+    args.command_line = "specray bench --the-command"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code, s = bench.run_bench(args)
+    assert code == 0 and s["later_turns"] is True
+    assert s["methods_order"] == ["ar", "ngram", "hf-plain", "hf-prompt-lookup-default"]  # only the modes asked for
+    assert s["runs_complete"] == 6  # 3 questions, each with its second turn
+    gens = traces.read_run(tmp_path / "out", s["run_id"], "generations")
+    assert {r["prompt_id"] for r in gens if r["method"] == "ar"} == {"101", "101-t2", "102", "102-t2", "103", "103-t2"}
+    assert s["methods"]["ngram"]["identity"]["identical"] == 6  # float32: later turns identical to ar as well
+    text = readme.read_text()
+    assert "old" not in text and text.endswith("tail\n") and "| **mean of categories** |" in text
+    assert "specray bench --the-command" in text and "(later turns of multi-turn questions included)" in text
+    assert (tmp_path / "docs" / "bench" / "speedup_by_category.png").read_bytes()[:8] == PNG
+    assert json.loads((tmp_path / "docs" / "bench" / "summary.json").read_text())["run_id"] == s["run_id"]
+
+
+def test_a_later_turn_holds_the_conversation_with_ar_answers(tiny):
+    from decoding.config import SpecConfig
+    from evaluation.runner import PromptRunner
+    from evaluation.workloads import load_prompts, with_later_turns
+
+    cfg = SpecConfig(model=tiny["model"], dtype="float32", max_new_tokens=6, threads=1)
+    runner = PromptRunner({"ar": cfg})
+    first, second = with_later_turns(load_prompts(tiny["prompts"]))[:2]
+    answer = runner.ar.decode(runner.ar.generate_ids(runner.encode(first), 6).token_ids)
+    expected = runner.ar.encode(
+        [{"role": "user", "content": first.prompt}, {"role": "assistant", "content": answer}, {"role": "user", "content": "a second turn"}]
+    )
+    assert second.prompt_id == f"{first.question_id}-t2" and runner.encode(second).tolist() == expected.tolist()
+    _, tokens, _ = runner.generate("ar", runner.encode(first))  # a timed baseline generation is reused, not redone
+    assert list(runner.answers.values())[0] == tokens
+
+
+def test_bad_peer_modes_and_readme_fail_in_one_line(tiny, tmp_path, capsys):
+    readme = tmp_path / "R.md"
+    readme.write_text("no block here\n")
+    for extra in (
+        ["--peer-modes", "hf-plain"],
+        ["--peer", "hf", "--peer-modes", "hf-nonsense"],
+        ["--readme", str(readme)],
+        ["--readme", str(tmp_path / "missing.md")],
+    ):
+        assert cli_main(["bench", *base_argv(tiny, tmp_path / "o", *extra)]) == 2, extra
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 4 and all(line.startswith("error:") for line in err), err
 
 
 def test_float32_outputs_match_ar_without_suspicious_divergence(full_run):
@@ -142,7 +197,7 @@ def test_parquet_is_partitioned_by_run_and_method(full_run):
 
 def test_trace_rows_agree_with_generation_rows(full_run):
     out, run = full_run["out"], full_run["summary"]["run_id"]
-    gens, steps = bench.read_run(out, run, "generations"), bench.read_run(out, run, "traces")
+    gens, steps = traces.read_run(out, run, "generations"), traces.read_run(out, run, "traces")
     for m in SPECRAY:
         mine = [r for r in gens if r["method"] == m]
         assert len(mine) == 3
@@ -163,7 +218,7 @@ def test_plots_are_written_as_png(full_run):
 
 def test_plain_table_names_every_method(full_run):
     buf = io.StringIO()
-    bench.render(full_run["summary"], file=buf)
+    report.render(full_run["summary"], file=buf)
     text = buf.getvalue()
     assert "speedup" in text and "tok/s" in text
     for m in full_run["summary"]["methods_order"]:
@@ -185,11 +240,11 @@ def test_plots_are_built_from_parquet_files(tmp_path):
          "drafted": 2, "accepted": a, "draft_s": 0.001, "verify_s": 0.002, "config": "{}"}
         for i, a in enumerate([2, 1, 0])
     ]  # fmt: skip
-    bench.TraceWriter(tmp_path, "r1").write(gens, steps)
-    paths = bench.make_plots(tmp_path, "r1")
+    traces.TraceWriter(tmp_path, "r1").write(gens, steps)
+    paths = report.make_plots(tmp_path, "r1")
     assert len(paths) == 2 and all(p.read_bytes()[:8] == PNG for p in paths)
-    assert bench.make_plots(tmp_path, "no-such-run") == []  # nothing on disk, nothing to plot
-    back = bench.read_run(tmp_path, "r1", "traces")
+    assert report.make_plots(tmp_path, "no-such-run") == []  # nothing on disk, nothing to plot
+    back = traces.read_run(tmp_path, "r1", "traces")
     assert [r["accepted"] for r in back] == [2, 1, 0] and back[0]["method"] == "ngram"
 
 

@@ -11,6 +11,6 @@ def tiny_tune(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-tune")
     return {
         "model": str(build_tiny_model(root / "model")),
-        "prompts": str(write_prompts(root / "q.jsonl", cats=("writing", "qa"))),
+        "prompts": str(write_prompts(root / "q.jsonl", n_per_cat=2, cats=("writing", "qa"))),
         "root": root,
     }

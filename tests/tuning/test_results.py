@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from decoding import benchmark as bm
 from decoding.config import SpecConfig
 from decoding.metrics import StepRecord
+from evaluation import benchmark as bm
 from tuning import results as res
 from tuning.resources import bundles_for, max_concurrent
 from tuning.trainable import CANDIDATE, METRIC_KEYS, figures, invalid
@@ -133,7 +133,7 @@ def test_trial_resources_and_concurrency():
 
 
 def test_measure_reports_after_every_prompt(tiny_tune):
-    from decoding.workloads import load_prompts
+    from evaluation.workloads import load_prompts
     from tuning.trainable import measure
 
     prompts = load_prompts(tiny_tune["prompts"])[:2]

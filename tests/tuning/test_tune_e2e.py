@@ -88,6 +88,12 @@ def test_end_to_end_into_the_file_registry(first_run, tiny_tune):
     assert doc["best"]["trial_id"] == best["trial_id"]
     assert doc["verify"]["winner"]["speedup"] > 0  # --verify-best is on by default with --publish
     assert doc["verify"]["winner_is_defaults"] is True  # with 3 samples every trial ran a method's defaults
+    # the search ran on one prompt per category; the winner was re-measured on the other one, three passes
+    assert {r["prompts_total"] for r in rows if r["valid"]} == {2}
+    v = doc["verify"]
+    assert v["prompts"] == "held-out" and v["prompt_count"] == 2 and v["repeats"] == 3
+    assert v["winner"]["speedup_band_low"] <= v["winner"]["speedup"] <= v["winner"]["speedup_band_high"]
+    assert "2 held-out prompts x 3 pass(es)" in first_run["stdout"]
 
     name = f"model/q/{best['method']}"
     assert f"published {name} v1" in first_run["stdout"]
@@ -173,6 +179,8 @@ def test_bad_input_is_one_line_exit_2(tiny_tune, tmp_path, capsys):
     assert "exit_layer" in bad("--methods", "early-exit", "--set", "exit_layer=9")
     assert "--num-samples" in bad("--num-samples", "0")
     assert "unknown category" in bad("--categories", "poetry")
+    assert "--holdout" in bad("--holdout", "1")
+    assert "--verify-repeats" in bad("--verify-repeats", "0")
     assert "not a specray tune experiment" in bad("--resume", str(tmp_path / "nothing-here"))
     assert not (tmp_path / "o").exists()
 
@@ -182,6 +190,7 @@ def test_pearl_trials_place_their_workers_in_the_trial_group(tiny_tune, local_ra
     re-measured outside Tune with workers in a group of its own, and both are lossless in float32."""
     out = tmp_path / "out"
     args = argv(tiny_tune, out, "--name", "pearl", "--methods", "pearl", "--num-samples", "2", "--set", "draft_layers=2", "--verify-best")
+    args += ["--verify-repeats", "1"]  # one pass over the held-out prompts: the band is tested in the first run
     code, stdout, stderr = run_cli(args)
     assert code == 0, stderr[-3000:]
     rows = parquet_rows(out / "pearl" / "trials.parquet")

@@ -5,8 +5,11 @@ A prompt file is JSON Lines, one question per line, in Spec-Bench's format::
     {"question_id": 81, "category": "writing", "turns": ["Compose ...", "Rewrite ..."]}
 
 The first turn is the prompt (it gets the model's chat template when it is
-encoded); later turns are ignored. ``select`` keeps the asked categories and the
-first ``limit`` prompts of each, in file order.
+encoded). ``with_later_turns`` adds, after each multi-turn question, one prompt
+per later turn: the conversation so far (every earlier turn with the model's own
+greedy answer to it) and then that turn, as Spec-Bench measures MT-bench.
+``select`` keeps the asked categories and the first ``limit`` questions of each,
+in file order.
 
 >>> ps = parse_prompts(['{"question_id": 1, "category": "qa", "turns": ["Why?"]}', ""], source="q.jsonl")
 >>> ps[0].question_id, ps[0].category, ps[0].prompt
@@ -14,7 +17,7 @@ first ``limit`` prompts of each, in file order.
 >>> parse_prompts(['{"question_id": 1}'], source="q.jsonl")
 Traceback (most recent call last):
 ...
-decoding.workloads.WorkloadError: q.jsonl:1: missing field 'category'
+evaluation.workloads.WorkloadError: q.jsonl:1: missing field 'category'
 """
 
 from __future__ import annotations
@@ -37,10 +40,43 @@ class Prompt:
     question_id: int | str
     category: str
     turns: tuple[str, ...]
+    turn: int = 1  # which turn this prompt asks (1-based); the earlier ones come before it, with their answers
 
     @property
     def prompt(self) -> str:
-        return self.turns[0]
+        return self.turns[self.turn - 1]
+
+    @property
+    def prompt_id(self) -> int | str:
+        """The question id, with ``-t<turn>`` after it for a later turn (a row's key in the traces)."""
+        return self.question_id if self.turn == 1 else f"{self.question_id}-t{self.turn}"
+
+    def earlier(self) -> Prompt:
+        """The prompt of the turn before this one."""
+        return Prompt(self.question_id, self.category, self.turns, self.turn - 1)
+
+    def messages(self, answers: list[str]) -> list[dict]:
+        """The conversation up to this turn: each earlier turn and ``answers[i]``, the answer to turn i + 1."""
+        if len(answers) != self.turn - 1:
+            raise ValueError(f"turn {self.turn} needs {self.turn - 1} earlier answer(s), got {len(answers)}")
+        msgs = []
+        for question, answer in zip(self.turns[: self.turn - 1], answers, strict=True):
+            msgs += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        return msgs + [{"role": "user", "content": self.prompt}]
+
+
+def with_later_turns(prompts: list[Prompt]) -> list[Prompt]:
+    """Each prompt followed by one prompt per later non-empty turn of its question.
+
+    >>> ps = parse_prompts(['{"question_id": 7, "category": "c", "turns": ["a", "b"]}'])
+    >>> [(p.prompt_id, p.prompt) for p in with_later_turns(ps)]
+    [(7, 'a'), ('7-t2', 'b')]
+    """
+    out = []
+    for p in prompts:
+        out.append(p)
+        out += [Prompt(p.question_id, p.category, p.turns, t) for t in range(2, len(p.turns) + 1) if p.turns[t - 1].strip()]
+    return out
 
 
 def parse_line(line: str, source: str, lineno: int) -> Prompt:
@@ -109,7 +145,7 @@ def select(prompts: list[Prompt], wanted: Iterable[str] | None = None, limit: in
     >>> select(ps, ["z"])
     Traceback (most recent call last):
     ...
-    decoding.workloads.WorkloadError: prompts: unknown category 'z'; known categories: a, b
+    evaluation.workloads.WorkloadError: prompts: unknown category 'z'; known categories: a, b
     """
     known = categories(prompts)
     wanted = list(dict.fromkeys(wanted)) if wanted else known
@@ -186,3 +222,22 @@ def long_context_prompt(prompts: list[Prompt], tokens: int, count_tokens, index:
     if not parts:
         raise WorkloadError(f"a long-context prompt of {tokens} tokens has no room for a document")
     return Prompt(f"ctx{tokens}-{index}", f"ctx-{tokens}", (text(parts),))
+
+
+def split_held_out(prompts: list[Prompt], fraction: float) -> tuple[list[Prompt], list[Prompt]]:
+    """(tuning, held-out): about ``fraction`` of every category's prompts, spread through it, held out; disjoint.
+
+    A category with a single prompt keeps it for tuning; ``fraction`` 0 holds out nothing.
+
+    >>> ps = parse_prompts([f'{{"question_id": {i}, "category": "{c}", "turns": ["t"]}}' for i, c in enumerate("aaaab")])
+    >>> [[p.question_id for p in part] for part in split_held_out(ps, 0.5)]
+    [[0, 2, 4], [1, 3]]
+    """
+    if not 0 <= fraction < 1:
+        raise WorkloadError(f"the held-out fraction must be in [0, 1), got {fraction}")
+    seen: dict[str, int] = {}
+    tuning, held = [], []
+    for p in prompts:
+        i = seen[p.category] = seen.get(p.category, -1) + 1
+        (held if int((i + 1) * fraction) > int(i * fraction) else tuning).append(p)
+    return tuning, held

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from serving.loadbench import main, percentile, results_table, summarize_wave, update_readme
+from jobs.bench_serve import main, percentile, results_table, summarize_wave, update_readme
 
 
 def test_wave_figures():

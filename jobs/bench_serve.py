@@ -38,6 +38,7 @@ import threading
 import time
 from pathlib import Path
 
+from evaluation.report import markdown_table, replace_block
 from jobs.common import Parser, fail, parse_ints, run_cli
 
 
@@ -82,7 +83,7 @@ def percentile(values: list[float], q: float) -> float | None:
 def interleave_categories(prompts) -> list[str]:
     """First prompts of every category, then the second ones, ...: any first C requests span the categories.
 
-    >>> from decoding.workloads import Prompt
+    >>> from evaluation.workloads import Prompt
     >>> interleave_categories([Prompt(1, "a", ("a1",)), Prompt(2, "a", ("a2",)), Prompt(3, "b", ("b1",))])
     ['a1', 'b1', 'a2']
     """
@@ -152,7 +153,7 @@ def run(args) -> dict:
     from cluster.registry import Entry, open_registry
     from decoding.config import ConfigError, SpecConfig
     from decoding.engine import SpecDecoder
-    from decoding.workloads import WorkloadError, load_prompts
+    from evaluation.workloads import WorkloadError, load_prompts
     from serving.app import build_app
     from serving.settings import ServeSettings
 
@@ -296,7 +297,7 @@ def results_table(summary: dict) -> str:
     head += ["AR vs 1 stream", "AR TTFT p99 s", "AR ITL p99 ms"]
     if "hf_padded_generate" in inproc:
         head += ["in-process batched AR / HF padded"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = []
     for c in levels:
         ar = by.get(("ar", c), {})
         cells = [str(c)] + [f"{by[(m, c)]['tokens_per_s']:.1f}" if (m, c) in by else "" for m in methods]
@@ -305,22 +306,20 @@ def results_table(summary: dict) -> str:
         if "hf_padded_generate" in inproc:
             spec, hf = inproc["specray_inprocess_ar"].get(str(c)), inproc["hf_padded_generate"].get(str(c))
             cells.append(f"{spec / hf:.2f}x" if spec and hf else "")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append(cells)
+    return markdown_table(head, lines)
 
 
 def update_readme(readme: Path, summary: dict, plot_path: Path) -> None:
-    begin, end = "<!-- load-results -->", "<!-- /load-results -->"
-    text = readme.read_text()
-    if begin not in text or end not in text:
-        fail(f"{readme} has no {begin} ... {end} block to rewrite")
     knobs = "; ".join(f"{m}: k={c['k']}, adaptive_k={c['adaptive_k']}" for m, c in summary["entries"].items()) or "ar only"
     caption = (
         f"{summary['model']} {summary['dtype']}, {summary['threads']} threads, {summary['max_tokens']} tokens per request "
         f"({knobs}); plot: `{plot_path}`."
     )
-    body = f"{begin}\n{results_table(summary)}\n\n{caption}\n{end}"
-    readme.write_text(text[: text.index(begin)] + body + text[text.index(end) + len(end) :])
+    try:
+        replace_block(readme, "load-results", f"{results_table(summary)}\n\n{caption}")
+    except ValueError as e:
+        fail(str(e))
 
 
 def hf_padded_tokens_per_s(dec, batch, max_new_tokens: int) -> float:

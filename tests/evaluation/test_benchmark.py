@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from decoding import benchmark as bm
 from decoding.adapter import ModelAdapter
-from decoding.workloads import DEFAULT_PROMPTS, WorkloadError, load_prompts, parse_prompts, select
+from evaluation import benchmark as bm
+from evaluation.workloads import DEFAULT_PROMPTS, WorkloadError, load_prompts, parse_prompts, select
 
 # ---- workloads ----------------------------------------------------------------------
 

@@ -5,16 +5,16 @@ Hugging Face peer on top) and the measurement inside a Tune trial
 (``tuning/trainable.py``): one :class:`~decoding.engine.SpecDecoder` per named
 configuration, all sharing one loaded model (``decoding.models`` caches per
 process), the baseline ``ar`` among them. The configurations run in an order
-rotated per prompt (:func:`decoding.benchmark.method_order`) so no one of them
+rotated per prompt (:func:`evaluation.benchmark.method_order`) so no one of them
 always runs first, and every greedy output is compared with the baseline's on
-the same prompt (:func:`decoding.benchmark.compare_to_reference`).
+the same prompt (:func:`evaluation.benchmark.compare_to_reference`).
 
 Names are free-form labels (the bench uses method names; a trial uses
 ``ar`` and ``candidate``); the rows' ``method`` column carries the name.
 
 >>> # runner = PromptRunner({"ar": SpecConfig(), "candidate": SpecConfig(method="ngram", k=6)})
 >>> # runner.warmup(prompts[0])
->>> # gens, steps = runner.run_prompt(prompts[0], index=0)   # rows for decoding.benchmark.summarize_methods
+>>> # gens, steps = runner.run_prompt(prompts[0], index=0)   # rows for evaluation.benchmark.summarize_methods
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 
-from decoding import benchmark as bm
 from decoding.config import SpecConfig
-from decoding.workloads import Prompt
+from evaluation import benchmark as bm
+from evaluation.workloads import Prompt
 
 
 class PromptRunner:
@@ -58,6 +58,7 @@ class PromptRunner:
         self.configs = {name: d.cfg.to_json() for name, d in self.decoders.items()}
         self.chat = bool(getattr(self.ar.tokenizer, "chat_template", None))
         self.extras: dict[str, dict] = {}  # name -> peak_rss_mb and levels of its latest generation
+        self.answers: dict[tuple, list[int]] = {}  # prompt ids -> the baseline's answer (for later turns' conversations)
 
     def close(self) -> None:
         """Release decoders that hold resources (actor workers); in-process decoders have nothing to release."""
@@ -71,7 +72,25 @@ class PromptRunner:
         return list(self.decoders)
 
     def encode(self, prompt: Prompt):
-        return self.ar.encode(prompt.prompt, chat=self.chat)
+        """Ids of the prompt; a later turn's conversation holds the baseline's greedy answers to the earlier turns
+        (reused from its timed generation when that ran here, else generated now, untimed)."""
+        if prompt.turn == 1:
+            return self.ar.encode(prompt.prompt, chat=self.chat)
+        answers = []
+        for t in range(1, prompt.turn):
+            turn = Prompt(prompt.question_id, prompt.category, prompt.turns, t)
+            ids = self.encode(turn) if t == 1 else self._conversation(turn, answers)
+            key = tuple(ids[0].tolist())
+            if key not in self.answers:
+                self.answers[key] = self.ar.generate_ids(ids, self.cfg.max_new_tokens).token_ids
+            answers.append(self.ar.decode(self.answers[key]))
+        return self._conversation(prompt, answers)
+
+    def _conversation(self, prompt: Prompt, answers: list[str]):
+        messages = prompt.messages(answers)
+        if self.chat:
+            return self.ar.encode(messages)
+        return self.ar.encode("\n\n".join(m["content"] for m in messages))  # no chat template: the turns as plain text
 
     def warmup(self, prompt: Prompt, n: int = 1) -> None:
         """Untimed short generations of every config (first-call costs stay out of the figures)."""
@@ -85,6 +104,8 @@ class PromptRunner:
         dec = self.decoders[name]
         bm.reset_peak_rss()
         g = dec.generate_ids(ids, self.cfg.max_new_tokens)
+        if name == self.baseline and self.cfg.temperature == 0:  # a later turn of this prompt reuses the answer
+            self.answers[tuple(ids[0].tolist())] = list(g.token_ids)
         self.extras[name] = {"peak_rss_mb": bm.peak_rss_mb(), "levels": json.dumps(levels(dec, ids.shape[1] + self.cfg.max_new_tokens))}
         return ("specray", g.token_ids, g)
 
@@ -119,7 +140,7 @@ class PromptRunner:
                 gens.append(
                     bm.gen_row(
                         name,
-                        prompt.question_id,
+                        prompt.prompt_id,
                         prompt.category,
                         kind="specray",
                         wall_s=s.wall_s,
@@ -134,10 +155,10 @@ class PromptRunner:
                         **common,
                     )
                 )
-                steps += bm.step_rows(name, prompt.question_id, prompt.category, res.steps, repeat, self.worker, self.configs[name])
+                steps += bm.step_rows(name, prompt.prompt_id, prompt.category, res.steps, repeat, self.worker, self.configs[name])
             else:
                 config = describe_peer(name) if describe_peer else ""
-                gens.append(bm.gen_row(name, prompt.question_id, prompt.category, kind="peer", wall_s=res, config=config, **common))
+                gens.append(bm.gen_row(name, prompt.prompt_id, prompt.category, kind="peer", wall_s=res, config=config, **common))
         return gens, steps
 
     def run_prompt(self, prompt: Prompt, index: int, repeat: int = 0) -> tuple[list[dict], list[dict]]:

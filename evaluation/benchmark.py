@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from decoding.adapter import ModelAdapter
-from decoding.metrics import StepRecord, per_position_acceptance
+from decoding.metrics import StepRecord, peak_rss_mb, per_position_acceptance, reset_peak_rss  # noqa: F401  (re-exported)
 
 BASELINE = "ar"
 
@@ -382,28 +382,6 @@ def peer_comparison(methods: dict, baseline: str = BASELINE) -> dict | None:
 
 
 # ---- long contexts: memory, and where a decoding step's time goes ------------------------------------------
-def reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark of this process (Linux >= 4.0: ``5`` to /proc/self/clear_refs)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_mb() -> float | None:
-    """VmHWM of this process in MiB (the peak since the last ``reset_peak_rss``), None off Linux."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
 def kv_bytes_per_token(target: ModelAdapter) -> int:
     """Bytes of keys + values one token occupies in the target's full cache (every layer)."""
     return 2 * target.num_layers * target.kv_heads * target.head_dim * torch.tensor([], dtype=target.dtype).element_size()
