@@ -101,10 +101,13 @@ def served(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ar_text(tiny_model_dir):
-    dec = SpecDecoder(SpecConfig(method="ar", model=str(tiny_model_dir), dtype="float32", max_new_tokens=NEW))
-    out = dec.generate_ids(dec.encode(PROMPT))
-    return dec.decode(out.token_ids)
+def ar_decoder(tiny_model_dir):
+    return SpecDecoder(SpecConfig(method="ar", model=str(tiny_model_dir), dtype="float32", max_new_tokens=NEW))
+
+
+@pytest.fixture(scope="module")
+def ar_text(ar_decoder):
+    return ar_decoder.decode(ar_decoder.generate_ids(ar_decoder.encode(PROMPT)).token_ids)
 
 
 def oai(url: str) -> openai.OpenAI:
@@ -124,6 +127,15 @@ def test_pearl_entry_runs_on_its_replicas_placement_group_and_equals_ar(served, 
     assert where["target"]["device"] == where["draft"]["device"] == "cpu"
     assert stats["placement"]["bundle_index"] == {"target": 1, "draft": 2}
     assert stats["pearl"]["gamma"] == 3 and stats["rpc"]["rounds"] >= 1
+
+
+def test_streamed_chat_on_the_placed_entry_equals_ar(served, ar_decoder):
+    chunks = oai(served["url"]).chat.completions.create(
+        model=ENTRY, messages=[{"role": "user", "content": PROMPT}], max_tokens=NEW, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    ar = ar_decoder.generate_ids(ar_decoder.encode(PROMPT, chat=True)).token_ids
+    assert text == ar_decoder.decode(ar)
 
 
 def test_an_entry_the_cluster_cannot_hold_fails_at_deploy_time(served, tmp_path):
