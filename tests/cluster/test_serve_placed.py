@@ -151,6 +151,18 @@ def test_an_entry_the_cluster_cannot_hold_fails_at_deploy_time(served, tmp_path)
     assert "'big/pearl'" in msg and "'GPU': 1.0" in msg and "STRICT_SPREAD" in msg and "the cluster has 5 node(s)" in msg
 
 
+def test_specray_serve_refuses_such_an_entry_in_one_line_before_serve_starts(served, tmp_path, capsys):
+    from jobs.cli import main as cli_main
+
+    reg = open_registry(tmp_path / "reg")
+    reg.put(Entry("big/pearl", pearl(served["settings"].base_model).replace(num_gpus_per_model=1.0)))
+    argv = ["serve", "--registry", str(tmp_path / "reg"), "--base-model", served["settings"].base_model, "--dtype", "float32"]
+    assert cli_main([*argv, "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'big/pearl'" in err[0] and "the cluster has 5 node(s)" in err[0], err
+    assert httpx.get(served["url"] + "/health", timeout=30).status_code == 200  # the running app was left alone
+
+
 def test_losing_the_replicas_node_fails_in_flight_requests_cleanly_and_serve_replaces_it(served, ar_text):
     url, c = served["url"], served["cluster"]
     first = oai(url).completions.create(model=ENTRY, prompt=PROMPT, max_tokens=NEW, temperature=0).model_extra["specray"]
