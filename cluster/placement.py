@@ -127,7 +127,7 @@ def _fmt(res: dict) -> dict:
 # ---- with a live cluster ----------------------------------------------------------------------
 
 
-def place_workers(cfg: SpecConfig, placement_group=None, caller_holds_first: bool = False):
+def place_workers(cfg: SpecConfig, placement_group=None, caller_holds_first: bool = False, layout: dict | None = None):
     """Place the two workers; returns (target, draft, placement dict, cleanup).
 
     Without ``placement_group`` a new one is made from :func:`plan_placement`
@@ -137,6 +137,8 @@ def place_workers(cfg: SpecConfig, placement_group=None, caller_holds_first: boo
     its owner. ``caller_holds_first``: the caller itself occupies bundle 0 (a
     Tune trial runs in its group's first bundle), so the target asks no CPUs of
     its own there; the caller only waits while the target computes.
+    ``layout`` (with ``placement_group``): ``{role: {"index", "bundle", "threads"}}``, which bundle
+    each worker goes into and what it asks of it (a Serve replica's group, ``serving.placement``).
     """
     import ray
     from ray.util.placement_group import placement_group as make_group
@@ -158,6 +160,11 @@ def place_workers(cfg: SpecConfig, placement_group=None, caller_holds_first: boo
                 f"the placement group {plan.bundles} ({plan.strategy}) was not ready within {cfg.placement_timeout_s:g}s; "
                 f"free now: {_fmt(available)} of {_fmt(ray.cluster_resources())}",
             ) from None
+    elif layout is not None:
+        pg, own = placement_group, False
+        bundles = [dict(layout[role]["bundle"]) for role in ROLES]
+        threads = {role: int(layout[role]["threads"]) for role in ROLES}
+        plan = PlacementPlan("given", bundles, threads, float(bundles[0].get("GPU", 0.0)), "the Serve replica's placement group")
     else:
         pg, own = placement_group, False
         specs = pg.bundle_specs[: len(ROLES)]
@@ -169,10 +176,11 @@ def place_workers(cfg: SpecConfig, placement_group=None, caller_holds_first: boo
     cfg_json = cfg.to_json()
     for i, role in enumerate(ROLES):
         shares = caller_holds_first and i == 0
+        index = layout[role]["index"] if layout is not None else i
         workers[role] = ModelActor.options(
             num_cpus=0 if shares else plan.bundles[i]["CPU"],
             num_gpus=0 if shares else plan.bundles[i].get("GPU", 0),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index),
         ).remote(role, cfg_json, plan.threads[role])
 
     def cleanup():
@@ -197,17 +205,19 @@ def place_workers(cfg: SpecConfig, placement_group=None, caller_holds_first: boo
     return workers["target"], workers["draft"], placement, cleanup
 
 
-def build_actor_decoder(cfg: SpecConfig, address: str | None = None, placement_group=None, caller_holds_first: bool = False):
+def build_actor_decoder(
+    cfg: SpecConfig, address: str | None = None, placement_group=None, caller_holds_first: bool = False, layout: dict | None = None
+):
     """Connect to (or start) Ray, place both workers, and return an ``actors.driver.ActorDecoder``.
 
-    ``placement_group`` / ``caller_holds_first``: place the workers in an existing group (see :func:`place_workers`).
+    ``placement_group`` / ``caller_holds_first`` / ``layout``: place the workers in an existing group (see :func:`place_workers`).
     """
     from actors.driver import ActorDecoder, schedule_for
     from cluster.runtime import connect
 
     schedule_for(cfg)  # fail on a method the actors cannot run before starting anything
     ray_info = connect(address)
-    target, draft, placement, cleanup = place_workers(cfg, placement_group, caller_holds_first)
+    target, draft, placement, cleanup = place_workers(cfg, placement_group, caller_holds_first, layout)
     placement["ray"] = ray_info
     try:
         return ActorDecoder(cfg, target, draft, placement, on_close=cleanup)

@@ -198,6 +198,23 @@ def model_loads(name: str) -> None:
         raise ConfigError("model", f"{path} holds no weights (*.safetensors, *.bin)")
 
 
+def check_placed_entries(settings, catalog) -> None:
+    """Before Serve starts: every entry that runs on two workers fits the cluster (one line naming the entry, what it
+    wants and what the cluster has, and exit 2, instead of a deployment that never gets its placement group)."""
+    from cluster.runtime import shutdown_if_started_here
+    from decoding.config import ConfigError
+    from serving.placement import placed_entries
+
+    if not settings.place_actor_entries:
+        return
+    try:
+        placed_entries(catalog, settings.placed_replica_num_cpus)
+    except ConfigError as e:
+        catalog.close()
+        shutdown_if_started_here()
+        fail(str(e))
+
+
 def _shutdown_serve(timeout_s: float) -> bool:
     """``serve.shutdown()`` bounded by ``timeout_s``; False when it did not finish in time."""
     from ray import serve
@@ -238,6 +255,7 @@ def main_with_args(args) -> int:
     from serving.app import build_app
 
     connect(args.address)
+    check_placed_entries(settings, catalog)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving import protocol as P
 from serving.catalog import Catalog, ModelNotFound
 from serving.metrics import ServingMetrics
+from serving.placement import PlacedWorker, deployment_name, placed_entries
 from serving.settings import ServeSettings, api_key_digest
 from serving.worker import ModelWorker
 
@@ -220,6 +221,16 @@ def _worker_error(ev: dict, rid: str) -> P.ApiError:
     )
 
 
+def _failure(e: BaseException, code: str = "generation_failed") -> tuple[int, str]:
+    """(status, code) of a generation the model deployment broke off: 503 when its replica died or became unreachable
+    (a lost node: Serve replaces the replica, a retry can succeed), else 500."""
+    import ray.exceptions as rex
+
+    if isinstance(e, rex.RayActorError | rex.ActorUnavailableError) or isinstance(getattr(e, "cause", None), rex.RayActorError):
+        return 503, "replica_unavailable"
+    return 500, code
+
+
 class _Slot:
     """One admitted request; released exactly once."""
 
@@ -303,7 +314,8 @@ class _Run:
         except Exception as e:  # the model replica died or failed mid-generation
             self.failed = True
             log.error("specray: %s broke mid-generation", self.rid, exc_info=e)
-            return P.ApiError(500, f"the generation failed (request {self.rid}; details in the server log)", code="generation_failed")
+            status, code = _failure(e)
+            return P.ApiError(status, f"the generation failed (request {self.rid}; details in the server log)", code=code)
         self.failed = True
         return P.ApiError(500, "the model deployment ended the stream early", code="internal_error")
 
@@ -341,13 +353,9 @@ class _Run:
                             yield P.sse(P.usage_chunk(self.rid, self.served.name, self.created, self.req.endpoint, use, stats))
                         break
             except Exception as e:  # the model replica died or failed mid-generation: say so in the stream
-                self.failed, status = True, 500
+                (status, code), self.failed = _failure(e), True
                 log.error("specray: %s broke mid-stream", self.rid, exc_info=e)
-                yield P.sse(
-                    P.ApiError(
-                        500, f"the generation failed (request {self.rid}; details in the server log)", code="generation_failed"
-                    ).body()
-                )
+                yield P.sse(P.ApiError(status, f"the generation failed (request {self.rid}; details in the server log)", code=code).body())
             yield P.DONE
         finally:
             if not self.finished and not self.failed:  # the client went away: stop the generation
@@ -366,11 +374,12 @@ class _Run:
 
 @serve.ingress(api)
 class OpenAIIngress:
-    def __init__(self, model: DeploymentHandle, settings: dict):
+    def __init__(self, model: DeploymentHandle, settings: dict, placed: dict | None = None):
         keep_replica_grpc_on_loopback()
         self.settings = ServeSettings.from_dict(settings)
         Guard.configure(self.settings)
         self.model = model
+        self.placed = dict(placed or {})  # entry name -> {"config": its config JSON at deploy time, "handle"} (serving.placement)
         self.metrics = ServingMetrics()
         self.catalog = Catalog(
             self.settings.registry,
@@ -490,6 +499,13 @@ class OpenAIIngress:
             return error_response(P.ApiError(404, f"no record of request {request_id!r} on the replica that answered", code="not_found"))
         return rec
 
+    def _handle_for(self, served) -> DeploymentHandle:
+        """An actor entry's own deployment while the entry is what was deployed; the model replica otherwise."""
+        placed = self.placed.get(served.name)
+        if placed is not None and placed["config"] == served.config.to_json():
+            return placed["handle"]
+        return self.model
+
     # ---- generation -----------------------------------------------------------
     async def _generate(self, request: Request, endpoint: str):
         t0 = time.perf_counter()
@@ -523,17 +539,16 @@ class OpenAIIngress:
         self.metrics.describe_model(served.name, served.config.method, served.config.model, served.version, served.metrics.get("speedup"))
         rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         work = {**req.to_worker(), "request_id": rid, "model": served.name, "config": served.config.to_dict()}
-        stream = self.model.options(stream=True).stream.remote(work)
+        stream = self._handle_for(served).options(stream=True).stream.remote(work)
         try:
             first = await stream.__anext__()
         except (Exception, StopAsyncIteration) as e:
             stream.cancel()
             slot.release()
             log.error("specray: %s failed before its first event", rid, exc_info=e)
-            self.metrics.observe_request(served.name, endpoint, 500)
-            return error_response(
-                P.ApiError(500, f"the model deployment failed (request {rid}; details in the server log)", code="internal_error")
-            )
+            status, code = _failure(e, "internal_error")
+            self.metrics.observe_request(served.name, endpoint, status)
+            return error_response(P.ApiError(status, f"the model deployment failed (request {rid}; details in the server log)", code=code))
         except BaseException:  # cancelled: the client went away while waiting
             stream.cancel()
             raise
@@ -567,8 +582,34 @@ class LoopbackModelWorker(ModelWorker):
         super().__init__(*args, **kwargs)
 
 
+class LoopbackPlacedWorker(PlacedWorker):
+    """An actor entry's replica (``serving.placement``), its gRPC server kept on loopback under the embedded Ray."""
+
+    def __init__(self, *args, **kwargs):
+        keep_replica_grpc_on_loopback()
+        super().__init__(*args, **kwargs)
+
+
 ModelServer = serve.deployment(LoopbackModelWorker, name=MODEL_NAME)
+PlacedServer = serve.deployment(LoopbackPlacedWorker)
 Ingress = serve.deployment(OpenAIIngress, name=INGRESS_NAME)
+
+
+def placed_deployments(settings: ServeSettings) -> dict:
+    """One deployment per registry entry that runs on actors, each reserving its placement group; validated against the
+    cluster now (``serving.placement.placed_entries`` raises a ConfigError naming the entry, what it wants and what there is)."""
+    if not settings.place_actor_entries:
+        return {}
+    catalog = Catalog(settings.registry, settings.base_model, settings.dtype, watch=False)
+    try:
+        entries = placed_entries(catalog, settings.placed_replica_num_cpus)
+    finally:
+        catalog.close()
+    out = {}
+    for served, plan in entries:
+        app = PlacedServer.options(name=deployment_name(served.name), **settings.placed_deployment_options(plan))
+        out[served.name] = {"config": served.config.to_json(), "handle": app.bind(served.name, served.config.to_dict(), plan.to_dict())}
+    return out
 
 
 def build_app(settings: ServeSettings | dict | None = None) -> Application:
@@ -596,7 +637,8 @@ def build_app(settings: ServeSettings | dict | None = None) -> Application:
         max_step_tokens=settings.max_step_tokens,
         adaptive_k=settings.adaptive_k,
     )
-    return Ingress.options(**settings.ingress_deployment_options()).bind(model, settings.to_dict())
+    placed = placed_deployments(settings)
+    return Ingress.options(**settings.ingress_deployment_options()).bind(model, settings.to_dict(), placed)
 
 
 def app_builder(args: dict) -> Application:

@@ -76,6 +76,12 @@ class ServeSettings:
     auth_health: also require the key on ``/health`` and ``/metrics`` (open by default, for probes
         and scrapers).
     drain_timeout_s: on shutdown, how long replicas wait for in-flight requests to finish.
+    place_actor_entries: serve each registry entry whose draft and target run on actors (pearl,
+        ``placement=actors``) as Tune measured it: a deployment of its own whose replica reserves a
+        placement group for its two workers (``serving.placement``), validated against the cluster at
+        deploy time; ``false`` serves them in the model replica with the sequential schedule.
+    placed_replica_num_cpus: Ray CPUs of such a replica when it has a bundle of its own (three nodes or more);
+        otherwise it rides in its target worker's bundle, as a Tune trial does.
     """
 
     registry: str | None = None
@@ -103,6 +109,8 @@ class ServeSettings:
     api_key_sha256: str | None = None
     auth_health: bool = False
     drain_timeout_s: float = 10.0
+    place_actor_entries: bool = True
+    placed_replica_num_cpus: float = 1.0
 
     def __post_init__(self) -> None:
         types = {f.name: f.type for f in dataclasses.fields(self)}
@@ -141,6 +149,8 @@ class ServeSettings:
         for name in ("model_num_cpus", "model_num_gpus", "ingress_num_cpus", "registry_refresh_s", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
+        if self.placed_replica_num_cpus <= 0:
+            raise ConfigError("placed_replica_num_cpus", f"must be > 0 (a placement group bundle), got {self.placed_replica_num_cpus}")
         if self.retry_after_s < 0:
             raise ConfigError("retry_after_s", f"must be >= 0, got {self.retry_after_s}")
         if not all(isinstance(p, str) and p for p in self.preload):
@@ -190,6 +200,20 @@ class ServeSettings:
         else:
             opts["autoscaling_config"] = dict(self.autoscaling)
         return opts
+
+    def placed_deployment_options(self, plan) -> dict:
+        """Options of an actor entry's own deployment (``serving.placement``): one replica and its placement group."""
+        return {
+            "num_replicas": 1,
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "ray_actor_options": {"num_cpus": plan.replica["CPU"]},
+            "placement_group_bundles": plan.bundles,
+            "placement_group_strategy": plan.strategy,
+            "health_check_period_s": 5,
+            "health_check_timeout_s": 60,
+            "graceful_shutdown_timeout_s": self.drain_timeout_s,
+            "graceful_shutdown_wait_loop_s": 0.5,
+        }
 
     def ingress_deployment_options(self) -> dict:
         return {

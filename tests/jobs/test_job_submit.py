@@ -50,7 +50,7 @@ def head():
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, RAY_USAGE_STATS_ENABLED="0")
     gcs, dash, client, agent_http, agent_grpc, nm, om, metrics, rtenv = free_ports(9)
     cmd = [
-        RAY, "start", "--head", "--block", "--num-cpus=1", "--num-gpus=0", f"--temp-dir={temp}",
+        RAY, "start", "--head", "--block", "--num-cpus=3", "--num-gpus=0", f"--temp-dir={temp}",
         f"--port={gcs}", "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
         f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}",
         f"--node-manager-port={nm}", f"--object-manager-port={om}", f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={rtenv}",
@@ -121,3 +121,55 @@ def test_generate_job_with_working_dir(head, tiny_model_dir):
     info = httpx.get(f"{url}/api/jobs/{sid}", headers={"Authorization": f"Bearer {env['RAY_AUTH_TOKEN']}"}, timeout=10).json()
     assert info["status"] == "SUCCEEDED" and info["runtime_env"]["working_dir"].startswith("gcs://")
     print(f"job {sid}: submit to success {wall:.1f}s, {result['stats']['tokens_per_s']:.1f} tokens/s")
+
+
+def test_bench_tune_and_train_drafter_jobs_leave_their_artifacts_where_the_readme_says(head, tiny_model_dir, tmp_path):
+    """Three short jobs at once on the same cluster (``--no-wait``), then their logs and artifacts: bench under its
+    absolute ``--out``, tune and train-drafter under the job's ``$SPECRAY_HOME`` (set with ``--runtime-env-json``)."""
+    from tiny_models import write_prompts
+
+    url, env, token = head
+    home, bench_out = tmp_path / "home", tmp_path / "bench"
+    prompts = str(write_prompts(tmp_path / "q.jsonl", cats=("writing", "qa")))
+    common = ["--model", str(tiny_model_dir), "--prompts", prompts, "--max-new-tokens", "8", "--threads", "1"]
+    jobs = {
+        "bench": ["python", "-m", "jobs.bench", *common, "--dtype", "float32", "--methods", "ar,ngram", "--limit", "1",
+                  "--warmup", "0", "--out", str(bench_out), "--json"],
+        "tune": ["python", "-m", "jobs.tune", *common, "--dtype", "float32", "--methods", "ngram", "--num-samples", "1",
+                 "--limit", "1", "--warmup", "0", "--name", "job-tune", "--verbose", "0", "--json"],
+        "train": ["python", "-m", "jobs.train_drafter", *common, "--recipe", "kangaroo", "--knob", "exit_layer=1", "--steps", "4",
+                  "--batch", "2", "--limit", "1", "--data-dtype", "float32", "--name", "job-kangaroo", "--no-progress", "--json"],
+    }  # fmt: skip
+    runtime_env = json.dumps({"env_vars": {"SPECRAY_HOME": str(home)}})
+    ids = {name: f"specray-{name}-{secrets.token_hex(3)}" for name in jobs}
+    t0 = time.monotonic()
+    for name, entry in jobs.items():
+        out = ray_job(env, "submit", "--address", url, "--submission-id", ids[name], "--no-wait", "--working-dir", ".",
+                      "--runtime-env-json", runtime_env, "--", *entry)  # fmt: skip
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    headers = {"Authorization": f"Bearer {token}"}
+    status: dict = {}
+    deadline = time.monotonic() + 420
+    while time.monotonic() < deadline:
+        status = {n: httpx.get(f"{url}/api/jobs/{sid}", headers=headers, timeout=10).json()["status"] for n, sid in ids.items()}
+        if all(s in ("SUCCEEDED", "FAILED", "STOPPED") for s in status.values()):
+            break
+        time.sleep(3)
+    wall = time.monotonic() - t0
+    logs = {n: ray_job(env, "logs", "--address", url, sid, timeout=120).stdout for n, sid in ids.items()}
+    for n in jobs:
+        assert status[n] == "SUCCEEDED", f"{n}: {status[n]}\n{logs[n][-3000:]}"
+
+    bench = json.loads(logs["bench"][logs["bench"].index("{") :])
+    assert set(bench["methods"]) >= {"ar", "ngram"}
+    assert (bench_out / "summary.json").is_file() and list(bench_out.glob("generations/run=*/method=ngram/*.parquet"))
+    assert list(bench_out.glob("traces/run=*/method=ngram/*.parquet"))
+
+    exp = home / "tune" / "job-tune"
+    assert (exp / "trials.parquet").is_file() and (exp / "best.json").is_file() and (exp / "specray_tune.json").is_file()
+    assert json.loads((exp / "best.json").read_text())["best"]["config"]["method"] == "ngram"
+
+    art = home / "drafters" / "job-kangaroo"
+    assert (art / "drafter.safetensors").is_file() and json.loads((art / "drafter.json").read_text())["recipe"] == "kangaroo"
+    assert (home / "drafter-data").is_dir()
+    print(f"bench, tune and train-drafter jobs: submitted to all three succeeded in {wall:.1f}s")
