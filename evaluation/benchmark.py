@@ -306,23 +306,18 @@ def summarize_methods(gen_rows: Sequence[dict], step_rows: Sequence[dict], basel
             else None,
         }
 
-    categories = {}
-    for c in dict.fromkeys(r["category"] for r in rows):
-        crows = defaultdict(list)
-        for r in rows:
-            if r["category"] == c:
-                crows[r["method"]].append(r)
-        sp = _speedups(crows, crows[baseline], methods)
-        categories[c] = {m: {"prompts": len(crows[m]), "tokens_per_s": _rate(crows[m]), "speedup": sp[m]} for m in methods}
+    def by(column: str) -> dict:  # per value of the column: every method's prompts, tokens/s and speedup over them
+        out = {}
+        for value in dict.fromkeys(r[column] for r in rows):
+            mine = defaultdict(list)
+            for r in rows:
+                if r[column] == value:
+                    mine[r["method"]].append(r)
+            sp = _speedups(mine, mine[baseline], methods)
+            out[value] = {m: {"prompts": len(mine[m]), "tokens_per_s": _rate(mine[m]), "speedup": sp[m]} for m in methods}
+        return out
 
-    workers = {}
-    for w in dict.fromkeys(r["worker"] for r in rows):
-        wrows = defaultdict(list)
-        for r in rows:
-            if r["worker"] == w:
-                wrows[r["method"]].append(r)
-        sp = _speedups(wrows, wrows[baseline], methods)
-        workers[w] = {m: {"prompts": len(wrows[m]), "tokens_per_s": _rate(wrows[m]), "speedup": sp[m]} for m in methods}
+    categories, workers = by("category"), by("worker")
 
     return {
         "baseline": baseline,

@@ -1,5 +1,6 @@
 """Helpers the tests import (pytest runs with --import-mode=importlib, tests/ is on the path)."""
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -29,3 +30,27 @@ def compare_with_ar(decoder, prompts: list[dict], reference: dict) -> tuple[list
         forwards += out.stats.target_forwards
         tokens += out.stats.new_tokens
     return mismatched, tokens / forwards
+
+
+@contextlib.contextmanager
+def multinode_cluster(worker_cpus: list[int], head_resources: dict | None = None, log_to_driver: bool = True):
+    """A ``ray.cluster_utils.Cluster`` on this machine: a head with no CPUs (the driver only) and one worker node
+    per entry of ``worker_cpus``; the driver is connected to it. Yields (cluster, worker nodes); tears it all down."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from cluster import runtime
+
+    if ray.is_initialized():
+        ray.shutdown()
+    head = {"num_cpus": 0, "include_dashboard": False, **({"resources": head_resources} if head_resources else {})}
+    c = Cluster(initialize_head=True, head_node_args=head)
+    workers = [c.add_node(num_cpus=n) for n in worker_cpus]
+    c.wait_for_nodes()
+    ray.init(address=c.address, logging_level="WARNING", log_to_driver=log_to_driver)
+    try:
+        yield c, workers
+    finally:
+        ray.shutdown()
+        runtime._STARTED_HERE = False
+        c.shutdown()

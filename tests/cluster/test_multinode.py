@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from tests_support import multinode_cluster
 
 ray = pytest.importorskip("ray")
 
@@ -27,20 +28,8 @@ NEW = 24
 @pytest.fixture(scope="module")
 def cluster():
     """A head with no CPUs (the driver only) and two worker nodes of 2 CPUs each."""
-    from ray.cluster_utils import Cluster
-
-    from cluster import runtime
-
-    if ray.is_initialized():
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    workers = [c.add_node(num_cpus=2) for _ in range(2)]
-    c.wait_for_nodes()
-    ray.init(address=c.address, logging_level="WARNING")
-    yield c, workers
-    ray.shutdown()
-    runtime._STARTED_HERE = False
-    c.shutdown()
+    with multinode_cluster([2, 2]) as (c, workers):
+        yield c, workers
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import time
 import httpx
 import pytest
 from redis_server import free_port
+from tests_support import multinode_cluster
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -59,18 +60,10 @@ def served(tiny_model_dir, tmp_path_factory):
     """A head (no CPUs: Serve's controller, proxy, ingress) and four 1-CPU nodes: three for the PEARL replica's group
     (STRICT_SPREAD), one spare for its replacement."""
     from ray import serve
-    from ray.cluster_utils import Cluster
 
-    from cluster import runtime
     from serving.app import build_app
 
     os.environ.update(PATIENT_SERVE)
-    if ray.is_initialized():
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "resources": {HEAD: 1}, "include_dashboard": False})
-    workers = [c.add_node(num_cpus=1) for _ in range(4)]
-    c.wait_for_nodes()
-    ray.init(address=c.address, logging_level="WARNING")
     reg_dir = tmp_path_factory.mktemp("placed-registry")
     open_registry(reg_dir).put(Entry(ENTRY, pearl(str(tiny_model_dir)), metrics={"speedup": 1.2}))
     settings = HeadPinned(
@@ -85,19 +78,15 @@ def served(tiny_model_dir, tmp_path_factory):
         drain_timeout_s=2,
     )
     port = free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-        t0 = time.monotonic()
-        serve.run(build_app(settings), name="specray", route_prefix="/")
-        print(f"\nServe app with the placed PEARL entry up in {time.monotonic() - t0:.1f}s")
-        yield {"url": f"http://127.0.0.1:{port}", "cluster": c, "workers": workers, "settings": settings, "reg_dir": reg_dir}
-    finally:
+    with multinode_cluster([1, 1, 1, 1], head_resources={HEAD: 1}) as (c, workers):
         try:
-            serve.shutdown()
+            serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+            t0 = time.monotonic()
+            serve.run(build_app(settings), name="specray", route_prefix="/")
+            print(f"\nServe app with the placed PEARL entry up in {time.monotonic() - t0:.1f}s")
+            yield {"url": f"http://127.0.0.1:{port}", "cluster": c, "workers": workers, "settings": settings, "reg_dir": reg_dir}
         finally:
-            ray.shutdown()
-            runtime._STARTED_HERE = False
-            c.shutdown()
+            serve.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import io
 import time
 
 import pytest
+from tests_support import multinode_cluster
 from tiny_models import build_tiny_model, write_prompts
 
 ray = pytest.importorskip("ray")
@@ -23,20 +24,8 @@ pytestmark = pytest.mark.cluster
 @pytest.fixture(scope="module")
 def cluster():
     """A head with no CPUs (the Tune driver) and two 1-CPU worker nodes."""
-    from ray.cluster_utils import Cluster
-
-    from cluster import runtime
-
-    if ray.is_initialized():
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    workers = [c.add_node(num_cpus=1) for _ in range(2)]
-    c.wait_for_nodes()
-    ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
-    yield c, workers
-    ray.shutdown()
-    runtime._STARTED_HERE = False
-    c.shutdown()
+    with multinode_cluster([1, 1], log_to_driver=False) as (c, workers):
+        yield c, workers
 
 
 def node_running(pid: int, nodes):
