@@ -219,12 +219,18 @@ def markdown_table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def replace_block(path: Path, name: str, body: str) -> None:
-    """Rewrite what lies between ``<!-- name -->`` and ``<!-- /name -->`` in ``path``; ValueError without them."""
+def check_block(path: Path, name: str) -> tuple[str, str, str]:
+    """(text, begin, end) of ``path`` with its ``<!-- name -->`` ... ``<!-- /name -->`` block; ValueError without it."""
     begin, end = f"<!-- {name} -->", f"<!-- /{name} -->"
     text = Path(path).read_text()
     if begin not in text or end not in text:
         raise ValueError(f"{path} has no {begin} ... {end} block to rewrite")
+    return text, begin, end
+
+
+def replace_block(path: Path, name: str, body: str) -> None:
+    """Rewrite what lies between ``<!-- name -->`` and ``<!-- /name -->`` in ``path``; ValueError without them."""
+    text, begin, end = check_block(path, name)
     Path(path).write_text(text[: text.index(begin)] + f"{begin}\n{body}\n{end}" + text[text.index(end) + len(end) :])
 
 

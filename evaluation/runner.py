@@ -104,7 +104,7 @@ class PromptRunner:
         dec = self.decoders[name]
         bm.reset_peak_rss()
         g = dec.generate_ids(ids, self.cfg.max_new_tokens)
-        if name == self.baseline and self.cfg.temperature == 0:  # a later turn of this prompt reuses the answer
+        if name == self.baseline:  # a later turn of this prompt reuses the answer (same config and seed as encode's)
             self.answers[tuple(ids[0].tolist())] = list(g.token_ids)
         self.extras[name] = {"peak_rss_mb": bm.peak_rss_mb(), "levels": json.dumps(levels(dec, ids.shape[1] + self.cfg.max_new_tokens))}
         return ("specray", g.token_ids, g)

@@ -221,9 +221,12 @@ def check_readme(readme: Path) -> None:
     """Before any work: the README exists and has the block a finished run rewrites."""
     if not readme.is_file():
         fail(f"--readme: {readme} does not exist")
-    text = readme.read_text()
-    if "<!-- bench-results -->" not in text or "<!-- /bench-results -->" not in text:
-        fail(f"--readme: {readme} has no <!-- bench-results --> ... <!-- /bench-results --> block to rewrite")
+    from evaluation.report import check_block
+
+    try:
+        check_block(readme, "bench-results")
+    except ValueError as e:
+        fail(f"--readme: {e}")
 
 
 def publish(summary: dict, readme: Path) -> None:
