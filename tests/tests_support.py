@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -18,6 +19,25 @@ def spec_bench_prompts(per_category: int, categories=None) -> list[dict]:
             seen[q["category"]] = seen.get(q["category"], 0) + 1
             rows.append(q)
     return rows
+
+
+# Ray forwards its workers' and daemons' logs to the driver's stderr, prefixed "(ActorName pid=123)", "(raylet, ip=..)"
+# or "(autoscaler +1s)" (coloured on a terminal).
+_RAY_FORWARDED = re.compile(r"^(\x1b\[[0-9;]*m)?\(([^)]*pid=\d+|raylet|autoscaler|gcs_server)[^)]*\)")
+
+
+def own_stderr_lines(err: str) -> list[str]:
+    """The non-blank lines of ``err`` that the code under test printed, without the worker logs Ray forwards to a
+    driver (a test that runs a command in the driver of a live cluster sees those interleaved)."""
+    return [ln for ln in err.splitlines() if ln.strip() and not _RAY_FORWARDED.match(ln)]
+
+
+def assert_one_line_error(rc: int, err: str, *needles: str) -> None:
+    """A command failed on bad input as the house wants it: exit 2, one line on stderr naming every needle."""
+    lines = own_stderr_lines(err)
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
 
 
 def compare_with_ar(decoder, prompts: list[dict], reference: dict) -> tuple[list, float]:

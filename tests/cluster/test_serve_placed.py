@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 from redis_server import free_port
-from tests_support import multinode_cluster
+from tests_support import multinode_cluster, own_stderr_lines
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -147,7 +147,7 @@ def test_specray_serve_refuses_such_an_entry_in_one_line_before_serve_starts(ser
     reg.put(Entry("big/pearl", pearl(served["settings"].base_model).replace(num_gpus_per_model=1.0)))
     argv = ["serve", "--registry", str(tmp_path / "reg"), "--base-model", served["settings"].base_model, "--dtype", "float32"]
     assert cli_main([*argv, "--port", str(free_port())]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = own_stderr_lines(capsys.readouterr().err)
     assert len(err) == 1 and "'big/pearl'" in err[0] and "the cluster has 5 node(s)" in err[0], err
     assert httpx.get(served["url"] + "/health", timeout=30).status_code == 200  # the running app was left alone
 

@@ -3,15 +3,9 @@
 import json
 
 import pytest
+from tests_support import assert_one_line_error
 
 from jobs.generate import main
-
-
-def assert_one_line_error(rc, err, needle):
-    assert rc == 2, err
-    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert needle in lines[0], lines[0]
 
 
 @pytest.mark.parametrize(

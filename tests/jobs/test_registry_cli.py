@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from redis_server import closed_port, redis_server
+from tests_support import assert_one_line_error
 
 from jobs.registry import main
 
@@ -48,14 +49,6 @@ def cli(capsys, *argv):
     rc = main(list(argv))
     out, err = capsys.readouterr()
     return rc, out, err
-
-
-def assert_one_line_error(rc, err, *needles):
-    assert rc == 2, err
-    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 def test_put_list_show_delete_round_trip(registry, config_file, capsys):

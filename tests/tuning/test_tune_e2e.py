@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from redis_server import closed_port, redis_server
+from tests_support import own_stderr_lines
 
 from jobs import tune as tune_job
 from jobs.cli import main as cli_main
@@ -171,7 +172,7 @@ def test_interrupted_search_resumes_and_publishes_to_redis(tiny_tune, local_ray,
 def test_bad_input_is_one_line_exit_2(tiny_tune, tmp_path, capsys):
     def bad(*extra):
         code = cli_main(["tune", *argv(tiny_tune, tmp_path / "o"), *extra])
-        err = capsys.readouterr().err.strip().splitlines()
+        err = own_stderr_lines(capsys.readouterr().err)
         assert code == 2 and len(err) == 1, err
         return err[0]
 
