@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from decoding.fast_layers import LayerStack
+
 
 class KVCache:
     """Preallocated keys/values per layer, written by position.
@@ -137,7 +139,7 @@ class ModelAdapter:
     draft model that shares the target's weights but not its cache.
     """
 
-    def __init__(self, hf_model, num_layers: int | None = None):
+    def __init__(self, hf_model, num_layers: int | None = None, fast: bool = True):
         base = _decoder_parts(hf_model)
         self.hf_model = hf_model
         self.config = hf_model.config
@@ -155,6 +157,8 @@ class ModelAdapter:
         self.vocab_size = self.lm_head.out_features
         param = next(hf_model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        # the layers' own math in fewer operations (decoding.fast_layers); None: call the modules
+        self.stack = LayerStack.of(self.layers, self.config, self.dtype, self.device) if fast else None
 
     @property
     def max_context(self) -> int:
@@ -205,6 +209,8 @@ class ModelAdapter:
             mask = self._mask(start, t, tree_mask, hidden.device)
             cache.cursor = start
         cos_sin = self.rotary(hidden, positions)
+        if self.stack is not None:
+            return self.stack.run(hidden, first, last, mask, cache, cos_sin)
         for layer in self.layers[first:last]:
             hidden = layer(
                 hidden,
