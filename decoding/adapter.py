@@ -161,6 +161,12 @@ class ModelAdapter:
         self.stack = LayerStack.of(self.layers, self.config, self.dtype, self.device) if fast else None
 
     @property
+    def implementation(self) -> str:
+        """Which forward runs the layers ("layers": decoding.fast_layers, "modules": transformers'); timings
+        measured with one do not hold for the other, so the calibration caches are kept per implementation."""
+        return "layers" if self.stack is not None else "modules"
+
+    @property
     def max_context(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 2048))
 

@@ -33,17 +33,17 @@ _COSTS_LOCK = threading.Lock()
 def cost_model(target: ModelAdapter, model: str, dtype: str, max_rows: int = 1) -> CostModel:
     """The measured cost of a target forward by rows and tokens (``decoding.goodput``) for k=auto.
 
-    Measured once per model, dtype, threads and device (a few seconds on this kind of CPU) and kept in the
-    process and under ``$SPECRAY_HOME/calibration`` (delete the file to measure again); the batch refreshes it
-    online from the steps it runs.
+    Measured once per model, dtype, threads, device and forward implementation (a few seconds on this kind of
+    CPU) and kept in the process and under ``$SPECRAY_HOME/calibration`` (delete the file to measure again); the
+    batch refreshes it online from the steps it runs.
     """
     rows = tuple(r for r in CALIBRATION_ROWS if r <= max(1, max_rows))
-    key = (model, dtype, torch.get_num_threads(), str(target.device), rows)
+    key = (model, dtype, torch.get_num_threads(), str(target.device), rows, target.implementation)
     with _COSTS_LOCK:
         if key in _COSTS:
             return _COSTS[key]
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)[-80:]
-        path = specray_home() / "calibration" / f"{safe}-{dtype}-t{key[2]}-{key[3].replace(':', '')}-r{rows[-1]}.json"
+        path = specray_home() / "calibration" / f"{safe}-{dtype}-t{key[2]}-{key[3].replace(':', '')}-r{rows[-1]}-{key[5]}.json"
         cost = None
         try:
             cost = CostModel.from_dict(json.loads(path.read_text()))

@@ -3,9 +3,10 @@
 A token tree of T nodes costs one target forward over T positions. On a GPU that is nearly flat up to dozens
 of nodes; on a CPU it is not (SmolLM2 bfloat16 on this 2-core host: +11% to +31% for 8 nodes over one, +60% to
 +93% for 32, depending on the day). So the size is chosen per host: ``measure_verify_cost`` times forwards of
-1..64 positions after a short context (a few seconds), ``verify_costs`` caches the result per model, dtype and
-thread count under ``$SPECRAY_HOME/calibration/``, and ``TreeChooser`` picks, among Sequoia trees for the
-drafter's measured per-rank acceptance, the size with the most expected tokens per second:
+1..64 positions after a short context (a few seconds), ``verify_costs`` caches the result per model, dtype,
+thread count and forward implementation (``ModelAdapter.implementation``) under ``$SPECRAY_HOME/calibration/``,
+and ``TreeChooser`` picks, among Sequoia trees for the drafter's measured per-rank acceptance, the size with the
+most expected tokens per second:
 
     tokens/s(b) = expected_accepted(acceptance, tree_b) / cost(b + 1 nodes)
 
@@ -70,15 +71,16 @@ def monotone(costs: dict[int, float]) -> dict[int, float]:
     return dict(sorted(out.items()))
 
 
-def calibration_path(model: str, dtype: str, threads: int, device: str = "cpu") -> Path:
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{model}-{dtype}-{device}-t{threads}").strip("_")
+def calibration_path(model: str, dtype: str, threads: int, device: str = "cpu", implementation: str = "layers") -> Path:
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{model}-{dtype}-{device}-t{threads}-{implementation}").strip("_")
     return specray_home() / "calibration" / f"verify-cost-{name}.json"
 
 
 def verify_costs(adapter, model: str, dtype: str, threads: int | None = None, refresh: bool = False) -> dict[int, float]:
-    """The cached verification cost curve of this model, dtype, device and thread count (measured on first use)."""
+    """The cached verification cost curve of this model, dtype, device, thread count and forward implementation
+    (measured on first use)."""
     threads = threads or torch.get_num_threads()
-    path = calibration_path(model, dtype, threads, str(adapter.device))
+    path = calibration_path(model, dtype, threads, str(adapter.device), adapter.implementation)
     if path.is_file() and not refresh:
         try:
             data = json.loads(path.read_text())

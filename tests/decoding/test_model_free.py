@@ -176,8 +176,9 @@ def test_verify_costs_are_measured_once_and_cached(tiny_model, tmp_path, monkeyp
 
     monkeypatch.setattr(hardware, "measure_verify_cost", fail)
     assert hardware.verify_costs(adapter, "tiny", "float32", 1) == costs
-    other = hardware.calibration_path("tiny", "bfloat16", 1)
-    assert other != path  # a cache per model, dtype and threads
+    others = {hardware.calibration_path("tiny", "bfloat16", 1), hardware.calibration_path("tiny", "float32", 1, implementation="modules")}
+    assert path not in others and len(others) == 2  # a cache per model, dtype, threads and forward implementation
+    assert hardware.calibration_path("tiny", "float32", 1, implementation=adapter.implementation) == path
 
 
 # ---- configuration ------------------------------------------------------------------------------------------------
