@@ -30,7 +30,7 @@ LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer")
 NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm")
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
-# layer -> (qkv, gate_up): fused weights the layer's projections are views of (kept while the layer lives)
+# layer -> (qkv, gate_up, the data pointers of the five projection weights that are views of them)
 _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -53,22 +53,30 @@ def supported(layer, config) -> bool:
     return all(type(n).__name__ in NORM_CLASSES for n in norms)
 
 
-def _fused(layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's [q; k; v] and [gate; up] weights as single matrices, the projections re-pointed at views of them."""
+def _projections(layer) -> tuple:
     a, m = layer.self_attn, layer.mlp
+    return (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
+
+
+def _fused(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's [q; k; v] and [gate; up] weights as single matrices, the projections re-pointed at views of them.
+
+    Fused again when a projection's weight no longer is its view (moved to another device, or replaced).
+    """
+    attn, mlp = _projections(layer)
     got = _FUSED.get(layer)
-    if got is not None and got[0].data_ptr() == a.q_proj.weight.data_ptr() and got[1].data_ptr() == m.gate_proj.weight.data_ptr():
-        return got
+    if got is not None and got[2] == tuple(mod.weight.data_ptr() for mod in attn + mlp):
+        return got[0], got[1]
     with torch.inference_mode(False), torch.no_grad():  # ordinary tensors, usable outside inference mode too
-        qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous()
-        gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight]).contiguous()
-        for fused, mods in ((qkv, (a.q_proj, a.k_proj, a.v_proj)), (gate_up, (m.gate_proj, m.up_proj))):
+        qkv = torch.cat([mod.weight for mod in attn]).contiguous()
+        gate_up = torch.cat([mod.weight for mod in mlp]).contiguous()
+        for fused, mods in ((qkv, attn), (gate_up, mlp)):
             row = 0
             for mod in mods:
                 rows = mod.weight.shape[0]
                 mod.weight = torch.nn.Parameter(fused[row : row + rows], requires_grad=False)
                 row += rows
-    _FUSED[layer] = (qkv, gate_up)
+    _FUSED[layer] = (qkv, gate_up, tuple(mod.weight.data_ptr() for mod in attn + mlp))
     return qkv, gate_up
 
 
@@ -133,7 +141,8 @@ class LayerStack:
             a, m = layer.self_attn, layer.mlp
             x = _rms_norm(hidden, layer.input_layernorm)
             if self.fuse:
-                q, k, v = F.linear(x, _fused(layer)[0]).split([nq, nkv, nkv], dim=-1)
+                qkv, gate_up = _fused(layer)
+                q, k, v = F.linear(x, qkv).split([nq, nkv, nkv], dim=-1)
             else:
                 q, k, v = F.linear(x, a.q_proj.weight), F.linear(x, a.k_proj.weight), F.linear(x, a.v_proj.weight)
             q = _rotate(q.view(bsz, t, -1, hd).transpose(1, 2), cos, sin)
@@ -151,7 +160,7 @@ class LayerStack:
             hidden = hidden + F.linear(out.transpose(1, 2).reshape(bsz, t, nq), a.o_proj.weight)
             x = _rms_norm(hidden, layer.post_attention_layernorm)
             if self.fuse:
-                gate, up = F.linear(x, _fused(layer)[1]).chunk(2, dim=-1)
+                gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
             else:
                 gate, up = F.linear(x, m.gate_proj.weight), F.linear(x, m.up_proj.weight)
             hidden = hidden + F.linear(F.silu(gate) * up, m.down_proj.weight)

@@ -103,6 +103,8 @@ def test_weights_that_move_after_fusing_are_fused_again(tiny_model):
         p.data = p.data.clone()
     with torch.no_grad():
         model.model.layers[0].self_attn.q_proj.weight.mul_(2.0)  # and a changed weight must be seen
+        k_proj = model.model.layers[1].self_attn.k_proj  # a single projection given a new weight too
+        k_proj.weight = torch.nn.Parameter(k_proj.weight * 0.5, requires_grad=False)
     after = ModelAdapter(model, fast=False).forward(fast.new_cache(1, 16), 0, input_ids=ids)
     assert torch.equal(fast.forward(fast.new_cache(1, 16), 0, input_ids=ids), after)
     assert not torch.equal(before, after)
