@@ -4,7 +4,8 @@ Calling transformers' decoder layers costs a few hundred small dispatches per fo
 a SmolLM2 step is a few dozen milliseconds, that overhead and two slow kernels are a sixth of the step.
 ``LayerStack`` runs the same layers from their weights:
 
-* RMSNorm, rotary embedding, residuals and the SiLU MLP exactly as transformers computes them;
+* the layers' own RMSNorm modules, and rotary embedding, residuals and the SiLU MLP exactly as transformers
+  computes them;
 * in 16-bit dtypes the q/k/v projections are one matmul and gate/up another (the modules' weights become
   views of the fused matrices, so no memory is added; the products are bit-identical here, each output is
   the same dot product). float32 keeps the separate matmuls, whose results are bit-identical to the
@@ -39,14 +40,14 @@ def supported(layer, config) -> bool:
     if type(layer).__name__ not in LAYER_CLASSES or getattr(config, "sliding_window", None):
         return False
     a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    names = ("q_proj", "k_proj", "v_proj", "o_proj")
-    if a is None or m is None or not all(isinstance(getattr(a, n, None), torch.nn.Linear) for n in names):
+    if a is None or m is None:
         return False
     if any(hasattr(a, n) for n in ("q_norm", "k_norm")) or getattr(config, "hidden_act", None) != "silu":
         return False
     if type(getattr(m, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
         return False
-    linears = [getattr(a, n) for n in names] + [getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    linears = [getattr(a, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    linears += [getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if not all(isinstance(x, torch.nn.Linear) and x.bias is None for x in linears):
         return False
     norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
@@ -78,13 +79,6 @@ def _fused(layer) -> tuple[torch.Tensor, torch.Tensor]:
                 row += rows
     _FUSED[layer] = (qkv, gate_up, tuple(mod.weight.data_ptr() for mod in attn + mlp))
     return qkv, gate_up
-
-
-def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * x.to(dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -139,7 +133,7 @@ class LayerStack:
         for index in range(first, last):
             layer = self.layers[index]
             a, m = layer.self_attn, layer.mlp
-            x = _rms_norm(hidden, layer.input_layernorm)
+            x = layer.input_layernorm(hidden)
             if self.fuse:
                 qkv, gate_up = _fused(layer)
                 q, k, v = F.linear(x, qkv).split([nq, nkv, nkv], dim=-1)
@@ -158,7 +152,7 @@ class LayerStack:
                     k, v = k[:, :, :t], v[:, :, :t]
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scaling, is_causal=causal, enable_gqa=True)
             hidden = hidden + F.linear(out.transpose(1, 2).reshape(bsz, t, nq), a.o_proj.weight)
-            x = _rms_norm(hidden, layer.post_attention_layernorm)
+            x = layer.post_attention_layernorm(hidden)
             if self.fuse:
                 gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
             else:
