@@ -165,6 +165,15 @@ def placed_entries(catalog, replica_cpus: float) -> list[tuple[object, ReplicaPl
     return out
 
 
+def encode_prompt(tokenizer, prompt: str):
+    """Ids [1, T] of a completion prompt, as the target worker encodes it (``decoding.engine.SpecDecoder.encode``)."""
+    import torch
+
+    if not prompt or not prompt.strip():
+        raise ConfigError("prompt", "is empty")
+    return torch.tensor([tokenizer(prompt)["input_ids"]], dtype=torch.long, device="cpu")
+
+
 # ---- the replica ---------------------------------------------------------------------------------
 class PlacedWorker:
     """The replica of one actor entry: an ``ActorDecoder`` over a target and a draft worker in the replica's own
@@ -219,11 +228,11 @@ class PlacedWorker:
         from serving.textstream import TextAssembler
         from serving.worker import encode_chat
 
-        try:
+        try:  # with the replica's own copy of the target's tokenizer: no round trip to a worker that may be gone
             if req.get("messages") is not None:
                 param, prompt_ids = "messages", encode_chat(self.tokenizer, req["messages"])
             else:
-                param, prompt_ids = "prompt", await asyncio.to_thread(self.dec.encode, req["prompt"], False)
+                param, prompt_ids = "prompt", await asyncio.to_thread(encode_prompt, self.tokenizer, req["prompt"])
         except ConfigError as e:
             yield {"type": "error", "status": 400, "message": str(e), "param": "prompt"}
             return

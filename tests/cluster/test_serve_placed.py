@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 
@@ -150,6 +151,31 @@ def test_specray_serve_refuses_such_an_entry_in_one_line_before_serve_starts(ser
     err = own_stderr_lines(capsys.readouterr().err)
     assert len(err) == 1 and "'big/pearl'" in err[0] and "the cluster has 5 node(s)" in err[0], err
     assert httpx.get(served["url"] + "/health", timeout=30).status_code == 200  # the running app was left alone
+
+
+def test_a_killed_model_worker_answers_503_until_serve_replaces_the_replica(served, ar_text):
+    """Between a worker's death and the replica's replacement, a plain completion reaches the old replica: it must
+    answer a clean 503 (the replica used to ask the dead target worker to encode the prompt, and answered 500)."""
+    url = served["url"]
+    body = {"model": ENTRY, "prompt": PROMPT, "max_tokens": NEW, "temperature": 0}
+    where = oai(url).completions.create(**body).model_extra["specray"]["placement"]["where"]
+    os.kill(where["target"]["pid"], signal.SIGKILL)
+    t_kill = time.monotonic()
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    print(f"\nright after the target worker was killed: {r.status_code} {r.text[:200]}")
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["type"] == "service_unavailable"
+    deadline, attempt = time.monotonic() + 120, None
+    while time.monotonic() < deadline:
+        attempt = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        if attempt.status_code == 200:
+            break
+        assert attempt.status_code == 503, attempt.text  # clean while the replica is replaced, never a 500
+        time.sleep(1)
+    assert attempt is not None and attempt.status_code == 200, attempt.text if attempt is not None else None
+    print(f"a request succeeded {time.monotonic() - t_kill:.1f}s after the kill")
+    assert attempt.json()["choices"][0]["text"] == ar_text
+    assert attempt.json()["specray"]["placement"]["where"]["target"]["pid"] != where["target"]["pid"]
 
 
 def test_losing_the_replicas_node_fails_in_flight_requests_cleanly_and_serve_replaces_it(served, ar_text):
