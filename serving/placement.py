@@ -209,6 +209,7 @@ class PlacedWorker:
         self.tokenizer = self.dec.executor.wait(self.dec.target.__ray_call__.remote(lambda actor: actor.tokenizer), "target worker")
         self.load_s = time.perf_counter() - t0
         self._turn = threading.Lock()
+        self._exiting = False
         self.totals = {"completed": 0, "error": 0, "tokens": 0}
         log.info("specray: %s placed (%s) in %.1fs: %s", name, self.plan.strategy, self.load_s, self.where())
 
@@ -222,7 +223,22 @@ class PlacedWorker:
 
     def check_health(self) -> None:
         """Serve calls this periodically: a lost worker makes the replica unhealthy, and Serve replaces it (new group)."""
-        self.dec.executor.wait([self.dec.target.ping.remote(), self.dec.draft.ping.remote()], "workers' health check")
+        from actors.driver import WorkerDied
+
+        try:
+            self.dec.executor.wait([self.dec.target.ping.remote(), self.dec.draft.ping.remote()], "workers' health check")
+        except WorkerDied as e:
+            self._lost(e)
+            raise
+
+    def _lost(self, err: Exception) -> None:
+        """A model worker is gone for good, so this replica can serve nothing more: it exits now and Serve, seeing the
+        crash, starts a replacement (a new group) at once, instead of after three failed health checks 5 s apart. The
+        requests it holds end as 503s (their error events, or the ingress's answer to a lost replica)."""
+        if not self._exiting:
+            self._exiting = True
+            log.error("specray: %s: %s; the replica exits so that Serve replaces it", self.name, str(err).splitlines()[0])
+            threading.Timer(0.5, os._exit, args=(1,)).start()  # time for the error events already queued to leave
 
     async def stream(self, req: dict):
         from serving.textstream import TextAssembler
@@ -277,9 +293,13 @@ class PlacedWorker:
                 except Stop:
                     out, stats = None, None
                 except Exception as e:  # a worker lost mid-generation (WorkerDied / WorkerTimeout), or a bad request
+                    from actors.driver import WorkerDied
+
                     log.error("specray: %s: generation failed: %s", self.name, str(e).splitlines()[0])
                     self.totals["error"] += 1
                     loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
+                    if isinstance(e, WorkerDied):
+                        self._lost(e)
                     return
                 finally:
                     self.dec.sampling = SamplingParams(c.temperature, c.top_k, c.top_p)
