@@ -12,6 +12,7 @@ COMMANDS = {
     "bench-serve": "jobs.bench_serve",
     "registry": "jobs.registry",
     "serve": "jobs.serve",
+    "soak": "jobs.soak",
     "tune": "jobs.tune",
     "train-drafter": "jobs.train_drafter",
 }
