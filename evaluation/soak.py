@@ -447,6 +447,16 @@ def find_pids(role: str, root: int | None = None) -> list[int]:
 
 
 # ---- the cluster and redis -----------------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """In a child before exec (Linux): SIGTERM it when the process that started it dies, even by SIGKILL."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class RedisServer:
     """A ``redis-server`` on a free loopback port with an append-only file in its own directory (what
     ``infra/kuberay/redis.yaml`` runs), so a restart keeps the registry. :meth:`restart` stops it gracefully
@@ -477,7 +487,7 @@ class RedisServer:
     def start(self, timeout_s: float = 20.0) -> None:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir), "--appendonly", "yes"]
         args += ["--save", "", "--daemonize", "no", "--logfile", str(self.dir / "redis.log"), "--databases", "2"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and self.proc.poll() is None:
             if self.ping():

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=2, help="times each fault is injected, evenly spread (default 2)")
     p.add_argument("--schedule", metavar="T:FAULT,...", help="explicit fault times in seconds instead of --faults/--repeats")
     p.add_argument("--first-fault-s", type=float, help="when the first fault comes (default: a tenth of the run)")
-    p.add_argument("--tail-s", type=float, help="fault-free time at the end (default: a twentieth of the run, at least 60 s)")
+    p.add_argument("--tail-s", type=float, help="fault-free time at the end (default: a twentieth of the run, 60 s to a quarter of it)")
     p.add_argument("--fault-gap-s", type=float, default=10.0, help="a fault waits for the previous one's recovery plus this (default 10)")
     p.add_argument("--overlap", action="store_true", help="inject each fault at its time, not after the previous one recovered")
     p.add_argument("--recovery-wait-s", type=float, default=120.0, help="the longest wait for a fault's recovery (default 120)")
@@ -82,8 +82,8 @@ def _plan(args):
     for flag in ("request_timeout_s", "sample_s", "progress_s", "window_s", "recovery_wait_s"):
         if getattr(args, flag) <= 0:
             fail(f"--{flag.replace('_', '-')}: must be > 0, got {getattr(args, flag):g}")
-    for flag in ("fault_gap_s", "node_return_s", "stall_s", "growth_from_s"):
-        if getattr(args, flag) < 0:
+    for flag in ("fault_gap_s", "node_return_s", "stall_s", "growth_from_s", "first_fault_s", "tail_s"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 0:
             fail(f"--{flag.replace('_', '-')}: must be >= 0, got {getattr(args, flag):g}")
     if min(args.max_queued_requests, args.threads, args.pool, args.max_prompt_tokens) < 1 or args.repeats < 0:
         fail("--max-queued-requests, --threads, --pool and --max-prompt-tokens must be >= 1 and --repeats >= 0")
@@ -105,7 +105,7 @@ def _plan(args):
         if unknown:
             fail(f"--faults: unknown fault {unknown[0]!r}; choose from {', '.join(FAULTS)} (or none)")
         first = args.first_fault_s if args.first_fault_s is not None else args.duration_s / 10
-        tail = args.tail_s if args.tail_s is not None else max(60.0, args.duration_s / 20)
+        tail = args.tail_s if args.tail_s is not None else min(max(60.0, args.duration_s / 20), args.duration_s / 4)
         if names and first >= args.duration_s - tail:
             fail(f"--first-fault-s/--tail-s: no room for faults between {first:g}s and {args.duration_s - tail:g}s")
         schedule = even_schedule(names, args.repeats, first, args.duration_s - tail)
@@ -306,6 +306,8 @@ def main_with_args(args, argv: list[str]) -> int:
     from decoding.engine import SpecDecoder
     from evaluation import soak as S
 
+    t_start = time.monotonic()
+
     if shutil.which("redis-server") is None:
         fail("redis-server is not installed (apt-get install -y redis-server): the soak's registry runs on it")
     try:
@@ -320,6 +322,7 @@ def main_with_args(args, argv: list[str]) -> int:
     )
     refs = References(dec, prompts, max(max_tokens), plan.slow_max_tokens)
     plan.slow_prompt_idx = refs.long_prompt
+    print(f"soak: references ready after {time.monotonic() - t_start:.0f}s", file=sys.stderr)
     depth = len(dec.loaded.model.model.layers)
     configs = entries(args.model, depth)
     from cluster.runtime import PATIENT_SERVE
@@ -368,15 +371,11 @@ def main_with_args(args, argv: list[str]) -> int:
     except RuntimeError as e:  # the cluster, redis or the app did not come up
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 1
-    finally:
-        from ray import serve
-
-        try:
-            serve.shutdown()
-        except Exception as e:  # noqa: BLE001 - the cluster goes next anyway
-            print(f"soak: serve.shutdown failed: {e}", file=sys.stderr)
+    finally:  # the whole test cluster goes (Serve's actors with it), then redis
+        t_down = time.monotonic()
         cluster.shutdown()
         redis.close()
+        print(f"soak: cluster and redis stopped in {time.monotonic() - t_down:.0f}s", file=sys.stderr)
     summary = S.analyse(soak, growth_from_s=args.growth_from_s)
     summary["run"]["model"] = args.model
     summary["run"]["command"] = "specray soak " + " ".join(argv)

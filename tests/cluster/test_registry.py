@@ -357,10 +357,12 @@ def test_a_watcher_follows_redis_through_a_restart():
             time.sleep(0.05)
         assert catalog.lookup("w/x").version == version and catalog.lookup("w/x").config.k == 5
     finally:
-        catalog.close()
-        watcher.stop()
-        reg.close()
-        srv.close()
+        try:
+            catalog.close()
+            watcher.stop()
+        finally:
+            reg.close()
+            srv.close()
 
 
 # ---- Redis unreachable --------------------------------------------------------
