@@ -1,4 +1,4 @@
-"""A Ray actor hosting one model (draft or target) with its KV cache: a thin RPC face over ``decoding.two_sided``'s sides.
+"""A Ray actor hosting one model (draft or target) with its KV cache: a thin RPC face over ``decoding.schedules.two_sided``'s sides.
 
 The worker loads its model on the device it was placed on (``cuda`` when Ray
 gave it a GPU, else CPU with its own ``torch.set_num_threads``) and forwards
@@ -30,14 +30,14 @@ import ray
 
 import kernels
 from actors.devices import placed_device
-from decoding.adapter import ModelAdapter
 from decoding.config import ConfigError
 from decoding.engine import SpecDecoder, build_drafter
+from decoding.loop.metrics import peak_rss_mb, reset_peak_rss
 from decoding.methods import METHOD_TABLE, TARGET_WITH_DRAFTER, WORKER_ROLES
-from decoding.metrics import peak_rss_mb, reset_peak_rss
-from decoding.models import load_model, resolve_device, set_threads
+from decoding.model.adapter import ModelAdapter
+from decoding.model.models import load_model, resolve_device, set_threads
 from decoding.sampling import SamplingParams
-from decoding.two_sided import DraftRequest, DraftResult, DraftSide, VerifyRequest, VerifyResult, VerifySide
+from decoding.schedules.two_sided import DraftRequest, DraftResult, DraftSide, VerifyRequest, VerifyResult, VerifySide
 
 
 @ray.remote(max_restarts=0, max_task_retries=0)

@@ -26,8 +26,8 @@ from decoding.methods import ACTOR_TRANSPORTS, METHOD_TABLE, METHODS, TRIFORCE_B
 
 DTYPES = ("float32", "bfloat16")
 PLACEMENTS = ("local", "actors")
-TREE_SHAPES = ("chain", "static", "sequoia", "dyspec")  # the tree shapes a config may name (decoding.trees builds them)
-DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # decoding.models.resolve_device turns it into a torch.device
+TREE_SHAPES = ("chain", "static", "sequoia", "dyspec")  # the tree shapes a config may name (decoding.trees.trees builds them)
+DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # decoding.model.models.resolve_device turns it into a torch.device
 DRAFT_MEMORIES = ("warm", "cold")
 TREE_FITS = ("measured", "budget")
 
@@ -64,7 +64,7 @@ class SpecConfig:
     adaptive_k: choose the draft length per step and per sequence, 0 to k,
         maximising expected committed tokens per second from the sequence's
         measured acceptance and the measured cost of a target forward by batch
-        rows and tokens (``decoding.goodput``): long drafts at low load, none at
+        rows and tokens (``decoding.loop.goodput``): long drafts at low load, none at
         high load. Chains only; trees draft whole or not at all.
     exit_layer: for ``early-exit``, the number of target layers that draft.
     confidence_threshold: stop drafting when the drafter's top-1 probability
@@ -96,7 +96,7 @@ class SpecConfig:
         ``dyspec`` (grown per step best-first by draft probability, up to
         ``tree_budget`` nodes, depth <= k). ``ngram`` merges several earlier
         matches into a trie of as many nodes as the shape has.
-    triforce_*: for ``triforce`` (decoding/triforce.py), whose top level drafts
+    triforce_*: for ``triforce`` (decoding/schedules/triforce.py), whose top level drafts
         ``k`` tokens per full-target forward with the target over a retrieval
         cache of ``triforce_budget`` prompt tokens in chunks of
         ``triforce_chunk_size``; that middle level is drafted for by
@@ -126,7 +126,7 @@ class SpecConfig:
         when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``. Inside Ray
         workers the outer layers turn ``auto`` into the GPU Ray gave the worker,
         else CPU (actors/devices.py).
-    recycling / suffix / hybrid (decoding/recycling.py, suffix.py, hybrid.py):
+    recycling / suffix / hybrid (decoding/drafters/recycling.py, suffix.py, hybrid.py):
         model-free tree drafters, ``k`` is the tree depth. ``recycle_width``:
         candidates kept per token in Token Recycling's adjacency matrix (1 =
         chains); ``tree_paths`` (with tree=static) replaces its Sequoia template.
@@ -168,12 +168,12 @@ class SpecConfig:
     rpc_timeout_s: float = 120.0
     placement_timeout_s: float = 30.0
     actor_transport: str = "calls"
-    # token trees (decoding/trees.py): chain (default) | static | sequoia | dyspec
+    # token trees (decoding/trees/trees.py): chain (default) | static | sequoia | dyspec
     tree: str = "chain"
     tree_paths: str = ""  # static: JSON list of rank paths, e.g. [[0],[1],[0,0]]
     tree_budget: int = 16  # sequoia / dyspec / n-gram tries: draft nodes per step
     tree_acceptance: str = ""  # sequoia: per-rank acceptance, e.g. [0.6,0.1,0.05]; empty = trees.DEFAULT_ACCEPTANCE
-    # method=triforce: see decoding/triforce.py
+    # method=triforce: see decoding/schedules/triforce.py
     triforce_budget: int = 1024
     triforce_chunk_size: int = 16
     triforce_gamma: int = 4
@@ -181,11 +181,11 @@ class SpecConfig:
     triforce_window: int = 252
     triforce_bottom: str = "ngram"
     triforce_schedule: str = "sps"  # placement=actors: sps (sequential) or pearl (middle drafts while the top verifies)
-    # method=trained: a trained drafter artifact (name under $SPECRAY_HOME/drafters, or a directory); see decoding/artifacts.py
+    # method=trained: a trained drafter artifact (name under $SPECRAY_HOME/drafters, or a directory); see decoding/drafters/artifacts.py
     drafter: str | None = None
     draft_vocab: int = 0
     device: str = "auto"
-    # method=recycling / suffix / hybrid: see decoding/recycling.py, suffix.py, hybrid.py
+    # method=recycling / suffix / hybrid: see decoding/drafters/recycling.py, suffix.py, hybrid.py
     recycle_width: int = 8
     suffix_factor: float = 1.0
     suffix_min_prob: float = 0.1
@@ -247,7 +247,7 @@ class SpecConfig:
         _check(self.tree != "static" or bool(self.tree_paths), "tree_paths", "tree=static needs tree_paths, e.g. [[0],[1],[0,0]]")
         if self.tree == "chain" and not self.tree_paths and not self.tree_acceptance:
             return
-        from decoding.trees import TreeError, parse_acceptance, parse_paths
+        from decoding.trees.trees import TreeError, parse_acceptance, parse_paths
 
         for name, parse in (("tree_paths", parse_paths), ("tree_acceptance", parse_acceptance)):
             if getattr(self, name):

@@ -14,16 +14,16 @@ import threading
 
 import torch
 
-from decoding.adapter import ModelAdapter
 from decoding.config import ConfigError, SpecConfig
-from decoding.drafters import Drafter
-from decoding.goodput import CALIBRATION_ROWS, CostModel
-from decoding.loop import ContextTooLong, Generation, Sequence, generate, generate_many
+from decoding.drafters.drafters import Drafter
+from decoding.loop.goodput import CALIBRATION_ROWS, CostModel
+from decoding.loop.loop import ContextTooLong, Generation, Sequence, generate, generate_many
 from decoding.methods import method_of
-from decoding.models import LoadedModel, load_model, set_threads
+from decoding.model.adapter import ModelAdapter
+from decoding.model.models import LoadedModel, load_model, set_threads
 from decoding.paths import specray_home
 from decoding.sampling import SamplingParams
-from decoding.trees import build_shape
+from decoding.trees.trees import build_shape
 
 log = logging.getLogger(__name__)
 _COSTS: dict[tuple, CostModel] = {}
@@ -31,7 +31,7 @@ _COSTS_LOCK = threading.Lock()
 
 
 def cost_model(target: ModelAdapter, model: str, dtype: str, max_rows: int = 1) -> CostModel:
-    """The measured cost of a target forward by rows and tokens (``decoding.goodput``) for k=auto.
+    """The measured cost of a target forward by rows and tokens (``decoding.loop.goodput``) for k=auto.
 
     Measured once per model, dtype, threads, device and forward implementation (a few seconds on this kind of
     CPU) and kept in the process and under ``$SPECRAY_HOME/calibration`` (delete the file to measure again); the
@@ -109,7 +109,7 @@ class SpecDecoder:
         self.device = self.loaded.device  # prompts, generators and caches are made here
         self.tokenizer = self.loaded.tokenizer
         self.target = ModelAdapter(self.loaded.model)
-        from decoding.draft_memory import DraftMemory
+        from decoding.drafters.draft_memory import DraftMemory
 
         self.memory = DraftMemory()  # model-free drafters' state across requests (and forks)
         self.drafter = build_drafter(cfg, self.loaded, memory=self.memory)
@@ -175,8 +175,8 @@ class SpecDecoder:
         return cost_model(self.target, self.cfg.model, self.cfg.dtype, max_rows)
 
     def sequence(self, prompt_ids: torch.Tensor, max_new_tokens: int | None = None, seed: int | None = None, on_step=None, tag=None):
-        """A :class:`decoding.loop.Sequence` of this configuration (its own drafter, sampling and seeded generator),
-        to run in a :class:`decoding.loop.Batch` beside sequences of other configurations of the same target."""
+        """A :class:`decoding.loop.loop.Sequence` of this configuration (its own drafter, sampling and seeded generator),
+        to run in a :class:`decoding.loop.loop.Batch` beside sequences of other configurations of the same target."""
         return Sequence(
             prompt_ids,
             drafter=build_drafter(self.cfg, self.loaded, memory=self.memory),

@@ -26,13 +26,14 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from decoding.config import SpecConfig
-    from decoding.drafters import Drafter
-    from decoding.models import LoadedModel
+    from decoding.drafters.drafters import Drafter
+    from decoding.model.models import LoadedModel
 
 # ---- constants: each defined here once, imported everywhere else ----------------------------------------------------
 WORKER_ROLES = ("target", "draft")  # the two model workers of placement=actors; placement bundle 0 is the target, 1 the draft
 ACTOR_TRANSPORTS = ("calls", "compiled")  # plain actor calls or Ray compiled graphs between the driver and the workers
-TWO_SIDED_SCHEDULES = ("sps", "pearl")  # decoding.two_sided over a draft and a target side: sequential, or drafting while verifying
+# decoding.schedules.two_sided over a draft and a target side: sequential, or drafting while verifying
+TWO_SIDED_SCHEDULES = ("sps", "pearl")
 TRIFORCE_BOTTOMS = ("layers", "ngram", "model")  # what drafts for TriForce's middle level
 # a method's own schedule: draft then verify (the one loop), draft while verifying (PEARL), a drafter that itself
 # runs a speculative step (TriForce's middle level)
@@ -63,7 +64,7 @@ class KnobSpec:
 _K = KnobSpec("k", "int", 1, 8)
 _CONFIDENCE = KnobSpec("confidence_threshold", "float", 0.0, 0.9, step=0.05)
 _DRAFT_LAYERS = KnobSpec("draft_layers", "int", 1, DEPTH)
-# token trees (decoding/trees.py): the drafters that grow trees also search the shape and the node budget (static trees
+# token trees (decoding/trees/trees.py): the drafters that grow trees also search the shape and the node budget (static trees
 # need user paths, so they are not searched; sequoia uses the config's tree_acceptance)
 _TREE = (KnobSpec("tree", "choice", choices=("chain", "sequoia", "dyspec")), KnobSpec("tree_budget", "int", 4, 32))
 # model-free tree drafters: k is the tree depth; tree_budget applies with tree_fit=budget (measured picks the size from
@@ -101,7 +102,7 @@ def _resolve_trained(values: dict, depth: int) -> dict:
 def _fit_trained(values: dict, base: SpecConfig) -> dict:
     """Medusa, Hydra and distilled drafters search tree shapes; a chain-only artifact's trials get chains."""
     if values.get("tree", "chain") != "chain":
-        from decoding.artifacts import drafts_trees
+        from decoding.drafters.artifacts import drafts_trees
 
         if not drafts_trees(values.get("drafter", base.drafter)):  # Kangaroo, feature head: chains only
             values["tree"] = "chain"
@@ -111,7 +112,7 @@ def _fit_trained(values: dict, base: SpecConfig) -> dict:
 
 # ---- drafter builders: (cfg, target, device, memory) -> Drafter | None ----------------------------------------------
 def _depth(target: LoadedModel) -> int:
-    from decoding.adapter import ModelAdapter
+    from decoding.model.adapter import ModelAdapter
 
     return len(ModelAdapter(target.model).layers)
 
@@ -124,9 +125,9 @@ def _shape(cfg: SpecConfig):
 
 def _draft_model(cfg: SpecConfig, target: LoadedModel, device):
     """The adapter of the separate ``draft_model``, on ``device``; it must share the target's tokenizer."""
-    from decoding.adapter import ModelAdapter
     from decoding.config import ConfigError
-    from decoding.models import load_model
+    from decoding.model.adapter import ModelAdapter
+    from decoding.model.models import load_model
 
     draft = load_model(cfg.draft_model, cfg.dtype, device)
     if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
@@ -136,8 +137,8 @@ def _draft_model(cfg: SpecConfig, target: LoadedModel, device):
 
 def _first_layers(cfg: SpecConfig, target: LoadedModel):
     """The adapter of the target's first ``draft_layers`` layers (plus its final norm and LM head)."""
-    from decoding.adapter import ModelAdapter
     from decoding.config import ConfigError
+    from decoding.model.adapter import ModelAdapter
 
     depth = _depth(target)
     if cfg.draft_layers >= depth:
@@ -150,7 +151,7 @@ def _no_drafter(cfg, target, device, memory) -> None:
 
 
 def _ngram_drafter(cfg, target, device, memory) -> Drafter:
-    from decoding.drafters import NgramDrafter, max_nodes_of
+    from decoding.drafters.drafters import NgramDrafter, max_nodes_of
 
     shape = _shape(cfg)
     return NgramDrafter(cfg.ngram_max, cfg.ngram_min, tree_budget=None if shape is None else max_nodes_of(shape, cfg.k))
@@ -158,7 +159,7 @@ def _ngram_drafter(cfg, target, device, memory) -> Drafter:
 
 def _early_exit_drafter(cfg, target, device, memory) -> Drafter:
     from decoding.config import ConfigError
-    from decoding.drafters import EarlyExitDrafter
+    from decoding.drafters.drafters import EarlyExitDrafter
 
     shape, depth = _shape(cfg), _depth(target)
     if cfg.exit_layer >= depth:
@@ -168,7 +169,7 @@ def _early_exit_drafter(cfg, target, device, memory) -> Drafter:
 
 def _draft_model_drafter(cfg, target, device, memory) -> Drafter:
     """SpS (and PEARL in one process): ``draft_model``, else the target's first ``draft_layers`` layers."""
-    from decoding.drafters import DraftModelDrafter
+    from decoding.drafters.drafters import DraftModelDrafter
 
     shape = _shape(cfg)
     adapter = _draft_model(cfg, target, device) if cfg.draft_model else _first_layers(cfg, target)
@@ -177,7 +178,7 @@ def _draft_model_drafter(cfg, target, device, memory) -> Drafter:
 
 def _triforce_drafter(cfg, target, device, memory) -> Drafter:
     from decoding.config import ConfigError
-    from decoding.triforce import TriForceDrafter
+    from decoding.schedules.triforce import TriForceDrafter
 
     bottom = None
     if cfg.triforce_bottom == "model":
@@ -200,13 +201,13 @@ def _triforce_drafter(cfg, target, device, memory) -> Drafter:
 
 
 def _trained_drafter(cfg, target, device, memory) -> Drafter:
-    from decoding.artifacts import load_artifact
+    from decoding.drafters.artifacts import load_artifact
 
     return load_artifact(cfg.drafter, target.model).drafter(cfg.confidence_threshold, cfg.draft_vocab, _shape(cfg))
 
 
 def _model_free_drafter(cfg, target, device, memory) -> Drafter:
-    from decoding.model_free import build_model_free
+    from decoding.drafters.model_free import build_model_free
 
     return build_model_free(cfg, target, memory)
 
@@ -215,7 +216,7 @@ def _model_free_drafter(cfg, target, device, memory) -> Drafter:
 @dataclass(frozen=True)
 class OnActors:
     """How a method runs with ``placement=actors``: a target worker and a draft worker (``roles``), driven by
-    ``decoding.two_sided``'s ``schedule`` (or the one the config field ``schedule_field`` names) over one of
+    ``decoding.schedules.two_sided``'s ``schedule`` (or the one the config field ``schedule_field`` names) over one of
     ``transports``."""
 
     draft_worker: str  # DRAFT_MODEL | TARGET_WITH_DRAFTER: what the draft worker hosts

@@ -183,7 +183,7 @@ def check_models(settings, catalog) -> None:
 def model_loads(name: str) -> None:
     """Raise ConfigError unless ``name`` resolves to a model whose config reads and whose weights are there."""
     from decoding.config import ConfigError
-    from decoding.models import resolve
+    from decoding.model.models import resolve
 
     kind, path, _ = resolve(name)
     if kind != "dir":

@@ -1,7 +1,7 @@
 """What the trained drafters learn from: the losses (KL, TVD++, cross-entropy), top-1 agreement, VocabTrim's token
 ranking, and each recipe's objective on one example (pairs of student and teacher logits plus an auxiliary loss).
 
-The modules and drafters the recipes build live in ``decoding/trained.py`` (what decodes); the training loop in
+The modules and drafters the recipes build live in ``decoding/drafters/trained.py`` (what decodes); the training loop in
 ``training/trainer.py``.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from decoding.trained import Shared
+from decoding.drafters.trained import Shared
 
 Objectives = tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]
 

@@ -1,8 +1,8 @@
 """The training loop of a drafter recipe: plain torch, one process; checkpoints, resume, progress, loss curve.
 
-``train`` trains a recipe's module (``decoding.trained``) on self-distillation
+``train`` trains a recipe's module (``decoding.drafters.trained``) on self-distillation
 examples (``training.data``) against the frozen target, then saves the
-artifact (``decoding.artifacts``) in ``out``. Every ``checkpoint_every`` steps
+artifact (``decoding.drafters.artifacts``) in ``out``. Every ``checkpoint_every`` steps
 (and on Ctrl-C) ``out/checkpoint.pt`` holds module, optimiser, step and loss
 history; a rerun with the same spec resumes there. Batches are drawn from a
 generator seeded by (seed, step), so a resumed run computes what the
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from decoding.artifacts import save_artifact
-from decoding.trained import Shared, get_recipe
+from decoding.drafters.artifacts import save_artifact
+from decoding.drafters.trained import Shared, get_recipe
 from training.objectives import LOSSES, agreement, objectives, vocab_order
 
 

@@ -4,15 +4,15 @@ sampling is per row and lossless in batches, k=auto drafts at low load and stops
 import pytest
 import torch
 
-from decoding import loop as loop_module
-from decoding.adapter import ModelAdapter
-from decoding.drafters import DraftModelDrafter, EarlyExitDrafter, NgramDrafter
-from decoding.goodput import CostModel
-from decoding.loop import Batch, NotBatchable, Sequence, generate, generate_many
-from decoding.metrics import chi_square_pvalue
+from decoding.drafters.drafters import DraftModelDrafter, EarlyExitDrafter, NgramDrafter
+from decoding.loop import loop as loop_module
+from decoding.loop.goodput import CostModel
+from decoding.loop.loop import Batch, NotBatchable, Sequence, generate, generate_many
+from decoding.loop.metrics import chi_square_pvalue
+from decoding.loop.verify import verify_speculative
+from decoding.model.adapter import ModelAdapter
 from decoding.sampling import SamplingParams, sample_from
-from decoding.trees import Dynamic, Tree
-from decoding.verify import verify_speculative
+from decoding.trees.trees import Dynamic, Tree
 from tests.decoding.test_loop import exact_joint
 
 PROMPTS = [
@@ -139,7 +139,7 @@ def test_batch_limits_and_errors(tiny_model, target):
     with pytest.raises(ValueError, match="Batch"):
         generate(target, torch.tensor([[1, 2], [3, 4]]))
 
-    from decoding.triforce import TriForceDrafter
+    from decoding.schedules.triforce import TriForceDrafter
 
     tri = TriForceDrafter("ngram", budget=16, chunk_size=4, gamma=2, sinks=1, window=4)
     with pytest.raises(NotBatchable, match="one sequence at a time"):

@@ -1,4 +1,4 @@
-"""decoding.fast_layers: the adapter's own layer forward against the transformers modules it replaces."""
+"""decoding.model.fast_layers: the adapter's own layer forward against the transformers modules it replaces."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from decoding.adapter import ModelAdapter
-from decoding.fast_layers import LayerStack, supported
-from decoding.trees import Tree
+from decoding.model.adapter import ModelAdapter
+from decoding.model.fast_layers import LayerStack, supported
+from decoding.trees.trees import Tree
 
 
 def pair(model):

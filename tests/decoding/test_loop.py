@@ -5,13 +5,13 @@ import itertools
 import pytest
 import torch
 
-from decoding import loop as loop_module
-from decoding.adapter import ModelAdapter
-from decoding.drafters import DraftModelDrafter, EarlyExitDrafter, NgramDrafter
-from decoding.loop import generate
-from decoding.metrics import chi_square_pvalue
+from decoding.drafters.drafters import DraftModelDrafter, EarlyExitDrafter, NgramDrafter
+from decoding.loop import loop as loop_module
+from decoding.loop.loop import generate
+from decoding.loop.metrics import chi_square_pvalue
+from decoding.loop.verify import verify_speculative
+from decoding.model.adapter import ModelAdapter
 from decoding.sampling import SamplingParams, sample_from, warp
-from decoding.verify import verify_speculative
 
 PROMPT = torch.tensor([[3, 7, 3, 7, 3]])  # repeats, so prompt lookup has something to propose
 N_TOKENS = 3  # joint distribution of the first 3 new tokens (tokens 2 and 3 come from speculative steps)

@@ -97,13 +97,13 @@ def test_trial_resources_follow_the_table():
 
 
 def test_the_table_builds_each_methods_drafter(tiny_model_dir):
-    from decoding.drafters import DraftModelDrafter, EarlyExitDrafter, NgramDrafter
+    from decoding.drafters.drafters import DraftModelDrafter, EarlyExitDrafter, NgramDrafter
+    from decoding.drafters.hybrid import HybridDrafter
+    from decoding.drafters.recycling import RecyclingDrafter
+    from decoding.drafters.suffix import SuffixDrafter
     from decoding.engine import build_drafter
-    from decoding.hybrid import HybridDrafter
-    from decoding.models import load_model
-    from decoding.recycling import RecyclingDrafter
-    from decoding.suffix import SuffixDrafter
-    from decoding.triforce import TriForceDrafter
+    from decoding.model.models import load_model
+    from decoding.schedules.triforce import TriForceDrafter
 
     loaded = load_model(str(tiny_model_dir), "float32")  # 2 layers
     base = SpecConfig(model=str(tiny_model_dir), dtype="float32", exit_layer=1, draft_layers=1, tree_fit="budget")
@@ -155,7 +155,7 @@ def test_shared_constants_are_defined_once():
     values = {"('target', 'draft')", "('calls', 'compiled')", "('sps', 'pearl')"}
     assert {repr(v) for v in (WORKER_ROLES, ACTOR_TRANSPORTS, TWO_SIDED_SCHEDULES)} == values
     assert all(len(paths) == 1 for paths in found.values()), found
-    assert found["GREEDY"] == ["decoding/loop.py"]
+    assert found["GREEDY"] == ["decoding/loop/loop.py"]
 
 
 def test_the_table_stays_in_decoding_and_torch_free():

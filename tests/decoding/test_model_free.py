@@ -9,21 +9,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from decoding import hardware
-from decoding import loop as loop_module
-from decoding.adapter import ModelAdapter
 from decoding.config import ConfigError, SpecConfig
-from decoding.draft_memory import DraftMemory
-from decoding.drafters import NgramDrafter
-from decoding.hybrid import HybridDrafter, merge_trees
-from decoding.loop import generate
-from decoding.metrics import chi_square_pvalue
-from decoding.model_free import build_model_free
-from decoding.recycling import AdjacencyMatrix, RankStats, RecyclingDrafter, verified_nodes
+from decoding.drafters.draft_memory import DraftMemory
+from decoding.drafters.drafters import NgramDrafter
+from decoding.drafters.hybrid import HybridDrafter, merge_trees
+from decoding.drafters.model_free import build_model_free
+from decoding.drafters.recycling import AdjacencyMatrix, RankStats, RecyclingDrafter, verified_nodes
+from decoding.drafters.suffix import SuffixCache, SuffixDrafter, SuffixTrie, best_first
+from decoding.loop import loop as loop_module
+from decoding.loop.loop import generate
+from decoding.loop.metrics import chi_square_pvalue
+from decoding.loop.verify import verify_tree_speculative
+from decoding.model.adapter import ModelAdapter
 from decoding.sampling import sample_from
-from decoding.suffix import SuffixCache, SuffixDrafter, SuffixTrie, best_first
-from decoding.trees import Tree
-from decoding.verify import verify_tree_speculative
+from decoding.trees import hardware
+from decoding.trees.trees import Tree
 from tests.decoding.test_loop import N_TOKENS, PROMPT, SAMPLING, exact_joint, sample_counts
 
 V = 12  # the tiny model's vocabulary

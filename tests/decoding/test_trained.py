@@ -4,13 +4,13 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from decoding.adapter import ModelAdapter
-from decoding.artifacts import load_artifact, save_artifact
 from decoding.config import ConfigError, SpecConfig
-from decoding.loop import generate
-from decoding.metrics import chi_square_pvalue
-from decoding.trained import RECIPES, get_recipe, model_fingerprint
-from decoding.trees import Dynamic, Tree
+from decoding.drafters.artifacts import load_artifact, save_artifact
+from decoding.drafters.trained import RECIPES, get_recipe, model_fingerprint
+from decoding.loop.loop import generate
+from decoding.loop.metrics import chi_square_pvalue
+from decoding.model.adapter import ModelAdapter
+from decoding.trees.trees import Dynamic, Tree
 from tests.decoding.test_loop import N_TOKENS, PROMPT, SAMPLING, exact_joint, sample_counts
 
 KNOBS = {

@@ -9,10 +9,10 @@ head's initialisation drafts nothing acceptable, so it is first fitted for a few
 import pytest
 from tests_support import spec_bench_prompts
 
-from decoding.artifacts import save_artifact
 from decoding.config import SpecConfig
+from decoding.drafters.artifacts import save_artifact
+from decoding.drafters.trained import RECIPES, get_recipe
 from decoding.engine import SpecDecoder
-from decoding.trained import RECIPES, get_recipe
 
 PROMPTS = spec_bench_prompts(per_category=1, categories=["writing", "coding", "summarization"])
 BASE = SpecConfig(dtype="float32", max_new_tokens=32)
@@ -39,7 +39,7 @@ def test_every_recipe_is_covered():
 def fit_briefly(loaded, ar_outputs, out):
     import torch
 
-    from decoding.adapter import ModelAdapter
+    from decoding.model.adapter import ModelAdapter
     from training.data import extract_hidden
     from training.trainer import TrainSpec, train
 

@@ -4,15 +4,15 @@ lossless sampling, pure and end to end on a tiny model), Sequoia's programme and
 import pytest
 import torch
 
-from decoding import loop as loop_module
-from decoding.adapter import ModelAdapter
 from decoding.config import ConfigError, SpecConfig
-from decoding.drafters import DraftModelDrafter, EarlyExitDrafter, NgramDrafter
-from decoding.loop import generate
-from decoding.metrics import chi_square_pvalue
+from decoding.drafters.drafters import DraftModelDrafter, EarlyExitDrafter, NgramDrafter
+from decoding.loop import loop as loop_module
+from decoding.loop.loop import generate
+from decoding.loop.metrics import chi_square_pvalue
+from decoding.loop.verify import verify_tree_greedy, verify_tree_speculative
+from decoding.model.adapter import ModelAdapter
 from decoding.sampling import sample_from
-from decoding.trees import Dynamic, Tree, TreeError, chain, expected_accepted, sequoia_paths, tree_mask, validate_paths
-from decoding.verify import verify_tree_greedy, verify_tree_speculative
+from decoding.trees.trees import Dynamic, Tree, TreeError, chain, expected_accepted, sequoia_paths, tree_mask, validate_paths
 from tests.decoding.test_loop import CONTROL_DRAWS, N_TOKENS, PROMPT, SAMPLING, exact_joint, sample_counts
 
 MEDUSA = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
@@ -214,7 +214,7 @@ def test_greedy_tree_verification_cases():
 
 
 def test_greedy_tree_verification_of_a_chain_matches_the_chain_rule():
-    from decoding.verify import verify_greedy
+    from decoding.loop.verify import verify_greedy
 
     gen = torch.Generator().manual_seed(0)
     c = chain(4)
@@ -248,7 +248,7 @@ def _draw_without_replacement(q, n, gen):
 def no_q_update(node_tokens, parents, draft_probs, target_probs, u_accept, u_sample):
     """Wrong for drafts sampled without replacement: every sibling judged against the original q (SpecInfer's
     i.i.d. rule), as if q were not renormalised after each rejected draw."""
-    from decoding.verify import Verdict
+    from decoding.loop.verify import Verdict
 
     p, q = target_probs[0, 0].clone(), draft_probs[0, 1]
     for c in range(1, node_tokens.shape[1]):

@@ -4,13 +4,13 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from decoding.adapter import KVCache, ModelAdapter
 from decoding.config import ConfigError, SpecConfig
-from decoding.kv_views import RetrievalCache, SparseKVCache, ViewAdapter, chunk_scores_reference, streaming_cache
-from decoding.loop import GREEDY, generate
-from decoding.metrics import chi_square_pvalue
-from decoding.triforce import TriForceDrafter
-from decoding.two_sided import DraftRequest, DraftSide, LocalExecutor, VerifySide, generate_two_sided
+from decoding.loop.loop import GREEDY, generate
+from decoding.loop.metrics import chi_square_pvalue
+from decoding.model.adapter import KVCache, ModelAdapter
+from decoding.model.kv_views import RetrievalCache, SparseKVCache, ViewAdapter, chunk_scores_reference, streaming_cache
+from decoding.schedules.triforce import TriForceDrafter
+from decoding.schedules.two_sided import DraftRequest, DraftSide, LocalExecutor, VerifySide, generate_two_sided
 from tests.decoding.test_loop import N_TOKENS, PROMPT, SAMPLING, WARPED, exact_joint, sample_counts
 
 LONG = torch.tensor([[3, 7, 3, 7, 3, 1, 2, 5, 6, 3, 7, 9, 4, 4, 8, 3, 7, 3]])  # 18 tokens: 4 chunks of 4 + a partial chunk
@@ -261,7 +261,7 @@ def test_bad_knobs_name_the_field(knobs, field):
 
 def test_model_bottom_needs_a_draft_model(tiny_model_dir):
     from decoding.engine import build_drafter
-    from decoding.models import load_model
+    from decoding.model.models import load_model
 
     loaded = load_model(str(tiny_model_dir), "float32")  # 2 layers
     with pytest.raises(ConfigError, match="draft_model"):

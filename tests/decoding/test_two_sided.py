@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from decoding import two_sided
-from decoding.adapter import ModelAdapter
-from decoding.loop import ContextTooLong, generate
-from decoding.metrics import chi_square_pvalue
+from decoding.loop.loop import ContextTooLong, generate
+from decoding.loop.metrics import chi_square_pvalue
+from decoding.model.adapter import ModelAdapter
 from decoding.sampling import SamplingParams
-from decoding.two_sided import (
+from decoding.schedules import two_sided
+from decoding.schedules.two_sided import (
     GREEDY,
     DraftSide,
     LocalExecutor,

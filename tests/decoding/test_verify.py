@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from decoding.metrics import chi_square_pvalue
+from decoding.loop.metrics import chi_square_pvalue
+from decoding.loop.verify import verify_greedy, verify_speculative
 from decoding.sampling import SamplingParams, sample_from, warp
-from decoding.verify import verify_greedy, verify_speculative
 
 ROWS = 200_000
 ALPHA = 1e-4  # a correct rule fails with this probability per test (fixed seeds: never, in practice)

@@ -7,10 +7,10 @@ import torch
 from conftest import tiny_llama
 from tiny_models import build_tiny_model, write_prompts
 
-from decoding.adapter import ModelAdapter
-from decoding.artifacts import load_artifact
-from decoding.loop import generate
-from decoding.trained import RECIPES
+from decoding.drafters.artifacts import load_artifact
+from decoding.drafters.trained import RECIPES
+from decoding.loop.loop import generate
+from decoding.model.adapter import ModelAdapter
 from training.data import extract_hidden, generate_data, load_examples, read_meta
 from training.trainer import TrainSpec, train
 
@@ -58,7 +58,7 @@ def test_loss_falls(target, examples, recipe, tmp_path):
 
 
 def test_tvdpp_loss_lowers_total_variation(target, examples, tmp_path):
-    from decoding.trained import Shared, get_recipe
+    from decoding.drafters.trained import Shared, get_recipe
     from training.objectives import objectives, tvd
 
     recipe, knobs = get_recipe("distill"), {"draft_layers": 1}

@@ -17,7 +17,7 @@ rule and generator. A row's tokens never depend on which other rows share
 its step (greedy float32: identical to running alone). ``generate`` is a batch
 of one, and with one row the step makes exactly the calls a plain loop would.
 
-The two-sided runtime (``decoding.two_sided``: PEARL, SpS and TriForce with
+The two-sided runtime (``decoding.schedules.two_sided``: PEARL, SpS and TriForce with
 the draft and the target on two sides) uses this module's pieces rather than
 copies of them: the context check (``check_context``), the prefill
 (``prefill``, ``fill``), the verification rule (``verify``, ``committed_by``)
@@ -25,7 +25,7 @@ and the output (``Output``: the commit rule and the stats record).
 
 How many drafts a row offers is the row's ``k`` (fixed), or, with
 ``adaptive=True``, chosen per step from its measured acceptance and the
-measured cost of the forward (``decoding.goodput``): long drafts at low load,
+measured cost of the forward (``decoding.loop.goodput``): long drafts at low load,
 none at high load.
 """
 
@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decoding.adapter import KVCache, ModelAdapter
-from decoding.drafters import DecodeState, Drafter, Proposal
-from decoding.goodput import Acceptance, CostModel, RowPlan, choose_width
-from decoding.metrics import GenerationStats, StepRecord, summarize
+from decoding.drafters.drafters import DecodeState, Drafter, Proposal
+from decoding.loop.goodput import Acceptance, CostModel, RowPlan, choose_width
+from decoding.loop.metrics import GenerationStats, StepRecord, summarize
+from decoding.loop.verify import Verdict, verify_greedy, verify_speculative, verify_tree_greedy, verify_tree_speculative
+from decoding.model.adapter import KVCache, ModelAdapter
 from decoding.sampling import SamplingParams, warp
-from decoding.verify import Verdict, verify_greedy, verify_speculative, verify_tree_greedy, verify_tree_speculative
 
 GREEDY = SamplingParams()
 
@@ -264,7 +264,7 @@ StepCallback = Callable[[list[int]], "str | None"]
 class Output:
     """What one generation has committed, its limits and how it ended: the commit rule and the stats record.
 
-    Shared by the loop's :class:`Sequence` and the two-sided runtime (``decoding.two_sided``). ``commit`` takes
+    Shared by the loop's :class:`Sequence` and the two-sided runtime (``decoding.schedules.two_sided``). ``commit`` takes
     a step's tokens, cuts them after the first EOS, ends the generation at ``max_new_tokens`` (a step never
     brings more than ``remaining`` tokens: drafts are capped at ``remaining - 1``) and hands the tokens to
     ``on_step``, whose returned string (if any) ends it with that finish reason.
@@ -322,7 +322,7 @@ class Sequence(Output):
     ``on_step(tokens)`` receives each step's newly committed tokens (after EOS trimming, so streaming sees
     exactly the output); returning a string ends the sequence after those tokens with that finish reason
     (a stop sequence, a cancelled client), with exact stats. ``k`` is the most drafts per step; with
-    ``adaptive`` the loop chooses 0..k per step (see ``decoding.goodput``).
+    ``adaptive`` the loop chooses 0..k per step (see ``decoding.loop.goodput``).
     """
 
     def __init__(

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from decoding.adapter import ModelAdapter
 from decoding.config import ConfigError, SpecConfig
-from decoding.drafters import Drafter, NgramDrafter
-from decoding.hardware import TreeChooser, verify_costs
-from decoding.hybrid import HybridDrafter
-from decoding.recycling import RecyclingDrafter
-from decoding.suffix import SuffixDrafter
-from decoding.trees import Tree, parse_paths
+from decoding.drafters.drafters import Drafter, NgramDrafter
+from decoding.drafters.hybrid import HybridDrafter
+from decoding.drafters.recycling import RecyclingDrafter
+from decoding.drafters.suffix import SuffixDrafter
+from decoding.model.adapter import ModelAdapter
+from decoding.trees.hardware import TreeChooser, verify_costs
+from decoding.trees.trees import Tree, parse_paths
 
 
 def chooser_for(cfg: SpecConfig, target) -> TreeChooser | None:

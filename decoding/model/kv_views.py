@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from decoding import accel
-from decoding.adapter import KVCache, ModelAdapter
+from decoding.model.adapter import KVCache, ModelAdapter
 
 
 class SparseKVCache:

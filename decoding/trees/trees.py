@@ -23,7 +23,7 @@ Shapes: ``static`` (user-given paths), ``sequoia`` (:func:`sequoia_paths`, the
 tree maximising the expected accepted length for a measured per-rank
 acceptance vector and a node budget, Sequoia's dynamic programme) and
 ``dyspec`` (built at run time by the drafter, greedy best-first expansion by
-the draft's path probability under a budget; see ``decoding.drafters``).
+the draft's path probability under a budget; see ``decoding.drafters.drafters``).
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def validate_paths(paths) -> list[list[int]]:
     >>> validate_paths([[0], [0, 1]])
     Traceback (most recent call last):
     ...
-    decoding.trees.TreeError: path [0, 1] needs its previous sibling [0, 0]
+    decoding.trees.trees.TreeError: path [0, 1] needs its previous sibling [0, 0]
     """
     if not isinstance(paths, list | tuple) or not paths:
         raise TreeError("expected a non-empty list of paths, e.g. [[0], [1], [0, 0]]")

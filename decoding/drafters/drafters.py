@@ -7,7 +7,7 @@ first layers on the proposed tokens (self-speculation) hands back their hidden
 states so verification continues from that layer instead of recomputing it.
 
 Shapes keep the batch dimension; the loop hands each drafter one sequence (B = 1) and batches the
-target's verification across sequences (``decoding.loop.Batch``).
+target's verification across sequences (``decoding.loop.loop.Batch``).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.adapter import KVCache, ModelAdapter
+from decoding.model.adapter import KVCache, ModelAdapter
 from decoding.sampling import SamplingParams, choose, warp
-from decoding.trees import Dynamic, Tree
+from decoding.trees.trees import Dynamic, Tree
 
 
 @dataclass

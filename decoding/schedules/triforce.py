@@ -8,7 +8,7 @@ Three levels, each drafting for the one above::
     top     the target model over its full cache: the loop's own verification
 
 The middle level is a drafter (:class:`TriForceDrafter`) whose ``propose`` runs
-the loop's step body, :func:`decoding.loop.speculative_step`, on its own
+the loop's step body, :func:`decoding.loop.loop.speculative_step`, on its own
 ``DecodeState`` (target = the target over the retrieval view, drafter = the
 bottom level) until it has committed ``gamma`` tokens (the top level's ``k``).
 Each inner step commits tokens distributed exactly as the middle model would
@@ -29,7 +29,7 @@ Bookkeeping between the levels (n = committed tokens when ``propose`` starts; th
 Selection policy: the retrieval view selects its chunks once per generation,
 right after prefill, with the queries of the first generated token at every
 layer (one extra forward of the full target on that token, run layer by layer
-to read the queries, :func:`decoding.kv_views.layer_queries`). The prompt does not change
+to read the queries, :func:`decoding.model.kv_views.layer_queries`). The prompt does not change
 during decoding and generated tokens are always in the view's tail, so a
 prompt-only selection stays valid; re-selecting would cost that extra target forward again.
 """
@@ -38,10 +38,10 @@ from __future__ import annotations
 
 import torch
 
-from decoding.adapter import ModelAdapter
-from decoding.drafters import DecodeState, Drafter, DraftModelDrafter, NgramDrafter, Proposal
-from decoding.kv_views import RetrievalCache, ViewAdapter, layer_queries, streaming_cache
-from decoding.metrics import StepRecord
+from decoding.drafters.drafters import DecodeState, Drafter, DraftModelDrafter, NgramDrafter, Proposal
+from decoding.loop.metrics import StepRecord
+from decoding.model.adapter import ModelAdapter
+from decoding.model.kv_views import RetrievalCache, ViewAdapter, layer_queries, streaming_cache
 from decoding.sampling import warp
 
 BOTTOMS = ("layers", "ngram", "model")
@@ -107,7 +107,7 @@ class TriForceDrafter(Drafter):
         return DraftModelDrafter(ViewAdapter(a, lambda batch, max_len: view), self.threshold)
 
     def propose(self, state: DecodeState, k: int) -> Proposal:
-        from decoding.loop import speculative_step  # the loop imports drafters; this drafter runs the loop's step
+        from decoding.loop.loop import speculative_step  # the loop imports drafters; this drafter runs the loop's step
 
         self.retrieval.sync()
         inner, view, n = self.inner, self.retrieval, state.tokens.shape[1]

@@ -1,7 +1,7 @@
 """Trained drafter artifacts: ``drafter.safetensors`` (only the trained weights) + ``drafter.json`` (what it is).
 
 The description names the recipe, its knobs, the target it was trained for
-(name and :func:`~decoding.trained.model_fingerprint`) and the training
+(name and :func:`~decoding.drafters.trained.model_fingerprint`) and the training
 figures. Artifacts live in ``$SPECRAY_HOME/drafters/<name>`` or any directory;
 ``SpecConfig(method="trained", drafter=NAME_OR_PATH)`` loads one. Loading an
 artifact for another target fails with a ``ConfigError`` on ``drafter``.
@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from decoding.config import ConfigError
+from decoding.drafters.trained import RECIPES, Recipe, TrimmedHead, get_recipe, model_fingerprint, trim_vocab
 from decoding.paths import specray_home
-from decoding.trained import RECIPES, Recipe, TrimmedHead, get_recipe, model_fingerprint, trim_vocab
 
 FORMAT = 1
 WEIGHTS, DESCRIPTION = "drafter.safetensors", "drafter.json"

@@ -10,7 +10,7 @@ worker, and ``generate_two_sided`` with ``LocalExecutor`` runs them in process
 (one action after the other), which is how the tests drive them. Two
 schedules: ``SequentialSchedule`` (``"sps"``) and ``PearlSchedule`` (``"pearl"``).
 
-What is the loop's is the loop's (``decoding/loop.py``): its invariant (the
+What is the loop's is the loop's (``decoding/loop/loop.py``): its invariant (the
 target cache holds every committed token but the last one, "pending"), its
 context check (``check_context``), its prefill (``prefill``, ``fill``), its
 verification rule (``verify``, ``committed_by``) and its output (``Output``:
@@ -67,13 +67,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decoding.adapter import KVCache, ModelAdapter
-from decoding.drafters import DecodeState, Drafter, DraftModelDrafter, Proposal
-from decoding.loop import GREEDY, Generation, Output, StepCallback, check_context, committed_by, fill, prefill, verify
+from decoding.drafters.drafters import DecodeState, Drafter, DraftModelDrafter, Proposal
+from decoding.loop.loop import GREEDY, Generation, Output, StepCallback, check_context, committed_by, fill, prefill, verify
+from decoding.loop.metrics import StepRecord
+from decoding.loop.verify import verify_speculative
 from decoding.methods import TWO_SIDED_SCHEDULES as SCHEDULES
-from decoding.metrics import StepRecord
+from decoding.model.adapter import KVCache, ModelAdapter
 from decoding.sampling import SamplingParams, warp
-from decoding.verify import verify_speculative
 
 # ---- the messages between a schedule and the two sides --------------------------------------
 
@@ -126,7 +126,7 @@ class DraftResult:
 
 
 class VerifySide:
-    """The target model and its cache: prefills and verifies with the loop's own rule (``decoding.loop.verify``)."""
+    """The target model and its cache: prefills and verifies with the loop's own rule (``decoding.loop.loop.verify``)."""
 
     def __init__(self, adapter: ModelAdapter, sampling: SamplingParams = GREEDY):
         self.adapter = adapter

@@ -7,7 +7,7 @@ module that reuses the target's frozen embedding, final norm, LM head and
 rotary embedding, and the drafter that runs it in the one decoding loop. What
 each recipe is trained on (its objective, the losses, VocabTrim's ranking) and
 the training loop live in ``training/`` (``training/objectives.py``); artifacts
-in ``decoding/artifacts.py``.
+in ``decoding/drafters/artifacts.py``.
 
 | recipe   | module                                   | drafts from                                 | paper |
 |----------|------------------------------------------|---------------------------------------------|-------|
@@ -38,10 +38,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decoding.adapter import KVCache, ModelAdapter
 from decoding.config import ConfigError
-from decoding.drafters import DecodeState, Drafter, DraftModelDrafter, EarlyExitDrafter, Proposal, _draft_chain, _draft_tree, max_nodes_of
-from decoding.trees import Dynamic, Tree
+from decoding.drafters.drafters import (
+    DecodeState,
+    Drafter,
+    DraftModelDrafter,
+    EarlyExitDrafter,
+    Proposal,
+    _draft_chain,
+    _draft_tree,
+    max_nodes_of,
+)
+from decoding.model.adapter import KVCache, ModelAdapter
+from decoding.trees.trees import Dynamic, Tree
 
 # ---- the target's frozen shared parts ---------------------------------------------------------
 
@@ -88,7 +97,7 @@ class DraftNet(nn.Module):
 
     Shaped like a Hugging Face causal LM (``model.embed_tokens``, ``model.layers``,
     ``model.norm``, ``model.rotary_emb``, ``lm_head``, ``config``), so
-    :class:`~decoding.adapter.ModelAdapter` runs it with its own KV cache. The
+    :class:`~decoding.model.adapter.ModelAdapter` runs it with its own KV cache. The
     shared parts are attributes, not submodules: ``state_dict()`` and
     ``parameters()`` hold only what was trained. ``fuse`` (the feature head's
     fc over [f_p; e(x_{p+1})]) is present when ``fuse=True``.

@@ -8,7 +8,7 @@ breadth-first expansion over a tree template: a template node of rank ``r`` unde
 
 The template is Sequoia's optimal tree (``trees.sequoia_paths``) for the per-rank acceptance this drafter has
 measured so far (a prior until then), of the size that maximises expected tokens per second under the measured
-cost of a verification by node count (``decoding.hardware``), so the tree fits the host it runs on.
+cost of a verification by node count (``decoding.trees.hardware``), so the tree fits the host it runs on.
 
 >>> adj = AdjacencyMatrix(vocab=6, width=2)
 >>> adj.observe(torch.tensor([1, 3]), torch.tensor([[0., 0, 5, 4, 0, 0], [0, 0, 0, 0, 1, 9]]))
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decoding.drafters import DecodeState, Drafter, Proposal
-from decoding.trees import Tree, sequoia_paths
+from decoding.drafters.drafters import DecodeState, Drafter, Proposal
+from decoding.trees.trees import Tree, sequoia_paths
 
 # Per-rank acceptance of recycled candidates before any is measured: P(the rank-r candidate is the target's next
 # token). Measured on SmolLM2-135M bfloat16 over a few Spec-Bench prompts (top-1 ~0.4); the drafter replaces it with
@@ -143,7 +143,7 @@ class RecyclingDrafter(Drafter):
     def __init__(
         self, vocab: int, width: int = 8, budget: int = 16, memory=None, cold: bool = False, chooser=None, fixed: Tree | None = None
     ):
-        from decoding.draft_memory import DraftMemory
+        from decoding.drafters.draft_memory import DraftMemory
 
         self.vocab, self.width, self.budget, self.cold, self.chooser = vocab, width, budget, cold, chooser
         self.fixed = fixed  # a fixed template (e.g. the paper's) instead of the chosen Sequoia tree

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from decoding.drafters import DecodeState, Drafter, NgramDrafter, Proposal
-from decoding.recycling import RecyclingDrafter, verified_nodes
-from decoding.suffix import SuffixDrafter
-from decoding.trees import Tree
+from decoding.drafters.drafters import DecodeState, Drafter, NgramDrafter, Proposal
+from decoding.drafters.recycling import RecyclingDrafter, verified_nodes
+from decoding.drafters.suffix import SuffixDrafter
+from decoding.trees.trees import Tree
 
 NGRAM_PRIOR = 0.6  # prompt lookup's per-token acceptance before any is measured
 SOURCES = ("ngram", "suffix", "recycling")

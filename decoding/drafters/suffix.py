@@ -29,8 +29,8 @@ from collections import deque
 
 import torch
 
-from decoding.drafters import DecodeState, Drafter, Proposal
-from decoding.trees import Tree
+from decoding.drafters.drafters import DecodeState, Drafter, Proposal
+from decoding.trees.trees import Tree
 
 
 class _Node:
@@ -174,7 +174,7 @@ class SuffixDrafter(Drafter):
         cold: bool = False,
         chooser=None,
     ):
-        from decoding.draft_memory import DraftMemory
+        from decoding.drafters.draft_memory import DraftMemory
 
         self.chooser = chooser  # hardware.TreeChooser: verify the prefix of the draft that pays best on this host
 

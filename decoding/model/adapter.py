@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from decoding.fast_layers import LayerStack
+from decoding.model.fast_layers import LayerStack
 
 
 class KVCache:
@@ -157,12 +157,12 @@ class ModelAdapter:
         self.vocab_size = self.lm_head.out_features
         param = next(hf_model.parameters())
         self.dtype, self.device = param.dtype, param.device
-        # the layers' own math in fewer operations (decoding.fast_layers); None: call the modules
+        # the layers' own math in fewer operations (decoding.model.fast_layers); None: call the modules
         self.stack = LayerStack.of(self.layers, self.config, self.dtype, self.device) if fast else None
 
     @property
     def implementation(self) -> str:
-        """Which forward runs the layers ("layers": decoding.fast_layers, "modules": transformers'); timings
+        """Which forward runs the layers ("layers": decoding.model.fast_layers, "modules": transformers'); timings
         measured with one do not hold for the other, so the calibration caches are kept per implementation."""
         return "layers" if self.stack is not None else "modules"
 
