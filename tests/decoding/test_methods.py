@@ -118,7 +118,7 @@ def test_the_table_builds_each_methods_drafter(tiny_model_dir):
         "suffix": SuffixDrafter,
         "hybrid": HybridDrafter,
     }
-    assert set(expected) | {"trained"} == set(METHODS)  # trained needs an artifact: tests/decoding/test_trained.py
+    assert set(expected) | {"trained"} == set(METHODS)  # trained needs an artifact: tests/decoding/drafters/test_trained.py
     for name, kind in expected.items():
         assert isinstance(build_drafter(base.replace(method=name), loaded), kind), name
     with pytest.raises(ConfigError, match="exit_layer"):

@@ -11,7 +11,7 @@ from decoding.loop.loop import generate
 from decoding.loop.metrics import chi_square_pvalue
 from decoding.model.adapter import ModelAdapter
 from decoding.trees.trees import Dynamic, Tree
-from tests.decoding.test_loop import N_TOKENS, PROMPT, SAMPLING, exact_joint, sample_counts
+from tests.decoding.loop.test_loop import N_TOKENS, PROMPT, SAMPLING, exact_joint, sample_counts
 
 KNOBS = {
     "kangaroo": {"exit_layer": 1},

@@ -24,7 +24,7 @@ from decoding.model.adapter import ModelAdapter
 from decoding.sampling import sample_from
 from decoding.trees import hardware
 from decoding.trees.trees import Tree
-from tests.decoding.test_loop import N_TOKENS, PROMPT, SAMPLING, exact_joint, sample_counts
+from tests.decoding.loop.test_loop import N_TOKENS, PROMPT, SAMPLING, exact_joint, sample_counts
 
 V = 12  # the tiny model's vocabulary
 # this wrong rule differs from the right one only after a rejected tree node: at 300 draws recycling's control gave

@@ -11,7 +11,7 @@ from decoding.model.adapter import KVCache, ModelAdapter
 from decoding.model.kv_views import RetrievalCache, SparseKVCache, ViewAdapter, chunk_scores_reference, streaming_cache
 from decoding.schedules.triforce import TriForceDrafter
 from decoding.schedules.two_sided import DraftRequest, DraftSide, LocalExecutor, VerifySide, generate_two_sided
-from tests.decoding.test_loop import N_TOKENS, PROMPT, SAMPLING, WARPED, exact_joint, sample_counts
+from tests.decoding.loop.test_loop import N_TOKENS, PROMPT, SAMPLING, WARPED, exact_joint, sample_counts
 
 LONG = torch.tensor([[3, 7, 3, 7, 3, 1, 2, 5, 6, 3, 7, 9, 4, 4, 8, 3, 7, 3]])  # 18 tokens: 4 chunks of 4 + a partial chunk
 

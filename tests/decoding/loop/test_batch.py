@@ -13,7 +13,7 @@ from decoding.loop.verify import verify_speculative
 from decoding.model.adapter import ModelAdapter
 from decoding.sampling import SamplingParams, sample_from
 from decoding.trees.trees import Dynamic, Tree
-from tests.decoding.test_loop import exact_joint
+from tests.decoding.loop.test_loop import exact_joint
 
 PROMPTS = [
     [3, 7, 3, 7, 3],
