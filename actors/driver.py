@@ -25,7 +25,8 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from decoding.config import ConfigError, SpecConfig
+from decoding.config import SpecConfig
+from decoding.errors import ConfigError
 from decoding.loop.loop import ContextTooLong
 from decoding.methods import ACTOR_TRANSPORTS, WORKER_ROLES, on_actors
 from decoding.sampling import SamplingParams

@@ -30,8 +30,8 @@ import ray
 
 import kernels
 from actors.devices import placed_device
-from decoding.config import ConfigError
 from decoding.engine import SpecDecoder, build_drafter
+from decoding.errors import ConfigError
 from decoding.loop.metrics import peak_rss_mb, reset_peak_rss
 from decoding.methods import METHOD_TABLE, TARGET_WITH_DRAFTER, WORKER_ROLES
 from decoding.model.adapter import ModelAdapter

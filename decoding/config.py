@@ -21,6 +21,8 @@ import re
 import typing
 from dataclasses import dataclass, field
 
+from decoding.errors import ConfigError
+
 # the methods (METHODS: their names, re-exported here) and the constants they share live in the table
 from decoding.methods import ACTOR_TRANSPORTS, METHOD_TABLE, METHODS, TRIFORCE_BOTTOMS, TWO_SIDED_SCHEDULES
 
@@ -30,14 +32,6 @@ TREE_SHAPES = ("chain", "static", "sequoia", "dyspec")  # the tree shapes a conf
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # decoding.model.models.resolve_device turns it into a torch.device
 DRAFT_MEMORIES = ("warm", "cold")
 TREE_FITS = ("measured", "budget")
-
-
-class ConfigError(ValueError):
-    """An invalid configuration value; ``field`` names the offending field."""
-
-    def __init__(self, field_name: str, message: str):
-        self.field = field_name
-        super().__init__(f"{field_name}: {message}")
 
 
 def _check(ok: bool, name: str, message: str) -> None:

@@ -14,8 +14,9 @@ import threading
 
 import torch
 
-from decoding.config import ConfigError, SpecConfig
+from decoding.config import SpecConfig
 from decoding.drafters.drafters import Drafter
+from decoding.errors import ConfigError
 from decoding.loop.goodput import CALIBRATION_ROWS, CostModel
 from decoding.loop.loop import ContextTooLong, Generation, Sequence, generate, generate_many
 from decoding.methods import method_of

@@ -14,8 +14,8 @@ Adding a method is one :class:`Method` entry in :data:`METHOD_TABLE` and its dra
 >>> runs_on_actors("pearl", "local"), runs_on_actors("ngram", "local"), runs_on_actors("sps", "actors")
 (True, False, True)
 
-This module is torch-free and imports nothing at module level (``decoding.config`` imports it): the builders
-import what they need when they run.
+This module is torch-free and imports only the ground module ``decoding.errors`` at module level
+(``decoding.config`` imports it): the builders import what they need when they run.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from decoding.errors import ConfigError
 
 if TYPE_CHECKING:
     from decoding.config import SpecConfig
@@ -125,7 +127,6 @@ def _shape(cfg: SpecConfig):
 
 def _draft_model(cfg: SpecConfig, target: LoadedModel, device):
     """The adapter of the separate ``draft_model``, on ``device``; it must share the target's tokenizer."""
-    from decoding.config import ConfigError
     from decoding.model.adapter import ModelAdapter
     from decoding.model.models import load_model
 
@@ -137,7 +138,6 @@ def _draft_model(cfg: SpecConfig, target: LoadedModel, device):
 
 def _first_layers(cfg: SpecConfig, target: LoadedModel):
     """The adapter of the target's first ``draft_layers`` layers (plus its final norm and LM head)."""
-    from decoding.config import ConfigError
     from decoding.model.adapter import ModelAdapter
 
     depth = _depth(target)
@@ -158,7 +158,6 @@ def _ngram_drafter(cfg, target, device, memory) -> Drafter:
 
 
 def _early_exit_drafter(cfg, target, device, memory) -> Drafter:
-    from decoding.config import ConfigError
     from decoding.drafters.drafters import EarlyExitDrafter
 
     shape, depth = _shape(cfg), _depth(target)
@@ -177,7 +176,6 @@ def _draft_model_drafter(cfg, target, device, memory) -> Drafter:
 
 
 def _triforce_drafter(cfg, target, device, memory) -> Drafter:
-    from decoding.config import ConfigError
     from decoding.schedules.triforce import TriForceDrafter
 
     bottom = None
@@ -357,8 +355,6 @@ def method_of(name: str) -> Method:
     try:
         return METHOD_TABLE[name]
     except (KeyError, TypeError):
-        from decoding.config import ConfigError
-
         raise ConfigError("method", f"unknown method {name!r}; choose from {', '.join(METHODS)}") from None
 
 
@@ -371,8 +367,6 @@ def on_actors(cfg: SpecConfig) -> OnActors:
     """How ``cfg`` runs over a target and a draft worker; a method the workers cannot run fails on ``placement``."""
     plan = method_of(cfg.method).actors
     if plan is None:
-        from decoding.config import ConfigError
-
         *rest, last = actor_methods()
         raise ConfigError("placement", f"placement=actors runs {', '.join(rest)} and {last}, not {cfg.method!r}")
     return plan

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import kernels
-from decoding.config import METHODS, ConfigError, SpecConfig
+from decoding.config import METHODS, SpecConfig
+from decoding.errors import ConfigError
 from decoding.limits import check_config
 
 

@@ -35,7 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import kernels
 from actors.devices import placed
-from decoding.config import ConfigError, SpecConfig
+from decoding.config import SpecConfig
+from decoding.errors import ConfigError
 from decoding.methods import METHOD_TABLE, runs_on_actors
 from serving.batching import EngineFailed, EngineLoop, run_alone
 from serving.protocol import prompt_surely_exceeds

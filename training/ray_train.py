@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from decoding.config import ConfigError
+from decoding.errors import ConfigError
 
 
 def deepspeed_available() -> bool:
@@ -37,7 +37,7 @@ def scaling(resources: dict, workers: int | None, strategy: str) -> tuple[int, b
     >>> scaling({"CPU": 8}, None, "deepspeed")
     Traceback (most recent call last):
     ...
-    decoding.config.ConfigError: strategy: deepspeed (ZeRO) runs on GPUs and this cluster has none; use --strategy ddp
+    decoding.errors.ConfigError: strategy: deepspeed (ZeRO) runs on GPUs and this cluster has none; use --strategy ddp
     """
     gpus = int(resources.get("GPU", 0))
     if strategy == "deepspeed":

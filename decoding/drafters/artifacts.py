@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from decoding.config import ConfigError
 from decoding.drafters.trained import RECIPES, Recipe, TrimmedHead, get_recipe, model_fingerprint, trim_vocab
+from decoding.errors import ConfigError
 from decoding.paths import specray_home
 
 FORMAT = 1

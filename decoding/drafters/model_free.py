@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from decoding.config import ConfigError, SpecConfig
+from decoding.config import SpecConfig
 from decoding.drafters.drafters import Drafter, NgramDrafter
 from decoding.drafters.hybrid import HybridDrafter
 from decoding.drafters.recycling import RecyclingDrafter
 from decoding.drafters.suffix import SuffixDrafter
+from decoding.errors import ConfigError
 from decoding.model.adapter import ModelAdapter
 from decoding.trees.hardware import TreeChooser, verify_costs
 from decoding.trees.trees import Tree, parse_paths

@@ -38,7 +38,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decoding.config import ConfigError
 from decoding.drafters.drafters import (
     DecodeState,
     Drafter,
@@ -49,6 +48,7 @@ from decoding.drafters.drafters import (
     _draft_tree,
     max_nodes_of,
 )
+from decoding.errors import ConfigError
 from decoding.model.adapter import KVCache, ModelAdapter
 from decoding.trees.trees import Dynamic, Tree
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from decoding.config import ConfigError
+from decoding.errors import ConfigError
 from decoding.paths import specray_home
 
 ALIASES = {

@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from decoding.config import ConfigError, SpecConfig
+from decoding.config import SpecConfig
 from decoding.engine import SpecDecoder
+from decoding.errors import ConfigError
 from decoding.model.models import load_model, resolve_device
 
 

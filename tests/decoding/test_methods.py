@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from decoding.config import METHODS, ConfigError, SpecConfig
+from decoding.config import METHODS, SpecConfig
+from decoding.errors import ConfigError
 from decoding.methods import (
     ACTOR_TRANSPORTS,
     METHOD_TABLE,

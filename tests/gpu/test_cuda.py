@@ -11,8 +11,9 @@ import time
 import pytest
 import torch
 
-from decoding.config import ConfigError, SpecConfig
+from decoding.config import SpecConfig
 from decoding.engine import SpecDecoder
+from decoding.errors import ConfigError
 
 PROMPT = "the cat sat on the mat and the cat sat on the"
 METHODS = {

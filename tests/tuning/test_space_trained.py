@@ -2,7 +2,8 @@
 
 import pytest
 
-from decoding.config import ConfigError, SpecConfig
+from decoding.config import SpecConfig
+from decoding.errors import ConfigError
 from tuning.space import SearchSpace, parse_range
 
 

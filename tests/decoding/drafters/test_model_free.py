@@ -9,13 +9,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from decoding.config import ConfigError, SpecConfig
+from decoding.config import SpecConfig
 from decoding.drafters.draft_memory import DraftMemory
 from decoding.drafters.drafters import NgramDrafter
 from decoding.drafters.hybrid import HybridDrafter, merge_trees
 from decoding.drafters.model_free import build_model_free
 from decoding.drafters.recycling import AdjacencyMatrix, RankStats, RecyclingDrafter, verified_nodes
 from decoding.drafters.suffix import SuffixCache, SuffixDrafter, SuffixTrie, best_first
+from decoding.errors import ConfigError
 from decoding.loop import loop as loop_module
 from decoding.loop.loop import generate
 from decoding.loop.metrics import chi_square_pvalue

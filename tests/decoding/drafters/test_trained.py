@@ -4,9 +4,10 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from decoding.config import ConfigError, SpecConfig
+from decoding.config import SpecConfig
 from decoding.drafters.artifacts import load_artifact, save_artifact
 from decoding.drafters.trained import RECIPES, get_recipe, model_fingerprint
+from decoding.errors import ConfigError
 from decoding.loop.loop import generate
 from decoding.loop.metrics import chi_square_pvalue
 from decoding.model.adapter import ModelAdapter

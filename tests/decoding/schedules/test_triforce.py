@@ -4,7 +4,8 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from decoding.config import ConfigError, SpecConfig
+from decoding.config import SpecConfig
+from decoding.errors import ConfigError
 from decoding.loop.loop import GREEDY, generate
 from decoding.loop.metrics import chi_square_pvalue
 from decoding.model.adapter import KVCache, ModelAdapter

@@ -4,8 +4,9 @@ lossless sampling, pure and end to end on a tiny model), Sequoia's programme and
 import pytest
 import torch
 
-from decoding.config import ConfigError, SpecConfig
+from decoding.config import SpecConfig
 from decoding.drafters.drafters import DraftModelDrafter, EarlyExitDrafter, NgramDrafter
+from decoding.errors import ConfigError
 from decoding.loop import loop as loop_module
 from decoding.loop.loop import generate
 from decoding.loop.metrics import chi_square_pvalue
