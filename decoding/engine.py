@@ -24,7 +24,7 @@ from decoding.model.adapter import ModelAdapter
 from decoding.model.models import LoadedModel, load_model, set_threads
 from decoding.paths import specray_home
 from decoding.sampling import SamplingParams
-from decoding.trees.trees import build_shape
+from decoding.trees.trees import tree_shape
 
 log = logging.getLogger(__name__)
 _COSTS: dict[tuple, CostModel] = {}
@@ -60,11 +60,6 @@ def cost_model(target: ModelAdapter, model: str, dtype: str, max_rows: int = 1) 
                 pass  # a read-only home: measure again next time
         _COSTS[key] = cost
         return cost
-
-
-def tree_shape(cfg: SpecConfig):
-    """The tree shape of a config: ``trees.Tree`` (static, sequoia), ``trees.Dynamic`` (dyspec) or None (chain)."""
-    return build_shape(cfg.tree, cfg.k, cfg.tree_paths, cfg.tree_budget, cfg.tree_acceptance)
 
 
 def draft_depth(cfg: SpecConfig) -> int:

@@ -120,7 +120,7 @@ def _depth(target: LoadedModel) -> int:
 
 
 def _shape(cfg: SpecConfig):
-    from decoding.engine import tree_shape
+    from decoding.trees.trees import tree_shape
 
     return tree_shape(cfg)
 

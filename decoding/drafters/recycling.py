@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoding.drafters.drafters import DecodeState, Drafter, Proposal
-from decoding.trees.trees import Tree, sequoia_paths
+from decoding.trees.trees import Tree, sequoia_tree
 
 # Per-rank acceptance of recycled candidates before any is measured: P(the rank-r candidate is the target's next
 # token). Measured on SmolLM2-135M bfloat16 over a few Spec-Bench prompts (top-1 ~0.4); the drafter replaces it with
@@ -184,7 +184,7 @@ class RecyclingDrafter(Drafter):
             elif self.chooser is not None:
                 self.template = self.chooser.choose(acc, k)
             else:
-                self.template = _sequoia(tuple(round(a, 2) for a in acc), self.budget, k)
+                self.template = sequoia_tree(tuple(round(a, 2) for a in acc), self.budget, k)
             self._depth = k
         return self.template
 
@@ -225,15 +225,3 @@ def verified_nodes(state: DecodeState, num_accepted: int, proposed: list[int]) -
     if len(proposed) == rows:
         return proposed
     return [int(state.tokens[0, -(num_accepted + 2)])] if rows == 1 else []
-
-
-_SEQUOIA: dict = {}
-
-
-def _sequoia(acc: tuple, budget: int, depth: int) -> Tree:
-    key = (acc, budget, depth)
-    if key not in _SEQUOIA:
-        if len(_SEQUOIA) > 512:
-            _SEQUOIA.clear()
-        _SEQUOIA[key] = Tree.from_paths(sequoia_paths(list(acc), budget, depth))
-    return _SEQUOIA[key]

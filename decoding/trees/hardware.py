@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from decoding.paths import specray_home
-from decoding.trees.trees import Tree, expected_accepted
+from decoding.trees.trees import Tree, expected_accepted, sequoia_tree
 
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # verification widths timed (nodes, the root included)
 BUDGETS = (2, 4, 6, 8, 12, 16, 24, 32, 48, 63)  # draft-node budgets the chooser considers
@@ -120,9 +120,7 @@ class TreeChooser:
         return self.costs[hi] + (nodes - hi) * (self.costs[hi] - self.costs[lo]) / (hi - lo)
 
     def rate(self, acceptance, budget: int, depth: int) -> tuple[float, Tree]:
-        from decoding.drafters.recycling import _sequoia
-
-        tree = _sequoia(tuple(round(a, 2) for a in acceptance), budget, depth)
+        tree = sequoia_tree(tuple(round(a, 2) for a in acceptance), budget, depth)
         return expected_accepted(acceptance, tree.paths()) / self.cost(tree.size), tree
 
     def prefix(self, probs) -> int:

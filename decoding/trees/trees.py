@@ -32,8 +32,12 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from decoding.config import SpecConfig
 
 # Per-rank acceptance used by ``sequoia`` when no ``tree_acceptance`` is given: P(the rank-r draft token is the one the
 # target accepts). A generic, steeply falling profile, not a measurement: measure your drafter's vector with
@@ -283,6 +287,20 @@ def sequoia_paths(acceptance: Sequence[float], budget: int, max_depth: int) -> l
     return sorted(build(max_depth, N, [], []), key=lambda p: (len(p), p))
 
 
+_SEQUOIA: dict = {}
+
+
+def sequoia_tree(acceptance: tuple, budget: int, depth: int) -> Tree:
+    """:func:`sequoia_paths` as a ``Tree``, kept for the last few hundred (acceptance, budget, depth) asked for (the
+    drafters that choose a template per request ask again and again for the same rounded acceptance)."""
+    key = (acceptance, budget, depth)
+    if key not in _SEQUOIA:
+        if len(_SEQUOIA) > 512:
+            _SEQUOIA.clear()
+        _SEQUOIA[key] = Tree.from_paths(sequoia_paths(list(acceptance), budget, depth))
+    return _SEQUOIA[key]
+
+
 def expected_accepted(acceptance: Sequence[float], paths: Sequence[Sequence[int]]) -> float:
     """Expected tokens committed per step of a tree under a per-rank acceptance vector (root included)."""
     total = 1.0
@@ -309,3 +327,8 @@ def build_shape(tree: str, k: int, paths: str = "", budget: int = 16, acceptance
     if tree == "dyspec":
         return Dynamic(budget)
     return None
+
+
+def tree_shape(cfg: SpecConfig) -> Tree | Dynamic | None:
+    """The tree shape of a config: a ``Tree`` (static, sequoia), ``Dynamic`` (dyspec) or None (chain)."""
+    return build_shape(cfg.tree, cfg.k, cfg.tree_paths, cfg.tree_budget, cfg.tree_acceptance)
