@@ -14,7 +14,9 @@ import threading
 
 import torch
 
+from decoding.builders import builder_of
 from decoding.config import SpecConfig
+from decoding.drafters import artifacts, drafters, model_free
 from decoding.drafters.drafters import Drafter
 from decoding.errors import ConfigError
 from decoding.loop.goodput import CALIBRATION_ROWS, CostModel
@@ -24,8 +26,11 @@ from decoding.model.adapter import ModelAdapter
 from decoding.model.models import LoadedModel, load_model, set_threads
 from decoding.paths import specray_home
 from decoding.sampling import SamplingParams
+from decoding.schedules import triforce
 from decoding.trees.trees import tree_shape
 
+# the modules that define the methods' drafters: importing them registers their builders (decoding.builders)
+DRAFTER_MODULES = (drafters, model_free, artifacts, triforce)
 log = logging.getLogger(__name__)
 _COSTS: dict[tuple, CostModel] = {}
 _COSTS_LOCK = threading.Lock()
@@ -69,14 +74,14 @@ def draft_depth(cfg: SpecConfig) -> int:
 
 
 def build_drafter(cfg: SpecConfig, target: LoadedModel, device: str | torch.device | None = None, memory=None) -> Drafter | None:
-    """The drafter a method uses (the table's builder, ``decoding.methods``); checks knobs that depend on the model
-    (exit layer vs depth).
+    """The drafter a method uses (the builder registered beside the drafter, ``decoding.builders``); checks knobs
+    that depend on the model (exit layer vs depth).
 
     ``device``: where a separate draft model is put (default: the target's device).
     ``memory``: the decoder's ``DraftMemory`` (state of model-free drafters that outlives a request).
     """
     device = target.device if device is None else device
-    return method_of(cfg.method).drafter(cfg, target, device, memory)
+    return builder_of(method_of(cfg.method).name)(cfg, target, device, memory)
 
 
 def encode_chat(tokenizer, messages: list[dict], field: str = "chat", hint: str = "") -> torch.Tensor:

@@ -20,9 +20,11 @@ from pathlib import Path
 
 import torch
 
+from decoding.builders import builds
 from decoding.drafters.trained import RECIPES, Recipe, TrimmedHead, get_recipe, model_fingerprint, trim_vocab
 from decoding.errors import ConfigError
 from decoding.paths import specray_home
+from decoding.trees.trees import tree_shape
 
 FORMAT = 1
 WEIGHTS, DESCRIPTION = "drafter.safetensors", "drafter.json"
@@ -164,3 +166,8 @@ def _load(name: str, path: Path, desc: dict, target_hf) -> Artifact:
     dtype = target_hf.lm_head.weight.dtype
     module.to(device=target_hf.lm_head.weight.device, dtype=dtype).eval().requires_grad_(False)
     return Artifact(path, desc, recipe, knobs, module, vocab, target_hf.lm_head)
+
+
+@builds("trained")
+def _trained_drafter(cfg, target, device, memory):
+    return load_artifact(cfg.drafter, target.model).drafter(cfg.confidence_threshold, cfg.draft_vocab, tree_shape(cfg))

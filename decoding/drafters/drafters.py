@@ -16,9 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
+from decoding.builders import builds
+from decoding.errors import ConfigError
 from decoding.model.adapter import KVCache, ModelAdapter
+from decoding.model.models import load_model
 from decoding.sampling import SamplingParams, choose, warp
-from decoding.trees.trees import Dynamic, Tree
+from decoding.trees.trees import Dynamic, Tree, tree_shape
 
 
 @dataclass
@@ -416,3 +419,52 @@ class NgramDrafter(Drafter):
         rows = [self.lookup(row, k) for row in state.tokens]
         j = min(r.shape[0] for r in rows)
         return Proposal(tokens=torch.stack([r[:j] for r in rows]))
+
+
+# ---- the builders of the methods these drafters draft for (decoding.builders) -------------------------------------
+def model_depth(target) -> int:
+    """The number of decoder layers of a loaded target (``decoding.model.models.LoadedModel``)."""
+    return len(ModelAdapter(target.model).layers)
+
+
+def draft_model_adapter(cfg, target, device) -> ModelAdapter:
+    """The adapter of the separate ``draft_model``, on ``device``; it must share the target's tokenizer."""
+    draft = load_model(cfg.draft_model, cfg.dtype, device)
+    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise ConfigError("draft_model", f"{cfg.draft_model!r} does not share the target's tokenizer")
+    return ModelAdapter(draft.model.to(device))
+
+
+def first_layers_adapter(cfg, target) -> ModelAdapter:
+    """The adapter of the target's first ``draft_layers`` layers (plus its final norm and LM head)."""
+    depth = model_depth(target)
+    if cfg.draft_layers >= depth:
+        raise ConfigError("draft_layers", f"must be below the model's {depth} layers, got {cfg.draft_layers}")
+    return ModelAdapter(target.model, num_layers=cfg.draft_layers)
+
+
+@builds("ar")
+def _no_drafter(cfg, target, device, memory) -> None:
+    return None
+
+
+@builds("ngram")
+def _ngram_drafter(cfg, target, device, memory) -> Drafter:
+    shape = tree_shape(cfg)
+    return NgramDrafter(cfg.ngram_max, cfg.ngram_min, tree_budget=None if shape is None else max_nodes_of(shape, cfg.k))
+
+
+@builds("early-exit")
+def _early_exit_drafter(cfg, target, device, memory) -> Drafter:
+    shape, depth = tree_shape(cfg), model_depth(target)
+    if cfg.exit_layer >= depth:
+        raise ConfigError("exit_layer", f"must be below the model's {depth} layers, got {cfg.exit_layer}")
+    return EarlyExitDrafter(cfg.exit_layer, cfg.confidence_threshold, tree=shape)
+
+
+@builds("sps", "pearl")
+def _draft_model_drafter(cfg, target, device, memory) -> Drafter:
+    """SpS (and PEARL in one process): ``draft_model``, else the target's first ``draft_layers`` layers."""
+    shape = tree_shape(cfg)
+    adapter = draft_model_adapter(cfg, target, device) if cfg.draft_model else first_layers_adapter(cfg, target)
+    return DraftModelDrafter(adapter, cfg.confidence_threshold, tree=shape)

@@ -1,10 +1,12 @@
-"""Building the model-free tree drafters (``recycling``, ``suffix``, ``hybrid``) from a ``SpecConfig``."""
+"""Building the model-free tree drafters (``recycling``, ``suffix``, ``hybrid``) from a ``SpecConfig``: their builder."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from decoding.config import SpecConfig
+from decoding.builders import builds
 from decoding.drafters.drafters import Drafter, NgramDrafter
 from decoding.drafters.hybrid import HybridDrafter
 from decoding.drafters.recycling import RecyclingDrafter
@@ -13,6 +15,9 @@ from decoding.errors import ConfigError
 from decoding.model.adapter import ModelAdapter
 from decoding.trees.hardware import TreeChooser, verify_costs
 from decoding.trees.trees import Tree, parse_paths
+
+if TYPE_CHECKING:
+    from decoding.config import SpecConfig
 
 
 def chooser_for(cfg: SpecConfig, target) -> TreeChooser | None:
@@ -48,3 +53,8 @@ def build_model_free(cfg: SpecConfig, target, memory=None) -> Drafter:
     if cfg.method == "suffix":
         return suffix
     return HybridDrafter(recycling, suffix, NgramDrafter(cfg.ngram_max, cfg.ngram_min), cfg.tree_budget, chooser)
+
+
+@builds("recycling", "suffix", "hybrid")
+def _model_free_drafter(cfg, target, device, memory) -> Drafter:
+    return build_model_free(cfg, target, memory)

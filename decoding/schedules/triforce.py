@@ -38,7 +38,17 @@ from __future__ import annotations
 
 import torch
 
-from decoding.drafters.drafters import DecodeState, Drafter, DraftModelDrafter, NgramDrafter, Proposal
+from decoding.builders import builds
+from decoding.drafters.drafters import (
+    DecodeState,
+    Drafter,
+    DraftModelDrafter,
+    NgramDrafter,
+    Proposal,
+    draft_model_adapter,
+    first_layers_adapter,
+)
+from decoding.errors import ConfigError
 from decoding.loop.metrics import StepRecord
 from decoding.model.adapter import ModelAdapter
 from decoding.model.kv_views import RetrievalCache, ViewAdapter, layer_queries, streaming_cache
@@ -149,3 +159,25 @@ class TriForceDrafter(Drafter):
             "middle_drafted": sum(s.drafted for s in steps),
             "middle_accepted": sum(s.accepted for s in steps),
         }
+
+
+@builds("triforce")
+def _triforce_drafter(cfg, target, device, memory) -> Drafter:
+    bottom = None
+    if cfg.triforce_bottom == "model":
+        if not cfg.draft_model:
+            raise ConfigError("draft_model", "triforce_bottom=model needs a draft_model (a local model directory)")
+        bottom = draft_model_adapter(cfg, target, device)
+    elif cfg.triforce_bottom == "layers":
+        bottom = first_layers_adapter(cfg, target)
+    return TriForceDrafter(
+        cfg.triforce_bottom,
+        budget=cfg.triforce_budget,
+        chunk_size=cfg.triforce_chunk_size,
+        gamma=cfg.triforce_gamma,
+        sinks=cfg.triforce_sinks,
+        window=cfg.triforce_window,
+        bottom_adapter=bottom,
+        ngram=(cfg.ngram_max, cfg.ngram_min),
+        confidence_threshold=cfg.confidence_threshold,
+    )
