@@ -8,6 +8,8 @@ states so verification continues from that layer instead of recomputing it.
 
 Shapes keep the batch dimension; the loop hands each drafter one sequence (B = 1) and batches the
 target's verification across sequences (``decoding.loop.loop.Batch``).
+
+The builders of ``ar``, ``ngram``, ``early-exit``, ``sps`` and ``pearl`` (``decoding.builders``) are at the end.
 """
 
 from __future__ import annotations
