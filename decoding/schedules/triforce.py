@@ -49,6 +49,7 @@ from decoding.drafters.drafters import (
     first_layers_adapter,
 )
 from decoding.errors import ConfigError
+from decoding.loop.loop import speculative_step  # this drafter runs the loop's step (it lives above the loop)
 from decoding.loop.metrics import StepRecord
 from decoding.model.adapter import ModelAdapter
 from decoding.model.kv_views import RetrievalCache, ViewAdapter, layer_queries, streaming_cache
@@ -117,8 +118,6 @@ class TriForceDrafter(Drafter):
         return DraftModelDrafter(ViewAdapter(a, lambda batch, max_len: view), self.threshold)
 
     def propose(self, state: DecodeState, k: int) -> Proposal:
-        from decoding.loop.loop import speculative_step  # the loop imports drafters; this drafter runs the loop's step
-
         self.retrieval.sync()
         inner, view, n = self.inner, self.retrieval, state.tokens.shape[1]
         if view.length < n - 1:  # tokens the full cache has not reached yet and the middle has not seen (a draft side)
