@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from decoding.config import ConfigError
+from decoding.models import model_fingerprint
 from decoding.paths import specray_home
-from decoding.trained import RECIPES, Recipe, TrimmedHead, get_recipe, model_fingerprint, trim_vocab
+from decoding.trained import RECIPES, Recipe, TrimmedHead, get_recipe, trim_vocab
 
 FORMAT = 1
 WEIGHTS, DESCRIPTION = "drafter.safetensors", "drafter.json"

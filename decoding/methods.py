@@ -128,7 +128,7 @@ def _draft_model(cfg: SpecConfig, target: LoadedModel, device):
     from decoding.config import ConfigError
     from decoding.models import load_model
 
-    draft = load_model(cfg.draft_model, cfg.dtype, device)
+    draft = load_model(cfg.draft_model, cfg.dtype, device, cfg.quant)
     if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
         raise ConfigError("draft_model", f"{cfg.draft_model!r} does not share the target's tokenizer")
     return ModelAdapter(draft.model.to(device))

@@ -147,9 +147,9 @@ def main_with_args(args) -> int:
 
     from decoding.config import SpecConfig  # heavy imports after the cheap checks
     from decoding.engine import SpecDecoder
-    from decoding.models import load_model
+    from decoding.models import load_model, model_fingerprint
     from decoding.paths import specray_home
-    from decoding.trained import get_recipe, model_fingerprint
+    from decoding.trained import get_recipe
     from training.data import data_dir, generate_data, load_examples
     from training.trainer import TrainSpec
 

@@ -9,7 +9,8 @@ from decoding.artifacts import load_artifact, save_artifact
 from decoding.config import ConfigError, SpecConfig
 from decoding.loop import generate
 from decoding.metrics import chi_square_pvalue
-from decoding.trained import RECIPES, get_recipe, model_fingerprint
+from decoding.models import model_fingerprint
+from decoding.trained import RECIPES, get_recipe
 from decoding.trees import Dynamic, Tree
 from tests.decoding.test_loop import N_TOKENS, PROMPT, SAMPLING, exact_joint, sample_counts
 
