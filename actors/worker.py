@@ -66,7 +66,7 @@ class ModelActor:
         with_drafter = plan is not None and plan.draft_worker == TARGET_WITH_DRAFTER
         draft = role == "draft" and not with_drafter
         own_model = draft and bool(cfg.draft_model)
-        loaded = load_model(cfg.draft_model if own_model else cfg.model, cfg.dtype, self.device)
+        loaded = load_model(cfg.draft_model if own_model else cfg.model, cfg.dtype, self.device, cfg.quant)
         self.tokenizer = loaded.tokenizer
         self.eos = loaded.eos_token_ids
         depth = len(loaded.model.model.layers)

@@ -27,6 +27,7 @@ from decoding.errors import ConfigError
 from decoding.methods import ACTOR_TRANSPORTS, METHOD_TABLE, METHODS, TRIFORCE_BOTTOMS, TWO_SIDED_SCHEDULES
 
 DTYPES = ("float32", "bfloat16")
+QUANTS = ("auto", "none", "q4", "int8")  # the weights a load runs (decoding.quant)
 PLACEMENTS = ("local", "actors")
 TREE_SHAPES = ("chain", "static", "sequoia", "dyspec")  # the tree shapes a config may name (decoding.trees.trees builds them)
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # decoding.model.models.resolve_device turns it into a torch.device
@@ -68,6 +69,12 @@ class SpecConfig:
     temperature / top_p / top_k: sampling; temperature 0 is greedy decoding.
         The same warping is applied to draft and target distributions.
     seed: seed of the ``torch.Generator`` that drives every random draw.
+    quant: the target's weights (decoding/quant.py): ``auto`` (default: the
+        GGUF's own 4-bit blocks when the model is a Q4_1 GGUF run in bfloat16 on
+        a CPU, else dense), ``none`` (dense in ``dtype``), ``q4`` (the GGUF's
+        Q4_1/Q8_0 blocks in torch's packed int4 kernel; other models are
+        quantised to Q4_1-style groups) or ``int8`` (per-channel int8 weight-only).
+        Lossless means against the target as run: AR with the same ``quant``.
     placement: ``local`` (one process) or ``actors`` (draft and target in
         separate Ray actors; ``pearl`` always uses actors; ``triforce`` puts
         its middle and bottom levels in the draft actor, see triforce_schedule).
@@ -152,6 +159,7 @@ class SpecConfig:
     seed: int = 0
     max_new_tokens: int = 128
     dtype: str = "bfloat16"
+    quant: str = "auto"
     threads: int | None = None
     placement: str = "local"
     extra: dict = field(default_factory=dict, compare=False, hash=False)
@@ -192,6 +200,7 @@ class SpecConfig:
         _check(self.method in METHODS, "method", f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
         _check(bool(self.model), "model", "must name a model")
         _check(self.dtype in DTYPES, "dtype", f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
+        _check(self.quant in QUANTS, "quant", f"unknown quantisation {self.quant!r}; choose from {', '.join(QUANTS)}")
         _check(self.placement in PLACEMENTS, "placement", f"unknown placement {self.placement!r}; choose from {', '.join(PLACEMENTS)}")
         _check(self.k >= 1, "k", f"draft length must be >= 1, got {self.k}")
         _check(self.draft_layers >= 1, "draft_layers", f"must be >= 1, got {self.draft_layers}")

@@ -106,7 +106,7 @@ class SpecDecoder:
     def __init__(self, cfg: SpecConfig):
         self.cfg = cfg
         self.threads = set_threads(cfg.threads)
-        self.loaded = load_model(cfg.model, cfg.dtype, cfg.device)
+        self.loaded = load_model(cfg.model, cfg.dtype, cfg.device, cfg.quant)
         self.device = self.loaded.device  # prompts, generators and caches are made here
         self.tokenizer = self.loaded.tokenizer
         self.target = ModelAdapter(self.loaded.model)
@@ -124,7 +124,7 @@ class SpecDecoder:
         so concurrent generations each need their own fork.
         """
         cfg = self.cfg.replace(**changes)
-        for name in ("model", "dtype", "device", "draft_model", "drafter"):
+        for name in ("model", "dtype", "quant", "device", "draft_model", "drafter"):
             if getattr(cfg, name) != getattr(self.cfg, name):
                 raise ConfigError(name, "cannot change in a fork; build a new SpecDecoder")
         twin = copy.copy(self)

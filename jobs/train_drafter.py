@@ -146,9 +146,9 @@ def main_with_args(args) -> int:
         fail(f"--prompts: need at least 2 prompts (one is held out for evaluation), got {len(prompts)}")
 
     from decoding.config import SpecConfig  # heavy imports after the cheap checks
-    from decoding.drafters.trained import get_recipe, model_fingerprint
+    from decoding.drafters.trained import get_recipe
     from decoding.engine import SpecDecoder
-    from decoding.model.models import load_model
+    from decoding.model.models import load_model, model_fingerprint
     from decoding.paths import specray_home
     from training.data import data_dir, generate_data, load_examples
     from training.trainer import TrainSpec

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from decoding.builders import builds
-from decoding.drafters.trained import RECIPES, Recipe, TrimmedHead, get_recipe, model_fingerprint, trim_vocab
+from decoding.drafters.trained import RECIPES, Recipe, TrimmedHead, get_recipe, trim_vocab
 from decoding.errors import ConfigError
+from decoding.model.models import model_fingerprint
 from decoding.paths import specray_home
 from decoding.trees.trees import tree_shape
 

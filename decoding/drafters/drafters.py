@@ -431,7 +431,7 @@ def model_depth(target) -> int:
 
 def draft_model_adapter(cfg, target, device) -> ModelAdapter:
     """The adapter of the separate ``draft_model``, on ``device``; it must share the target's tokenizer."""
-    draft = load_model(cfg.draft_model, cfg.dtype, device)
+    draft = load_model(cfg.draft_model, cfg.dtype, device, cfg.quant)
     if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
         raise ConfigError("draft_model", f"{cfg.draft_model!r} does not share the target's tokenizer")
     return ModelAdapter(draft.model.to(device))

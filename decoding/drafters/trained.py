@@ -31,8 +31,6 @@ predicts f_{p+1}.
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 
 import torch
 import torch.nn.functional as F
@@ -71,22 +69,6 @@ class Shared:
         if self.head_rows is not None:
             return self.norm(hidden) @ self.head_rows.T
         return self.lm_head(self.norm(hidden))
-
-
-def model_fingerprint(hf_model) -> str:
-    """A content hash of a target (architecture + a few weights), equal for its float32 and bfloat16 loads.
-
-    Weights are hashed after rounding to bfloat16, so the two dtypes of one model agree.
-    """
-    c = hf_model.config
-    arch = {k: getattr(c, k, None) for k in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")}
-    arch.update({k: getattr(c, k, None) for k in ("num_attention_heads", "num_key_value_heads", "rms_norm_eps")})
-    h = hashlib.sha1(json.dumps(arch, sort_keys=True, default=str).encode())
-    base = hf_model.model
-    probes = (base.embed_tokens.weight[:64], base.layers[0].mlp.down_proj.weight[:16], base.layers[-1].mlp.down_proj.weight[:16])
-    for t in (*probes, base.norm.weight):
-        h.update(t.detach().to(torch.bfloat16).float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 # ---- modules ------------------------------------------------------------------------------------

@@ -157,14 +157,19 @@ class ModelAdapter:
         self.vocab_size = self.lm_head.out_features
         param = next(hf_model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        # packed weight-only linears the loader attached (decoding.quant, models.load_model(quant=...)); None: dense
+        self.quant = getattr(hf_model, "specray_quant", None)
         # the layers' own math in fewer operations (decoding.model.fast_layers); None: call the modules
-        self.stack = LayerStack.of(self.layers, self.config, self.dtype, self.device) if fast else None
+        self.stack = LayerStack.of(self.layers, self.config, self.dtype, self.device, self.quant) if fast else None
+        self.head = self.quant.head if self.quant is not None and self.stack is not None else None
 
     @property
     def implementation(self) -> str:
-        """Which forward runs the layers ("layers": decoding.model.fast_layers, "modules": transformers'); timings
-        measured with one do not hold for the other, so the calibration caches are kept per implementation."""
-        return "layers" if self.stack is not None else "modules"
+        """Which forward runs the layers ("layers": decoding.model.fast_layers, "modules": transformers', plus the packed
+        weights' kind, e.g. "layers-q4-gguf"); timings measured with one do not hold for another, so the
+        calibration caches are kept per implementation."""
+        name = "layers" if self.stack is not None else "modules"
+        return f"{name}-{self.quant.implementation}" if self.stack is not None and self.quant is not None else name
 
     @property
     def max_context(self) -> int:
@@ -262,4 +267,5 @@ class ModelAdapter:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on hidden states from any layer: [batch, T, vocab] float32."""
-        return self.lm_head(self.norm(hidden)).float()
+        head = self.head if self.head is not None and self.lm_head is self.hf_model.lm_head else self.lm_head
+        return head(self.norm(hidden)).float()

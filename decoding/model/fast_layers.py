@@ -59,7 +59,7 @@ def _projections(layer) -> tuple:
     return (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
 
 
-def _fused(layer) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_weights(layer) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's [q; k; v] and [gate; up] weights as single matrices, the projections re-pointed at views of them.
 
     Fused again when a projection's weight no longer is its view (moved to another device, or replaced).
@@ -103,11 +103,21 @@ def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return torch.matmul(torch.softmax(scores, -1).to(v.dtype), v).view(b, h, 1, d)
 
 
+_DENSE: dict = {}
+
+
+def _linear(packed: dict, key: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T``, by the layer's packed linear ``key`` when it has one (``decoding.quant``)."""
+    linear = packed.get(key)
+    return linear(x) if linear is not None else F.linear(x, weight)
+
+
 class LayerStack:
     """Runs decoder layers [first, last) of a supported model from their weights (see the module docstring)."""
 
-    def __init__(self, layers, config, dtype: torch.dtype, device: torch.device):
+    def __init__(self, layers, config, dtype: torch.dtype, device: torch.device, quant=None):
         self.layers = layers
+        self.quant = quant  # decoding.quant.QuantWeights: packed linears of the layers (None: dense)
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -115,14 +125,14 @@ class LayerStack:
         self.attend_one = dtype in SIXTEEN_BIT and torch.device(device).type == "cpu"
         if self.fuse:
             for layer in layers:
-                _fused(layer)
+                fused_weights(layer)
 
     @classmethod
-    def of(cls, layers, config, dtype: torch.dtype, device: torch.device) -> LayerStack | None:
+    def of(cls, layers, config, dtype: torch.dtype, device: torch.device, quant=None) -> LayerStack | None:
         """The stack for these layers, or None when one of them is not a layer this module computes exactly."""
         if not all(supported(layer, config) for layer in layers):
             return None
-        return cls(layers, config, dtype, device)
+        return cls(layers, config, dtype, device, quant)
 
     def run(self, hidden, first: int, last: int, mask, cache, cos_sin) -> torch.Tensor:
         """What the modules' forward would return for ``hidden`` [B, T, hidden] through layers [first, last)."""
@@ -133,10 +143,11 @@ class LayerStack:
         for index in range(first, last):
             layer = self.layers[index]
             a, m = layer.self_attn, layer.mlp
+            packed = self.quant.layers[index] if self.quant is not None else _DENSE
             x = layer.input_layernorm(hidden)
             if self.fuse:
-                qkv, gate_up = _fused(layer)
-                q, k, v = F.linear(x, qkv).split([nq, nkv, nkv], dim=-1)
+                qkv, gate_up = fused_weights(layer)
+                q, k, v = _linear(packed, "qkv", x, qkv).split([nq, nkv, nkv], dim=-1)
             else:
                 q, k, v = F.linear(x, a.q_proj.weight), F.linear(x, a.k_proj.weight), F.linear(x, a.v_proj.weight)
             q = _rotate(q.view(bsz, t, -1, hd).transpose(1, 2), cos, sin)
@@ -151,11 +162,11 @@ class LayerStack:
                 if causal and k.shape[2] > t:  # a causal block from slot 0 reads only its own slots
                     k, v = k[:, :, :t], v[:, :, :t]
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scaling, is_causal=causal, enable_gqa=True)
-            hidden = hidden + F.linear(out.transpose(1, 2).reshape(bsz, t, nq), a.o_proj.weight)
+            hidden = hidden + _linear(packed, "o", out.transpose(1, 2).reshape(bsz, t, nq), a.o_proj.weight)
             x = layer.post_attention_layernorm(hidden)
             if self.fuse:
-                gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+                gate, up = _linear(packed, "gate_up", x, gate_up).chunk(2, dim=-1)
             else:
                 gate, up = F.linear(x, m.gate_proj.weight), F.linear(x, m.up_proj.weight)
-            hidden = hidden + F.linear(F.silu(gate) * up, m.down_proj.weight)
+            hidden = hidden + _linear(packed, "down", F.silu(gate) * up, m.down_proj.weight)
         return hidden

