@@ -27,7 +27,7 @@ from decoding.errors import ConfigError
 from decoding.methods import ACTOR_TRANSPORTS, METHOD_TABLE, METHODS, TRIFORCE_BOTTOMS, TWO_SIDED_SCHEDULES
 
 DTYPES = ("float32", "bfloat16")
-QUANTS = ("auto", "none", "q4", "int8")  # the weights a load runs (decoding.quant)
+QUANTS = ("auto", "none", "q4", "int8")  # the weights a load runs (decoding.model.quant)
 PLACEMENTS = ("local", "actors")
 TREE_SHAPES = ("chain", "static", "sequoia", "dyspec")  # the tree shapes a config may name (decoding.trees.trees builds them)
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # decoding.model.models.resolve_device turns it into a torch.device
@@ -69,7 +69,7 @@ class SpecConfig:
     temperature / top_p / top_k: sampling; temperature 0 is greedy decoding.
         The same warping is applied to draft and target distributions.
     seed: seed of the ``torch.Generator`` that drives every random draw.
-    quant: the target's weights (decoding/quant.py): ``auto`` (default: the
+    quant: the target's weights (decoding/model/quant.py): ``auto`` (default: the
         GGUF's own 4-bit blocks when the model is a Q4_1 GGUF run in bfloat16 on
         a CPU, else dense), ``none`` (dense in ``dtype``), ``q4`` (the GGUF's
         Q4_1/Q8_0 blocks in torch's packed int4 kernel; other models are

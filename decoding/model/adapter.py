@@ -157,7 +157,7 @@ class ModelAdapter:
         self.vocab_size = self.lm_head.out_features
         param = next(hf_model.parameters())
         self.dtype, self.device = param.dtype, param.device
-        # packed weight-only linears the loader attached (decoding.quant, models.load_model(quant=...)); None: dense
+        # packed weight-only linears the loader attached (decoding.model.quant, models.load_model(quant=...)); None: dense
         self.quant = getattr(hf_model, "specray_quant", None)
         # the layers' own math in fewer operations (decoding.model.fast_layers); None: call the modules
         self.stack = LayerStack.of(self.layers, self.config, self.dtype, self.device, self.quant) if fast else None

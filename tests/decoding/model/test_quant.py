@@ -1,4 +1,4 @@
-"""Packed weights (decoding/quant.py): GGUF Q4_1 / Q8_0 blocks in torch's int4 kernel, int8 weight-only.
+"""Packed weights (decoding/model/quant.py): GGUF Q4_1 / Q8_0 blocks in torch's int4 kernel, int8 weight-only.
 
 The stated tolerance: in bfloat16 the kernel keeps each group's scale and zero in bfloat16, so its weight is
 ``(q - 8) * bf16(d) + bf16(m + 8 d)``; against that weight the kernel's output is exact up to float32
@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as GT
 from decoding.config import SpecConfig
 from decoding.errors import ConfigError
 from decoding.model.adapter import ModelAdapter
-from decoding.quant import (
+from decoding.model.quant import (
     MAX_ROWS,
     PackedLinear,
     pack_int8,

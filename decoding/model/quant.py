@@ -14,7 +14,7 @@ concatenation ``[hi + 8 | lo]`` along the input (scales ``16 d`` and ``d``, zero
 ``[x | x]``, which sums to ``d * q``. The kernel keeps scale and zero in the activations' dtype, so in
 bfloat16 each group's ``d`` and ``m + 8 d`` are rounded to bfloat16 (8 significant bits; the weights of the
 dense bfloat16 path are rounded the same way, one by one): :func:`reference_weight` is that weight exactly,
-and ``tests/decoding/test_quant.py`` checks the kernel against it and against the GGUF's own numbers.
+and ``tests/decoding/model/test_quant.py`` checks the kernel against it and against the GGUF's own numbers.
 
 The kernel reads each weight once per input row, so it wins only for narrow inputs (one decoding token, a
 short verification); a linear routes inputs of more than ``max_rows`` rows to the dense weights of the same
