@@ -27,7 +27,7 @@ from decoding.errors import ConfigError
 from decoding.methods import ACTOR_TRANSPORTS, METHOD_TABLE, METHODS, TRIFORCE_BOTTOMS, TWO_SIDED_SCHEDULES
 
 DTYPES = ("float32", "bfloat16")
-QUANTS = ("auto", "none", "q4", "int8")  # the weights a load runs (decoding.model.quant)
+QUANTS = ("auto", "none", "q4", "int8")  # the weights a load runs (decoding.model.quant, which keeps the same names)
 PLACEMENTS = ("local", "actors")
 TREE_SHAPES = ("chain", "static", "sequoia", "dyspec")  # the tree shapes a config may name (decoding.trees.trees builds them)
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # decoding.model.models.resolve_device turns it into a torch.device

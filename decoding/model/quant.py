@@ -44,9 +44,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from decoding.config import QUANTS
 from decoding.errors import ConfigError
 
+# what a load may ask for; decoding.config.QUANTS declares the same names torch-free for SpecConfig (as config.DTYPES
+# and models.DTYPES do for dtypes): the model room reads no declaration, whose table reaches down to the drafters
+QUANTS = ("auto", "none", "q4", "int8")
 GROUP = 32  # Q4_1 / Q8_0 block size, and the int4 kernel's group size
 MAX_ROWS = 4  # input rows up to which the packed kernels beat the dense GEMM here (see the module docstring)
 Q4_1_BYTES, Q8_0_BYTES = 20, 34  # one block: float16 d, float16 m, 16 bytes of nibbles / float16 d, 32 int8

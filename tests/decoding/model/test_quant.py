@@ -115,6 +115,10 @@ def test_wide_inputs_take_the_dense_weights():
 
 
 def test_resolve_quant():
+    from decoding.config import QUANTS
+    from decoding.model import quant
+
+    assert quant.QUANTS == QUANTS  # the loader's names and the config's are the same
     cpu, bf16, f32 = torch.device("cpu"), torch.bfloat16, torch.float32
     assert resolve_quant("auto", True, bf16, cpu) == "q4"
     assert resolve_quant("auto", False, bf16, cpu) == "none"
