@@ -14,6 +14,7 @@ COMMANDS = {
     "serve": "jobs.serve",
     "tune": "jobs.tune",
     "train-drafter": "jobs.train_drafter",
+    "distill": "jobs.distill",
 }
 
 

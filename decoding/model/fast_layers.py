@@ -147,11 +147,13 @@ class LayerStack:
             x = layer.input_layernorm(hidden)
             if self.fuse:
                 qkv, gate_up = fused_weights(layer)
-                q, k, v = _linear(packed, "qkv", x, qkv).split([nq, nkv, nkv], dim=-1)
+                qk, v = _linear(packed, "qkv", x, qkv).split([nq + nkv, nkv], dim=-1)
+                # q and k rotate together: the same elementwise arithmetic as one by one, in half the operations
+                q, k = _rotate(qk.view(bsz, t, -1, hd).transpose(1, 2), cos, sin).split([self.heads, self.kv_heads], dim=1)
             else:
                 q, k, v = F.linear(x, a.q_proj.weight), F.linear(x, a.k_proj.weight), F.linear(x, a.v_proj.weight)
-            q = _rotate(q.view(bsz, t, -1, hd).transpose(1, 2), cos, sin)
-            k = _rotate(k.view(bsz, t, -1, hd).transpose(1, 2), cos, sin)
+                q = _rotate(q.view(bsz, t, -1, hd).transpose(1, 2), cos, sin)
+                k = _rotate(k.view(bsz, t, -1, hd).transpose(1, 2), cos, sin)
             k, v = cache.update(k, v.view(bsz, t, -1, hd).transpose(1, 2), a.layer_idx)
             if t == 1 and self.attend_one:
                 out = _attend_one(q, k, v, a.scaling, mask)
