@@ -29,7 +29,7 @@ from decoding.config import DEVICE_RE
 from evaluation.workloads import DEFAULT_PROMPTS, WorkloadError, load_prompts, select
 from jobs.common import Parser, fail, output_dir, path_name, run_cli
 
-RECIPE_NAMES = ("kangaroo", "medusa", "hydra", "feature", "distill")
+RECIPE_NAMES = ("kangaroo", "medusa", "hydra", "feature", "distill", "eagle")
 LOSS_NAMES = ("kl", "tvdpp", "ce")
 
 
@@ -37,6 +37,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p = parser or Parser(prog="specray train-drafter", description="Train a drafter (adapter, heads, feature head, draft model).")
     p.add_argument("--recipe", required=True, help=f"one of {', '.join(RECIPE_NAMES)}")
     p.add_argument("--model", default="smollm2-135m", help="the target: smollm2-135m (default) or a local HF model directory")
+    p.add_argument(
+        "--data",
+        help="a `specray distill` data directory: train on its token ids, the target's hidden states computed as training "
+        "draws each window (no --prompts generation); its held-out split is the evaluation set",
+    )
+    p.add_argument("--max-sequences", type=int, help="with --data: train on the first N training sequences (data-size curves)")
+    p.add_argument("--eval-sequences", type=int, default=64, help="with --data: held-out sequences to evaluate on (default 64)")
+    p.add_argument("--features-quant", default="auto", help="with --data: the target's weights when it computes features (default auto)")
     p.add_argument("--prompts", help=f"Spec-Bench style JSONL (default {DEFAULT_PROMPTS})")
     p.add_argument("--categories", help="comma list of categories (default all)")
     p.add_argument("--limit", type=int, help="at most N prompts per category")
@@ -110,6 +118,10 @@ def check_args(args) -> None:
         fail(f"--strategy: unknown strategy {args.strategy!r}; choose from ddp, deepspeed")
     if args.threads is not None and args.threads < 1:
         fail(f"--threads: must be >= 1, got {args.threads}")
+    if args.data is not None and not (Path(args.data) / "manifest.json").is_file():
+        fail(f"--data: {args.data} is not a `specray distill` data directory (no manifest.json)")
+    if (args.max_sequences is not None and args.max_sequences < 2) or args.eval_sequences < 1:
+        fail("--max-sequences must be >= 2 and --eval-sequences >= 1")
     if DEVICE_RE.fullmatch(args.device) is None:
         fail(f"--device: unknown device {args.device!r}; choose from auto, cpu, cuda, cuda:N")
 
@@ -127,6 +139,8 @@ def _progress(label: str, quiet: bool):
 def main_with_args(args) -> int:
     check_args(args)
     knobs = parse_knobs(args.knob)
+    if args.data is not None:
+        return train_from_data(args, knobs)
     try:
         prompts = load_prompts(args.prompts)
         cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
@@ -200,6 +214,84 @@ def main_with_args(args) -> int:
         print(f", loss {result['loss_first']:.4f} -> {result['loss_last']:.4f}")
         print(f"  held-out top-1 agreement per head: before [{fmt(result['agreement_before'])}] after [{fmt(result['agreement_after'])}]")
         print(f"  use: --method trained --set drafter={out}")
+    return 0
+
+
+def train_from_data(args, knobs: dict) -> int:
+    """--data: self-distillation token ids, features computed on the fly (locally or under Ray Train)."""
+    import torch
+
+    from decoding.drafters.trained import get_recipe
+    from decoding.model.models import load_model
+    from decoding.paths import specray_home
+    from training.features import TargetFeatures, distill_training_set
+    from training.trainer import TrainSpec
+
+    target = load_model(args.model, "float32", args.device).model  # the drafter's shared parts train in float32
+    depth = target.config.num_hidden_layers
+    recipe = get_recipe(args.recipe)
+    knobs = recipe.check(knobs, depth)
+    layers = recipe.data_layers(knobs, depth)
+    train_set, eval_set = distill_training_set(args.data, args.max_sequences, args.eval_sequences)
+    if len(train_set) < 2 or not eval_set:
+        fail(f"--data: {args.data} has {len(train_set)} training and {len(eval_set)} held-out sequences; need 2 and 1")
+    name = args.name or f"{args.recipe}-{Path(args.model).name}" + "".join(f"-{k}{v}" for k, v in sorted(knobs.items()))
+    out = Path(args.out) if args.out else specray_home() / "drafters" / name
+    spec = TrainSpec(
+        args.recipe, knobs, args.loss, args.steps, args.batch, args.lr, args.seed, args.window, train_vocab=args.train_vocab, autocast=True
+    )
+    extra = {"data": str(args.data), "train_sequences": len(train_set), "train_tokens": sum(int(e["tokens"].shape[0]) for e in train_set)}
+    t1 = time.perf_counter()
+    if args.on_cluster or os.environ.get("RAY_ADDRESS"):
+        from training.ray_train import train_on_cluster
+
+        training = train_on_cluster(
+            spec,
+            args.model,
+            Path(args.data),
+            layers,
+            out,
+            workers=args.workers,
+            strategy=args.strategy,
+            extra=extra,
+            distill={"max_sequences": args.max_sequences, "eval_sequences": args.eval_sequences, "quant": args.features_quant},
+        )
+    else:
+        from training.trainer import train
+
+        features = TargetFeatures(load_model(args.model, "bfloat16", args.device, args.features_quant).model, layers)
+        deadline = None if args.max_minutes is None else time.time() + 60 * args.max_minutes
+        training = train(
+            spec,
+            target,
+            train_set,
+            out,
+            args.model,
+            progress=not args.no_progress,
+            extra_training=extra,
+            deadline=deadline,
+            features=features,
+            eval_examples=eval_set,
+            weights_dtype=torch.bfloat16,
+        )
+    result = {
+        "artifact": str(out),
+        "recipe": args.recipe,
+        "knobs": knobs,
+        "train_sequences": len(train_set),
+        "train_seconds": round(time.perf_counter() - t1, 1),
+        "steps": training.get("steps"),
+        "loss_first": training.get("loss_first"),
+        "loss_last": training.get("loss_last"),
+        "agreement_before": training.get("eval_agreement_before"),
+        "agreement_after": training.get("eval_agreement"),
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs or [])  # noqa: E731
+        print(f"{args.recipe} {knobs}: artifact {out} ({len(train_set)} sequences, {result['train_seconds']}s, {result['steps']} steps)")
+        print(f"  held-out top-1 agreement per step: before [{fmt(result['agreement_before'])}] after [{fmt(result['agreement_after'])}]")
     return 0
 
 

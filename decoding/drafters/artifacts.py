@@ -55,13 +55,17 @@ def save_artifact(
     target_name: str,
     training: dict,
     vocab: torch.Tensor | None = None,
+    weights_dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write weights and description atomically (a half-written artifact is never loaded)."""
+    """Write weights and description atomically (a half-written artifact is never loaded). ``weights_dtype`` stores
+    the floating-point weights in that dtype (bfloat16 halves a float32 drafter; loading casts to the target's)."""
     from safetensors.torch import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+    if weights_dtype is not None:
+        tensors = {k: v.to(weights_dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     if vocab is not None:
         tensors[VOCAB_ORDER] = vocab.long().contiguous().cpu()
     save_file(tensors, str(out / (WEIGHTS + ".tmp")))

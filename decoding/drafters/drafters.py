@@ -43,6 +43,9 @@ class DecodeState:
     # [B, T, V] the target's logits of the last verification, one row per fed position [pending, drafts...] (tree nodes
     # in node order), rejected ones included; set by the loop before ``update`` (Token Recycling reads it)
     last_logits: torch.Tensor | None = None
+    # {layer l: [B, c, H]} the target's hidden states after l layers at the positions of ``target_hidden``, for the
+    # layers the drafter names in ``feature_layers`` (a feature-level drafter fuses several depths)
+    target_features: dict | None = None
 
 
 @dataclass
@@ -64,6 +67,7 @@ class Drafter:
     name = "none"
     model_free = False  # proposing costs (next to) nothing: k=auto lets it propose first, then cuts the proposal
     batchable = True  # False: it keeps the target cache for itself and decodes one sequence at a time
+    feature_layers: tuple[int, ...] = ()  # target layers whose hidden states it reads (``DecodeState.target_features``)
 
     def start(self, state: DecodeState) -> None:
         pass
@@ -135,7 +139,9 @@ def _candidates(logits: torch.Tensor, n: int, state: DecodeState, stochastic: bo
     return tok, (q if stochastic else None), score, score > 0
 
 
-def _draft_tree(step, root_logits: torch.Tensor, shape: Tree | Dynamic, k: int, state: DecodeState, feed_last: bool):
+def _draft_tree(
+    step, root_logits: torch.Tensor, shape: Tree | Dynamic, k: int, state: DecodeState, feed_last: bool, path_probs: list | None = None
+):
     """Grow a token tree of drafts; shared by every model-based tree drafter (the tree analogue of ``_draft_chain``).
 
     ``step(tokens [B, t], lo, hi, tree) -> logits [B, t, V]`` feeds nodes lo..hi-1 of ``tree`` (a contiguous
@@ -153,7 +159,9 @@ def _draft_tree(step, root_logits: torch.Tensor, shape: Tree | Dynamic, k: int, 
       which keeps sampling lossless.
 
     With ``feed_last`` every node is fed (early exit needs all their hidden states), else the deepest ones are not.
-    Returns (tokens [B, j], probs [B, j, V] or None, tree over j+1 nodes, fed: nodes 1..fed were fed).
+    Returns (tokens [B, j], probs [B, j, V] or None, tree over j+1 nodes, fed: nodes 1..fed were fed). For a
+    ``Dynamic`` shape ``path_probs`` (a list) receives each node's path probability, in node order (non-increasing:
+    every prefix of the nodes is a tree).
     """
     parents, toks, probs = [-1], [], []  # the drafted tree so far: node i's parent, token [B] and q row [B, V]
     fed = 0
@@ -231,6 +239,8 @@ def _draft_tree(step, root_logits: torch.Tensor, shape: Tree | Dynamic, k: int, 
                 heapq.heappush(heap, (-path_p[parent] * float(cand_scores[rank + 1]), parent, rank + 1, cand_tokens, cand_scores))
         if feed_last and fed < len(parents) - 1:
             feed(fed + 1, len(parents))
+        if path_probs is not None:
+            path_probs[:] = path_p
     bsz = root_logits.shape[0]
     out = torch.stack(toks, 1) if toks else torch.zeros(bsz, 0, dtype=torch.long, device=root_logits.device)
     return out, (torch.stack(probs, 1) if probs else None), Tree.from_parents(parents), fed

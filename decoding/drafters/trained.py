@@ -46,6 +46,7 @@ from decoding.drafters.drafters import (
     _draft_tree,
     max_nodes_of,
 )
+from decoding.drafters.eagle import EagleDrafter, EagleNet, VocabHead
 from decoding.errors import ConfigError
 from decoding.model.adapter import KVCache, ModelAdapter
 from decoding.trees.trees import Dynamic, Tree
@@ -82,10 +83,12 @@ class DraftNet(nn.Module):
     :class:`~decoding.model.adapter.ModelAdapter` runs it with its own KV cache. The
     shared parts are attributes, not submodules: ``state_dict()`` and
     ``parameters()`` hold only what was trained. ``fuse`` (the feature head's
-    fc over [f_p; e(x_{p+1})]) is present when ``fuse=True``.
+    fc over [f_p; e(x_{p+1})]) is present when ``fuse=True``; with ``draft_vocab``
+    > 0 the head is a trainable :class:`~decoding.drafters.eagle.VocabHead` over
+    that many tokens instead of the target's.
     """
 
-    def __init__(self, hf_model, init_layers: list[int], fuse: bool = False):
+    def __init__(self, hf_model, init_layers: list[int], fuse: bool = False, draft_vocab: int = 0):
         super().__init__()
         shared = Shared(hf_model)
         self.config = copy.deepcopy(hf_model.config)
@@ -100,7 +103,10 @@ class DraftNet(nn.Module):
         self.model.layers = nn.ModuleList(blocks)
         for name, part in (("embed_tokens", shared.embed), ("norm", shared.norm), ("rotary_emb", shared.rotary)):
             object.__setattr__(self.model, name, part)
-        object.__setattr__(self, "lm_head", shared.lm_head)
+        if draft_vocab:  # a trainable head over the data's draft_vocab most frequent tokens (VocabTrim, trained)
+            self.lm_head = VocabHead(shared.lm_head, torch.arange(draft_vocab))
+        else:
+            object.__setattr__(self, "lm_head", shared.lm_head)
         object.__setattr__(self, "shared", shared)
         h = shared.hidden_size
         if fuse:
@@ -412,6 +418,12 @@ class Recipe:
                 raise ConfigError(key, f"expected an integer, got {value!r}")
         return out
 
+    def prepare(self, module: nn.Module, vocab: torch.Tensor) -> None:
+        """Before training: a trimmed head drafts over the data's most frequent tokens (``vocab``, ranked)."""
+        head = getattr(module, "lm_head", None)
+        if isinstance(head, VocabHead):
+            head.reset(vocab)
+
     def data_layers(self, knobs: dict, depth: int) -> list[int]:
         """Hidden states the data must hold: layer l = output of the first l layers (depth = final, pre-norm)."""
         return [depth]
@@ -431,10 +443,10 @@ class Recipe:
 
 class KangarooRecipe(Recipe):
     name = "kangaroo"
-    knobs = {"exit_layer": None}
+    knobs = {"exit_layer": None, "draft_vocab": 0}  # draft_vocab > 0: a trained head over that many tokens
 
     def defaults(self, depth):
-        return {"exit_layer": max(1, depth // 3)}
+        return {"exit_layer": max(1, depth // 3), "draft_vocab": 0}
 
     def check(self, knobs, depth):
         out = super().check(knobs, depth)
@@ -446,7 +458,7 @@ class KangarooRecipe(Recipe):
         return [knobs["exit_layer"], depth]
 
     def build(self, hf_model, knobs):
-        return DraftNet(hf_model, [knobs["exit_layer"]])  # the adapter starts as a copy of the next target layer
+        return DraftNet(hf_model, [knobs["exit_layer"]], draft_vocab=knobs.get("draft_vocab", 0))  # a copy of the next target layer
 
     def drafter(self, module, knobs, confidence_threshold, tree=None):
         self.chain_only(tree)
@@ -456,7 +468,7 @@ class KangarooRecipe(Recipe):
 class DistillRecipe(Recipe):
     name = "distill"
     drafts_trees = True
-    knobs = {"draft_layers": 4}
+    knobs = {"draft_layers": 4, "draft_vocab": 0}  # draft_vocab > 0: a trained head over that many tokens
 
     def check(self, knobs, depth):
         out = super().check(knobs, depth)
@@ -465,7 +477,7 @@ class DistillRecipe(Recipe):
         return out
 
     def build(self, hf_model, knobs):
-        return DraftNet(hf_model, list(range(knobs["draft_layers"])))
+        return DraftNet(hf_model, list(range(knobs["draft_layers"])), draft_vocab=knobs.get("draft_vocab", 0))
 
     def drafter(self, module, knobs, confidence_threshold, tree=None):
         return DraftModelDrafter(ModelAdapter(module), confidence_threshold, tree=tree)
@@ -507,7 +519,42 @@ class HydraRecipe(Recipe):
         return HydraDrafter(module, confidence_threshold, tree)
 
 
-RECIPES: dict[str, Recipe] = {r.name: r for r in (KangarooRecipe(), MedusaRecipe(), HydraRecipe(), FeatureRecipe(), DistillRecipe())}
+class EagleRecipe(Recipe):
+    """The feature-level drafter of ``decoding.drafters.eagle``: the target's hidden states after ``low_layer``,
+    ``mid_layer`` and its last layer fused, one decoder layer, a trained head over ``draft_vocab`` tokens; trained
+    with ``ttt_steps`` unrolled steps of its own features (EAGLE-3's training-time test)."""
+
+    name = "eagle"
+    drafts_trees = True
+    knobs = {"low_layer": None, "mid_layer": None, "draft_vocab": 8192, "ttt_steps": 3}
+
+    def defaults(self, depth):
+        low = max(1, min(2, depth // 4))  # EAGLE-3's low, middle and last depths (2, 15, 30 for SmolLM2-135M)
+        return {"low_layer": low, "mid_layer": max(low + 1, depth // 2), "draft_vocab": 8192, "ttt_steps": 3}
+
+    def check(self, knobs, depth):
+        out = super().check(knobs, depth)
+        if not 1 <= out["low_layer"] < out["mid_layer"] < depth:
+            raise ConfigError("low_layer", f"need 1 <= low_layer < mid_layer < {depth}, got {out['low_layer']}, {out['mid_layer']}")
+        if out["draft_vocab"] < 1 or out["ttt_steps"] < 1:
+            raise ConfigError("draft_vocab", "draft_vocab and ttt_steps must be >= 1")
+        return out
+
+    def data_layers(self, knobs, depth):
+        return [knobs["low_layer"], knobs["mid_layer"], depth]
+
+    def build(self, hf_model, knobs):
+        knobs = {**self.defaults(hf_model.config.num_hidden_layers), **knobs}
+        layers = self.data_layers(knobs, hf_model.config.num_hidden_layers)
+        return EagleNet(hf_model, tuple(layers), torch.arange(min(knobs["draft_vocab"], hf_model.config.vocab_size)))
+
+    def drafter(self, module, knobs, confidence_threshold, tree=None):
+        return EagleDrafter(module, confidence_threshold, tree)
+
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r for r in (KangarooRecipe(), MedusaRecipe(), HydraRecipe(), FeatureRecipe(), DistillRecipe(), EagleRecipe())
+}
 
 
 def get_recipe(name: str) -> Recipe:

@@ -96,22 +96,23 @@ def check_context(prompt_len: int, max_new_tokens: int, max_context: int) -> Non
         )
 
 
-def fill(model: ModelAdapter, cache: KVCache, prompt: torch.Tensor) -> torch.Tensor:
-    """Run the prompt [1, T] into an empty ``cache``, which then holds exactly the prompt; returns the hidden states [1, T, H]."""
-    h = model.forward(cache, 0, input_ids=prompt)
+def fill(model: ModelAdapter, cache: KVCache, prompt: torch.Tensor, captured: dict | None = None) -> torch.Tensor:
+    """Run the prompt [1, T] into an empty ``cache``, which then holds exactly the prompt; returns the hidden states [1, T, H]
+    (and fills ``captured``, see ``ModelAdapter.forward``)."""
+    h = model.forward(cache, 0, input_ids=prompt, captured=captured)
     cache.rollback(prompt.shape[1])
     return h
 
 
 def prefill(
-    target: ModelAdapter, cache: KVCache, prompt: torch.Tensor, sampling: SamplingParams, generator
+    target: ModelAdapter, cache: KVCache, prompt: torch.Tensor, sampling: SamplingParams, generator, captured: dict | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fill ``cache`` with the prompt [1, T] and draw the first new token with the loop's rule.
 
     Returns (first token [1, 1], the prompt's hidden states [1, T, H]). Afterwards the cache holds the prompt
-    and the first token is pending: the loop's invariant.
+    and the first token is pending: the loop's invariant. ``captured``: see ``ModelAdapter.forward``.
     """
-    h = fill(target, cache, prompt)
+    h = fill(target, cache, prompt, captured)
     first = verify(Proposal.empty(1, prompt.device), target.logits(h[:, -1:]), sampling, generator)
     return first.tokens[:, :1], h
 
@@ -169,11 +170,13 @@ def verify_step(
     rows = len(states)
     lengths = [s.tokens.shape[1] for s in states]
     widths = [1 + p.tokens.shape[1] for p in proposals]
+    layers = sorted({layer for d in drafters for layer in d.feature_layers})
+    captured = dict.fromkeys(layers) if layers else None
     if rows == 1:
-        h, logits = _forward_one(states[0], proposals[0])
+        h, logits = _forward_one(states[0], proposals[0], captured)
         hs, logit_rows = [h], [logits]
     else:
-        hs, logit_rows = _forward_rows(states, proposals, lengths, widths, batch_cache)
+        hs, logit_rows = _forward_rows(states, proposals, lengths, widths, batch_cache, captured)
     verify_s = time.perf_counter() - t1
     results = []
     for b in range(rows):
@@ -187,11 +190,15 @@ def verify_step(
         state.tokens = torch.cat([tokens, torch.tensor([committed], dtype=tokens.dtype, device=tokens.device)], dim=1)
         state.accepted_path = None
         state.target_hidden = hs[b][:, : m + 1]  # [1, m+1, H] pending + accepted drafts
+        kept = slice(0, m + 1)
         if proposal.tree is not None:  # the accepted branch becomes the committed prefix: slots n-1+path -> n-1..n-1+m
             path = verdict.path[0, : m + 1]
             state.target_cache.compact(n - 1, path + (n - 1))
             state.accepted_path = path.tolist()
             state.target_hidden = hs[b][:, path]
+            kept = path
+        if drafters[b].feature_layers:  # [1, m+1, H] per layer the drafter reads, of the positions kept
+            state.target_features = {layer: captured[layer][b : b + 1, : widths[b]][:, kept] for layer in drafters[b].feature_layers}
         state.target_cache.rollback(n + m)
         state.last_logits = logit_rows[b]  # [1, t, V] every fed position's logits, rejected ones included (Token Recycling)
         drafters[b].update(state, m)
@@ -200,7 +207,7 @@ def verify_step(
     return results
 
 
-def _forward_one(state: DecodeState, proposal: Proposal):
+def _forward_one(state: DecodeState, proposal: Proposal, captured: dict | None = None):
     target, cache, tokens = state.target, state.target_cache, state.tokens
     bsz, n = tokens.shape
     tree = {}
@@ -208,13 +215,15 @@ def _forward_one(state: DecodeState, proposal: Proposal):
         positions = proposal.tree.positions(n - 1).to(target.device).unsqueeze(0).expand(bsz, -1)
         tree = dict(positions=positions, tree_mask=proposal.tree.mask)
     if proposal.hidden is not None:
-        h = target.forward(cache, n - 1, hidden=proposal.hidden, first=proposal.layer, **tree)
+        if captured and min(captured) <= proposal.layer:
+            raise ValueError(f"a drafter that continues from layer {proposal.layer} cannot be asked for layers {sorted(captured)}")
+        h = target.forward(cache, n - 1, hidden=proposal.hidden, first=proposal.layer, captured=captured, **tree)
     else:
-        h = target.forward(cache, n - 1, input_ids=torch.cat([tokens[:, -1:], proposal.tokens], dim=1), **tree)
+        h = target.forward(cache, n - 1, input_ids=torch.cat([tokens[:, -1:], proposal.tokens], dim=1), captured=captured, **tree)
     return h, target.logits(h)
 
 
-def _forward_rows(states, proposals, lengths, widths, batch_cache):
+def _forward_rows(states, proposals, lengths, widths, batch_cache, captured=None):
     """One padded forward over ragged rows; returns per-row hidden [1, t_b, H] and logits [1, t_b, V].
 
     A drafter's hidden states (self-speculation) are not continued here: every row enters at layer 0 (the
@@ -237,7 +246,7 @@ def _forward_rows(states, proposals, lengths, widths, batch_cache):
             mask[b, :t, :t] = proposal.tree.mask.to(device)
     if batch_cache is None:
         raise ValueError("several rows need their shared cache (batch_cache)")
-    h = target.forward(batch_cache, starts, input_ids=ids, positions=positions, tree_mask=mask)
+    h = target.forward(batch_cache, starts, input_ids=ids, positions=positions, tree_mask=mask, captured=captured)
     if all(t == width for t in widths):
         logits = target.logits(h)
         return [h[b : b + 1] for b in range(rows)], [logits[b : b + 1] for b in range(rows)]
@@ -419,9 +428,10 @@ class Batch:
         view = self.cache.row(index)
         target = self.target
         prompt = seq.prompt_ids.to(target.device)
-        first, h = prefill(target, view, prompt, seq.sampling, seq.generator)
+        captured = dict.fromkeys(seq.drafter.feature_layers) if seq.drafter.feature_layers else None
+        first, h = prefill(target, view, prompt, seq.sampling, seq.generator, captured)
         tokens = torch.cat([prompt, first], dim=1)
-        seq.state = DecodeState(tokens, target, view, seq.sampling, seq.generator, seq.max_len, target_hidden=h)
+        seq.state = DecodeState(tokens, target, view, seq.sampling, seq.generator, seq.max_len, target_hidden=h, target_features=captured)
         seq.prefill_s = time.perf_counter() - seq.t_start
         seq.commit([int(first[0, 0])])
         if seq.finished:

@@ -189,6 +189,7 @@ class ModelAdapter:
         last: int | None = None,
         positions: torch.Tensor | None = None,  # [batch, T] rotary positions; default start + arange(T)
         tree_mask: torch.Tensor | None = None,  # [T, W] (or [B, T, W]) bool over the last W <= start+T slots, True = may attend
+        captured: dict | None = None,  # {layer l: None}: filled with the hidden state after l layers, [batch, T, hidden]
     ) -> torch.Tensor:
         """Run layers [first, last) on T new tokens written at cache slots start..start+T.
 
@@ -221,17 +222,22 @@ class ModelAdapter:
             cache.cursor = start
         cos_sin = self.rotary(hidden, positions)
         if self.stack is not None:
-            return self.stack.run(hidden, first, last, mask, cache, cos_sin)
-        for layer in self.layers[first:last]:
-            hidden = layer(
-                hidden,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                position_embeddings=cos_sin,
-            )
-            if isinstance(hidden, tuple):  # older transformers return (hidden, ...)
-                hidden = hidden[0]
+            hidden = self.stack.run(hidden, first, last, mask, cache, cos_sin, captured)
+        else:
+            for index in range(first, last):
+                hidden = self.layers[index](
+                    hidden,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    position_embeddings=cos_sin,
+                )
+                if isinstance(hidden, tuple):  # older transformers return (hidden, ...)
+                    hidden = hidden[0]
+                if captured is not None and index + 1 in captured:
+                    captured[index + 1] = hidden
+        if captured is not None and last in captured:
+            captured[last] = hidden
         return hidden
 
     @staticmethod

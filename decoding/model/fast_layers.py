@@ -134,8 +134,11 @@ class LayerStack:
             return None
         return cls(layers, config, dtype, device, quant)
 
-    def run(self, hidden, first: int, last: int, mask, cache, cos_sin) -> torch.Tensor:
-        """What the modules' forward would return for ``hidden`` [B, T, hidden] through layers [first, last)."""
+    def run(self, hidden, first: int, last: int, mask, cache, cos_sin, captured: dict | None = None) -> torch.Tensor:
+        """What the modules' forward would return for ``hidden`` [B, T, hidden] through layers [first, last).
+
+        ``captured``: a dict whose keys name layers l in (first, last); each gets the hidden state after l layers.
+        """
         bsz, t = hidden.shape[:2]
         hd, nq, nkv = self.head_dim, self.heads * self.head_dim, self.kv_heads * self.head_dim
         cos, sin = (x.unsqueeze(1) for x in cos_sin)
@@ -171,4 +174,6 @@ class LayerStack:
             else:
                 gate, up = F.linear(x, m.gate_proj.weight), F.linear(x, m.up_proj.weight)
             hidden = hidden + _linear(packed, "down", F.silu(gate) * up, m.down_proj.weight)
+            if captured is not None and index + 1 in captured:
+                captured[index + 1] = hidden
         return hidden

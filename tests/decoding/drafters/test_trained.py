@@ -21,6 +21,7 @@ KNOBS = {
     "medusa": {"num_heads": 3},
     "hydra": {"num_heads": 3},
     "feature": {"feature_weight_pct": 100},
+    "eagle": {"draft_vocab": 12},
 }
 
 
@@ -122,7 +123,7 @@ def test_vocab_trimmed_drafters_stay_lossless(tiny_model, recipe, tmp_path):
     assert chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING)) > 1e-4
 
 
-TREE_RECIPES = ["medusa", "hydra", "distill"]
+TREE_RECIPES = ["medusa", "hydra", "distill", "eagle"]
 TREE_SHAPES = {
     "static": Tree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
     "dyspec": Dynamic(6),
@@ -158,7 +159,7 @@ def test_tree_drafts_greedy_equal_ar(tiny_model, recipe, shape):
     assert accepted > 0 and max(widths) > 0
 
 
-@pytest.mark.parametrize("recipe", ["medusa", "hydra"])
+@pytest.mark.parametrize("recipe", ["medusa", "hydra", "eagle"])
 @pytest.mark.parametrize("shape", list(TREE_SHAPES))
 def test_tree_drafts_sample_the_target(tiny_model, recipe, shape):
     counts = sample_counts(tiny_model, tree_drafter(tiny_model, recipe, shape), SAMPLING, k=2, draws=300)
@@ -171,3 +172,52 @@ def test_chain_only_recipes_reject_trees(tiny_model, recipe):
     with pytest.raises(ConfigError) as e:
         tree_drafter(tiny_model, recipe, "dyspec")
     assert e.value.field == "tree" and "chains only" in str(e.value)
+
+
+@pytest.mark.parametrize("recipe,knobs", [("kangaroo", {"exit_layer": 1, "draft_vocab": 8}), ("distill", {"draft_layers": 1, "draft_vocab": 8})])
+def test_trained_trimmed_heads_stay_lossless(tiny_model, recipe, knobs, tmp_path):
+    """A distilled draft or Kangaroo adapter with its own trained head over 8 tokens: saved, loaded, greedy equals
+    AR, sampling follows the target, and its drafts stay inside its tokens."""
+    r = get_recipe(recipe)
+    module = r.build(tiny_model, r.check(knobs, 3))
+    r.prepare(module, torch.tensor([3, 7, 1, 0, 5, 9, 2, 4, 6]))
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    save_artifact(tmp_path, recipe, r.check(knobs, 3), module, tiny_model, "tiny", training={})
+    art = load_artifact(str(tmp_path), tiny_model)
+    assert art.module.lm_head.vocab.tolist() == [3, 7, 1, 0, 5, 9, 2, 4]
+    target = ModelAdapter(tiny_model)
+    prompt = torch.tensor([[3, 7, 3, 7, 3]])
+    d = art.drafter(0.0)
+    drafted, propose = [], d.propose
+
+    def recording(state, k):
+        p = propose(state, k)
+        drafted.extend(p.tokens[0].tolist())
+        return p
+
+    d.propose = recording
+    assert generate(target, prompt, drafter=d, k=3, max_new_tokens=16).token_ids == generate(target, prompt, max_new_tokens=16).token_ids
+    assert drafted and set(drafted) <= {3, 7, 1, 0, 5, 9, 2, 4}
+    counts = sample_counts(tiny_model, art.drafter(0.0), SAMPLING, k=2, draws=300)
+    assert chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING)) > 1e-4
+
+
+def test_a_broken_rule_is_caught_with_the_feature_head(tiny_model, monkeypatch):
+    """The control for the eagle drafter's distribution test: the same counts under a wrong rule (rejection draws
+    from p instead of the residual) fail it."""
+    import decoding.loop.loop as loop_module
+    from decoding.loop.verify import verify_speculative
+    from decoding.sampling import sample_from
+
+    def resample_from_p(drafts, q, p, u_accept, u_sample):
+        verdict = verify_speculative(drafts, q, p, u_accept, u_sample)
+        rows = torch.arange(drafts.shape[0])
+        verdict.tokens[rows, verdict.num_accepted] = sample_from(p[rows, verdict.num_accepted], u_sample)
+        return verdict
+
+    monkeypatch.setattr(loop_module, "verify_speculative", resample_from_p)
+    counts = sample_counts(tiny_model, drafter(tiny_model, "eagle"), SAMPLING, k=2, draws=800)  # p ~ 5e-10 here; right rule 0.99
+    assert chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING)) < 1e-6
