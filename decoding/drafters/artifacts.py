@@ -239,6 +239,13 @@ def _eagle_drafter(cfg, target, device, memory):
     return eagle_drafter(cfg, target)
 
 
+def is_artifact(name: str | None) -> bool:
+    """Whether ``name`` names a drafter artifact (a directory with drafter.json, or a shipped one)."""
+    if not name:
+        return False
+    return any((cand / DESCRIPTION).is_file() for cand in (Path(name).expanduser(), drafters_home() / name, SHIPPED / name))
+
+
 def draft_adapter(cfg, target, device) -> ModelAdapter:
     """The draft model of SpS, PEARL and TriForce's model bottom: ``draft_model`` (a local HF model directory, or a
     distilled-draft artifact), ``layers`` (the target's first ``draft_layers`` layers), or unset: the distilled draft
@@ -246,7 +253,7 @@ def draft_adapter(cfg, target, device) -> ModelAdapter:
     name = cfg.draft_model
     if name == "layers" or (name is None and shipped_artifact(cfg.model, "distill") is None):
         return first_layers_adapter(cfg, target)
-    if name is None or (Path(name).expanduser() / DESCRIPTION).is_file() or (SHIPPED / name / DESCRIPTION).is_file():
+    if name is None or is_artifact(name):
         art = load_recipe_artifact(name or shipped_artifact(cfg.model, "distill"), "distill", target.model)
         return ModelAdapter(art.module)
     return draft_model_adapter(cfg, target, device)
