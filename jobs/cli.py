@@ -15,6 +15,7 @@ COMMANDS = {
     "tune": "jobs.tune",
     "train-drafter": "jobs.train_drafter",
     "distill": "jobs.distill",
+    "ship-drafters": "jobs.ship_drafters",
 }
 
 

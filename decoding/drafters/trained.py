@@ -104,7 +104,7 @@ class DraftNet(nn.Module):
         for name, part in (("embed_tokens", shared.embed), ("norm", shared.norm), ("rotary_emb", shared.rotary)):
             object.__setattr__(self.model, name, part)
         if draft_vocab:  # a trainable head over the data's draft_vocab most frequent tokens (VocabTrim, trained)
-            self.lm_head = VocabHead(shared.lm_head, torch.arange(draft_vocab))
+            self.lm_head = VocabHead(shared.lm_head, torch.arange(min(draft_vocab, shared.lm_head.out_features)))
         else:
             object.__setattr__(self, "lm_head", shared.lm_head)
         object.__setattr__(self, "shared", shared)
@@ -546,7 +546,7 @@ class EagleRecipe(Recipe):
     def build(self, hf_model, knobs):
         knobs = {**self.defaults(hf_model.config.num_hidden_layers), **knobs}
         layers = self.data_layers(knobs, hf_model.config.num_hidden_layers)
-        return EagleNet(hf_model, tuple(layers), torch.arange(min(knobs["draft_vocab"], hf_model.config.vocab_size)))
+        return EagleNet(hf_model, tuple(layers), torch.arange(min(knobs["draft_vocab"], hf_model.lm_head.out_features)))
 
     def drafter(self, module, knobs, confidence_threshold, tree=None):
         return EagleDrafter(module, confidence_threshold, tree)
