@@ -11,7 +11,8 @@ from tiny_models import build_tiny_model
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    """A 6-layer tiny model (the shipped distilled draft has 4 layers) and a small distill data set written by it (one shard, a held-out prompt forced in)."""
+    """A 6-layer tiny model (the shipped distilled draft has 4 layers) and a small distill data set it wrote (one shard,
+    a held-out prompt forced in)."""
     from decoding.config import SpecConfig
     from decoding.engine import SpecDecoder
     from training import corpus
