@@ -112,6 +112,18 @@ def _fit_trained(values: dict, base: SpecConfig) -> dict:
     return values
 
 
+def _fit_early_exit(values: dict, base: SpecConfig) -> dict:
+    """With the drafters shipped for the model (no drafter= of the user's), a sampled exit layer snaps to the nearest
+    one that has a trained Kangaroo adapter: the exit-layer search compares adapted exits."""
+    if "exit_layer" in values and base.drafter is None:
+        from decoding.drafters.artifacts import shipped_exit_layers
+
+        layers = shipped_exit_layers(base.model)
+        if layers:
+            values["exit_layer"] = min(layers, key=lambda layer: (abs(layer - values["exit_layer"]), layer))
+    return values
+
+
 # ---- the entries --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class OnActors:
@@ -177,6 +189,7 @@ METHOD_TABLE: dict[str, Method] = {
             "self-speculation: the target's first exit_layer layers draft",
             (_K, KnobSpec("exit_layer", "int", 1, DEPTH), _CONFIDENCE, *_TREE),
             layer_knob="exit_layer",
+            fit=_fit_early_exit,
         ),
         Method(
             "pearl",
