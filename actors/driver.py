@@ -1,4 +1,4 @@
-"""Drive a two-sided schedule (``decoding.two_sided``) over a target worker and a draft worker.
+"""Drive a two-sided schedule (``decoding.schedules.two_sided``) over a target worker and a draft worker.
 
 ``ActorExecutor`` turns a schedule's requests into actor calls:
 
@@ -25,11 +25,12 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from decoding.config import ConfigError, SpecConfig
-from decoding.loop import ContextTooLong
+from decoding.config import SpecConfig
+from decoding.errors import ConfigError
+from decoding.loop.loop import ContextTooLong
 from decoding.methods import ACTOR_TRANSPORTS, WORKER_ROLES, on_actors
 from decoding.sampling import SamplingParams
-from decoding.two_sided import DraftRequest, TwoSidedGeneration, VerifyRequest, generate_two_sided, round_summary
+from decoding.schedules.two_sided import DraftRequest, TwoSidedGeneration, VerifyRequest, generate_two_sided, round_summary
 
 
 class WorkerError(RuntimeError):
@@ -45,7 +46,8 @@ class WorkerTimeout(WorkerError):
 
 
 def schedule_for(cfg: SpecConfig) -> str:
-    """The two-sided schedule a method runs over actors (``decoding.two_sided``), from the table; TriForce's levels pick theirs."""
+    """The two-sided schedule a method runs over actors (``decoding.schedules.two_sided``), from the table; TriForce's
+    levels pick theirs."""
     return on_actors(cfg).schedule_of(cfg)
 
 

@@ -1,4 +1,4 @@
-"""A Ray actor hosting one model (draft or target) with its KV cache: a thin RPC face over ``decoding.two_sided``'s sides.
+"""A Ray actor hosting one model (draft or target) with its KV cache: a thin RPC face over ``decoding.schedules.two_sided``'s sides.
 
 The worker loads its model on the device it was placed on (``cuda`` when Ray
 gave it a GPU, else CPU with its own ``torch.set_num_threads``) and forwards
@@ -30,14 +30,14 @@ import ray
 
 import kernels
 from actors.devices import placed_device
-from decoding.adapter import ModelAdapter
-from decoding.config import ConfigError
+from decoding.drafters.artifacts import draft_adapter, is_artifact
 from decoding.engine import SpecDecoder, build_drafter
+from decoding.loop.metrics import peak_rss_mb, reset_peak_rss
 from decoding.methods import METHOD_TABLE, TARGET_WITH_DRAFTER, WORKER_ROLES
-from decoding.metrics import peak_rss_mb, reset_peak_rss
-from decoding.models import load_model, resolve_device, set_threads
+from decoding.model.adapter import ModelAdapter
+from decoding.model.models import load_model, resolve_device, set_threads
 from decoding.sampling import SamplingParams
-from decoding.two_sided import DraftRequest, DraftResult, DraftSide, VerifyRequest, VerifyResult, VerifySide
+from decoding.schedules.two_sided import DraftRequest, DraftResult, DraftSide, VerifyRequest, VerifyResult, VerifySide
 
 
 @ray.remote(max_restarts=0, max_task_retries=0)
@@ -65,17 +65,13 @@ class ModelActor:
         plan = METHOD_TABLE[cfg.method].actors
         with_drafter = plan is not None and plan.draft_worker == TARGET_WITH_DRAFTER
         draft = role == "draft" and not with_drafter
-        own_model = draft and bool(cfg.draft_model)
-        loaded = load_model(cfg.draft_model if own_model else cfg.model, cfg.dtype, self.device)
+        # a separate model directory is loaded on its own; a distilled-draft artifact (shipped, or named) and the
+        # target's first layers are built over the target (decoding.drafters.artifacts.draft_adapter)
+        own_model = draft and cfg.draft_model not in (None, "layers") and not is_artifact(cfg.draft_model)
+        loaded = load_model(cfg.draft_model if own_model else cfg.model, cfg.dtype, self.device, cfg.quant)
         self.tokenizer = loaded.tokenizer
         self.eos = loaded.eos_token_ids
-        depth = len(loaded.model.model.layers)
-        layers = None
-        if draft and not own_model:
-            if cfg.draft_layers >= depth:
-                raise ConfigError("draft_layers", f"must be below the model's {depth} layers, got {cfg.draft_layers}")
-            layers = cfg.draft_layers
-        self.adapter = ModelAdapter(loaded.model, num_layers=layers)
+        self.adapter = draft_adapter(cfg, loaded, self.device) if draft and not own_model else ModelAdapter(loaded.model)
         sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
         if role == "target":
             self.side = VerifySide(self.adapter, sampling)

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from decoding.config import ConfigError, SpecConfig
+from decoding.config import SpecConfig
+from decoding.errors import ConfigError
 from decoding.methods import WORKER_ROLES as ROLES  # bundle 0 is the target, bundle 1 the draft
 
 

@@ -22,7 +22,7 @@ import os
 import socket
 import sys
 
-from decoding.config import ConfigError
+from decoding.errors import ConfigError
 
 _STARTED_HERE = False
 CONNECT_TIMEOUT_S = 5.0
@@ -52,7 +52,7 @@ def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
     >>> check_reachable("127.0.0.1:1", 1.0)
     Traceback (most recent call last):
     ...
-    decoding.config.ConfigError: address: no Ray cluster answers at 127.0.0.1:1 (Connection refused)
+    decoding.errors.ConfigError: address: no Ray cluster answers at 127.0.0.1:1 (Connection refused)
     """
     target = address.split("://", 1)[1] if "://" in address else address
     host, sep, port_text = target.rpartition(":")

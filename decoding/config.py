@@ -21,23 +21,18 @@ import re
 import typing
 from dataclasses import dataclass, field
 
+from decoding.errors import ConfigError
+
 # the methods (METHODS: their names, re-exported here) and the constants they share live in the table
 from decoding.methods import ACTOR_TRANSPORTS, METHOD_TABLE, METHODS, TRIFORCE_BOTTOMS, TWO_SIDED_SCHEDULES
 
 DTYPES = ("float32", "bfloat16")
+QUANTS = ("auto", "none", "q4", "int8")  # the weights a load runs (decoding.model.quant, which keeps the same names)
 PLACEMENTS = ("local", "actors")
-TREE_SHAPES = ("chain", "static", "sequoia", "dyspec")  # the tree shapes a config may name (decoding.trees builds them)
-DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # decoding.models.resolve_device turns it into a torch.device
+TREE_SHAPES = ("chain", "static", "sequoia", "dyspec")  # the tree shapes a config may name (decoding.trees.trees builds them)
+DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # decoding.model.models.resolve_device turns it into a torch.device
 DRAFT_MEMORIES = ("warm", "cold")
 TREE_FITS = ("measured", "budget")
-
-
-class ConfigError(ValueError):
-    """An invalid configuration value; ``field`` names the offending field."""
-
-    def __init__(self, field_name: str, message: str):
-        self.field = field_name
-        super().__init__(f"{field_name}: {message}")
 
 
 def _check(ok: bool, name: str, message: str) -> None:
@@ -64,7 +59,7 @@ class SpecConfig:
     adaptive_k: choose the draft length per step and per sequence, 0 to k,
         maximising expected committed tokens per second from the sequence's
         measured acceptance and the measured cost of a target forward by batch
-        rows and tokens (``decoding.goodput``): long drafts at low load, none at
+        rows and tokens (``decoding.loop.goodput``): long drafts at low load, none at
         high load. Chains only; trees draft whole or not at all.
     exit_layer: for ``early-exit``, the number of target layers that draft.
     confidence_threshold: stop drafting when the drafter's top-1 probability
@@ -74,6 +69,12 @@ class SpecConfig:
     temperature / top_p / top_k: sampling; temperature 0 is greedy decoding.
         The same warping is applied to draft and target distributions.
     seed: seed of the ``torch.Generator`` that drives every random draw.
+    quant: the target's weights (decoding/model/quant.py): ``auto`` (default: the
+        GGUF's own 4-bit blocks when the model is a Q4_1 GGUF run in bfloat16 on
+        a CPU, else dense), ``none`` (dense in ``dtype``), ``q4`` (the GGUF's
+        Q4_1/Q8_0 blocks in torch's packed int4 kernel; other models are
+        quantised to Q4_1-style groups) or ``int8`` (per-channel int8 weight-only).
+        Lossless means against the target as run: AR with the same ``quant``.
     placement: ``local`` (one process) or ``actors`` (draft and target in
         separate Ray actors; ``pearl`` always uses actors; ``triforce`` puts
         its middle and bottom levels in the draft actor, see triforce_schedule).
@@ -96,7 +97,7 @@ class SpecConfig:
         ``dyspec`` (grown per step best-first by draft probability, up to
         ``tree_budget`` nodes, depth <= k). ``ngram`` merges several earlier
         matches into a trie of as many nodes as the shape has.
-    triforce_*: for ``triforce`` (decoding/triforce.py), whose top level drafts
+    triforce_*: for ``triforce`` (decoding/schedules/triforce.py), whose top level drafts
         ``k`` tokens per full-target forward with the target over a retrieval
         cache of ``triforce_budget`` prompt tokens in chunks of
         ``triforce_chunk_size``; that middle level is drafted for by
@@ -126,7 +127,7 @@ class SpecConfig:
         when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``. Inside Ray
         workers the outer layers turn ``auto`` into the GPU Ray gave the worker,
         else CPU (actors/devices.py).
-    recycling / suffix / hybrid (decoding/recycling.py, suffix.py, hybrid.py):
+    recycling / suffix / hybrid (decoding/drafters/recycling.py, suffix.py, hybrid.py):
         model-free tree drafters, ``k`` is the tree depth. ``recycle_width``:
         candidates kept per token in Token Recycling's adjacency matrix (1 =
         chains); ``tree_paths`` (with tree=static) replaces its Sequoia template.
@@ -158,6 +159,7 @@ class SpecConfig:
     seed: int = 0
     max_new_tokens: int = 128
     dtype: str = "bfloat16"
+    quant: str = "auto"
     threads: int | None = None
     placement: str = "local"
     extra: dict = field(default_factory=dict, compare=False, hash=False)
@@ -168,12 +170,12 @@ class SpecConfig:
     rpc_timeout_s: float = 120.0
     placement_timeout_s: float = 30.0
     actor_transport: str = "calls"
-    # token trees (decoding/trees.py): chain (default) | static | sequoia | dyspec
+    # token trees (decoding/trees/trees.py): chain (default) | static | sequoia | dyspec
     tree: str = "chain"
     tree_paths: str = ""  # static: JSON list of rank paths, e.g. [[0],[1],[0,0]]
     tree_budget: int = 16  # sequoia / dyspec / n-gram tries: draft nodes per step
     tree_acceptance: str = ""  # sequoia: per-rank acceptance, e.g. [0.6,0.1,0.05]; empty = trees.DEFAULT_ACCEPTANCE
-    # method=triforce: see decoding/triforce.py
+    # method=triforce: see decoding/schedules/triforce.py
     triforce_budget: int = 1024
     triforce_chunk_size: int = 16
     triforce_gamma: int = 4
@@ -181,11 +183,11 @@ class SpecConfig:
     triforce_window: int = 252
     triforce_bottom: str = "ngram"
     triforce_schedule: str = "sps"  # placement=actors: sps (sequential) or pearl (middle drafts while the top verifies)
-    # method=trained: a trained drafter artifact (name under $SPECRAY_HOME/drafters, or a directory); see decoding/artifacts.py
+    # method=trained: a trained drafter artifact (name under $SPECRAY_HOME/drafters, or a directory); see decoding/drafters/artifacts.py
     drafter: str | None = None
     draft_vocab: int = 0
     device: str = "auto"
-    # method=recycling / suffix / hybrid: see decoding/recycling.py, suffix.py, hybrid.py
+    # method=recycling / suffix / hybrid: see decoding/drafters/recycling.py, suffix.py, hybrid.py
     recycle_width: int = 8
     suffix_factor: float = 1.0
     suffix_min_prob: float = 0.1
@@ -198,6 +200,7 @@ class SpecConfig:
         _check(self.method in METHODS, "method", f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
         _check(bool(self.model), "model", "must name a model")
         _check(self.dtype in DTYPES, "dtype", f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
+        _check(self.quant in QUANTS, "quant", f"unknown quantisation {self.quant!r}; choose from {', '.join(QUANTS)}")
         _check(self.placement in PLACEMENTS, "placement", f"unknown placement {self.placement!r}; choose from {', '.join(PLACEMENTS)}")
         _check(self.k >= 1, "k", f"draft length must be >= 1, got {self.k}")
         _check(self.draft_layers >= 1, "draft_layers", f"must be >= 1, got {self.draft_layers}")
@@ -247,7 +250,7 @@ class SpecConfig:
         _check(self.tree != "static" or bool(self.tree_paths), "tree_paths", "tree=static needs tree_paths, e.g. [[0],[1],[0,0]]")
         if self.tree == "chain" and not self.tree_paths and not self.tree_acceptance:
             return
-        from decoding.trees import TreeError, parse_acceptance, parse_paths
+        from decoding.trees.trees import TreeError, parse_acceptance, parse_paths
 
         for name, parse in (("tree_paths", parse_paths), ("tree_acceptance", parse_acceptance)):
             if getattr(self, name):

@@ -14,24 +14,30 @@ import threading
 
 import torch
 
-from decoding.adapter import ModelAdapter
-from decoding.config import ConfigError, SpecConfig
-from decoding.drafters import Drafter
-from decoding.goodput import CALIBRATION_ROWS, CostModel
-from decoding.loop import ContextTooLong, Generation, Sequence, generate, generate_many
+from decoding.builders import builder_of
+from decoding.config import SpecConfig
+from decoding.drafters import artifacts, drafters, model_free
+from decoding.drafters.drafters import Drafter
+from decoding.errors import ConfigError
+from decoding.loop.goodput import CALIBRATION_ROWS, CostModel
+from decoding.loop.loop import ContextTooLong, Generation, Sequence, generate, generate_many
 from decoding.methods import method_of
-from decoding.models import LoadedModel, load_model, set_threads
+from decoding.model.adapter import ModelAdapter
+from decoding.model.models import LoadedModel, load_model, set_threads
 from decoding.paths import specray_home
 from decoding.sampling import SamplingParams
-from decoding.trees import build_shape
+from decoding.schedules import triforce
+from decoding.trees.trees import tree_shape
 
+# the modules that define the methods' drafters: importing them registers their builders (decoding.builders)
+DRAFTER_MODULES = (drafters, model_free, artifacts, triforce)
 log = logging.getLogger(__name__)
 _COSTS: dict[tuple, CostModel] = {}
 _COSTS_LOCK = threading.Lock()
 
 
 def cost_model(target: ModelAdapter, model: str, dtype: str, max_rows: int = 1) -> CostModel:
-    """The measured cost of a target forward by rows and tokens (``decoding.goodput``) for k=auto.
+    """The measured cost of a target forward by rows and tokens (``decoding.loop.goodput``) for k=auto.
 
     Measured once per model, dtype, threads, device and forward implementation (a few seconds on this kind of
     CPU) and kept in the process and under ``$SPECRAY_HOME/calibration`` (delete the file to measure again); the
@@ -61,11 +67,6 @@ def cost_model(target: ModelAdapter, model: str, dtype: str, max_rows: int = 1) 
         return cost
 
 
-def tree_shape(cfg: SpecConfig):
-    """The tree shape of a config: ``trees.Tree`` (static, sequoia), ``trees.Dynamic`` (dyspec) or None (chain)."""
-    return build_shape(cfg.tree, cfg.k, cfg.tree_paths, cfg.tree_budget, cfg.tree_acceptance)
-
-
 def draft_depth(cfg: SpecConfig) -> int:
     """The per-step draft length the loop gets: k, or a static tree's own depth."""
     shape = tree_shape(cfg)
@@ -73,14 +74,14 @@ def draft_depth(cfg: SpecConfig) -> int:
 
 
 def build_drafter(cfg: SpecConfig, target: LoadedModel, device: str | torch.device | None = None, memory=None) -> Drafter | None:
-    """The drafter a method uses (the table's builder, ``decoding.methods``); checks knobs that depend on the model
-    (exit layer vs depth).
+    """The drafter a method uses (the builder registered beside the drafter, ``decoding.builders``); checks knobs
+    that depend on the model (exit layer vs depth).
 
     ``device``: where a separate draft model is put (default: the target's device).
     ``memory``: the decoder's ``DraftMemory`` (state of model-free drafters that outlives a request).
     """
     device = target.device if device is None else device
-    return method_of(cfg.method).drafter(cfg, target, device, memory)
+    return builder_of(method_of(cfg.method).name)(cfg, target, device, memory)
 
 
 def encode_chat(tokenizer, messages: list[dict], field: str = "chat", hint: str = "") -> torch.Tensor:
@@ -105,11 +106,11 @@ class SpecDecoder:
     def __init__(self, cfg: SpecConfig):
         self.cfg = cfg
         self.threads = set_threads(cfg.threads)
-        self.loaded = load_model(cfg.model, cfg.dtype, cfg.device)
+        self.loaded = load_model(cfg.model, cfg.dtype, cfg.device, cfg.quant)
         self.device = self.loaded.device  # prompts, generators and caches are made here
         self.tokenizer = self.loaded.tokenizer
         self.target = ModelAdapter(self.loaded.model)
-        from decoding.draft_memory import DraftMemory
+        from decoding.drafters.draft_memory import DraftMemory
 
         self.memory = DraftMemory()  # model-free drafters' state across requests (and forks)
         self.drafter = build_drafter(cfg, self.loaded, memory=self.memory)
@@ -123,7 +124,7 @@ class SpecDecoder:
         so concurrent generations each need their own fork.
         """
         cfg = self.cfg.replace(**changes)
-        for name in ("model", "dtype", "device", "draft_model", "drafter"):
+        for name in ("model", "dtype", "quant", "device", "draft_model", "drafter"):
             if getattr(cfg, name) != getattr(self.cfg, name):
                 raise ConfigError(name, "cannot change in a fork; build a new SpecDecoder")
         twin = copy.copy(self)
@@ -175,8 +176,8 @@ class SpecDecoder:
         return cost_model(self.target, self.cfg.model, self.cfg.dtype, max_rows)
 
     def sequence(self, prompt_ids: torch.Tensor, max_new_tokens: int | None = None, seed: int | None = None, on_step=None, tag=None):
-        """A :class:`decoding.loop.Sequence` of this configuration (its own drafter, sampling and seeded generator),
-        to run in a :class:`decoding.loop.Batch` beside sequences of other configurations of the same target."""
+        """A :class:`decoding.loop.loop.Sequence` of this configuration (its own drafter, sampling and seeded generator),
+        to run in a :class:`decoding.loop.loop.Batch` beside sequences of other configurations of the same target."""
         return Sequence(
             prompt_ids,
             drafter=build_drafter(self.cfg, self.loaded, memory=self.memory),

@@ -9,18 +9,18 @@ same value.
 >>> check_sampling(temperature=float("inf"))
 Traceback (most recent call last):
 ...
-decoding.config.ConfigError: temperature: must be a finite number between 0 and 2, got inf
+decoding.errors.ConfigError: temperature: must be a finite number between 0 and 2, got inf
 >>> check_sampling(seed=2**64)
 Traceback (most recent call last):
 ...
-decoding.config.ConfigError: seed: must be an integer in [0, 2**63), got 18446744073709551616
+decoding.errors.ConfigError: seed: must be an integer in [0, 2**63), got 18446744073709551616
 """
 
 from __future__ import annotations
 
 import math
 
-from decoding.config import ConfigError
+from decoding.errors import ConfigError
 
 TEMPERATURE_MAX = 2.0  # temperature in [0, 2] (0: greedy)
 TOP_K_MAX = 1_000_000  # top_k in [0, TOP_K_MAX] (0: off); beyond any vocabulary

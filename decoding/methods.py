@@ -1,9 +1,10 @@
-"""One table of methods: per method its drafter builder, its knobs and their search ranges, how it runs on actors, its schedule.
+"""One table of methods: per method its knobs and their search ranges, how it runs on actors, its schedule.
 
-Every outer layer asks this table instead of comparing method names: ``decoding.engine.build_drafter`` calls the
-entry's ``drafter``; ``tuning.space`` derives Tune's space from ``knobs`` (and fixes invalid samples with
-``resolve`` / ``fit``); ``actors``, ``cluster``, ``tuning.resources``, ``serving`` and ``jobs`` read ``actors``.
-Adding a method is one :class:`Method` entry in :data:`METHOD_TABLE` and its drafter.
+Every outer layer asks this table instead of comparing method names: ``tuning.space`` derives Tune's space from
+``knobs`` (and fixes invalid samples with ``resolve`` / ``fit``); ``actors``, ``cluster``, ``tuning.resources``,
+``serving`` and ``jobs`` read ``actors``. The table declares and builds nothing: each method's drafter builder is
+registered beside its drafter (``decoding.builders``) and ``decoding.engine.build_drafter`` calls it. Adding a
+method is one :class:`Method` entry in :data:`METHOD_TABLE` and its drafter with its builder.
 
 >>> method_of("pearl").actors.schedule_of(None), method_of("pearl").schedule
 ('pearl', 'pearl')
@@ -14,8 +15,9 @@ Adding a method is one :class:`Method` entry in :data:`METHOD_TABLE` and its dra
 >>> runs_on_actors("pearl", "local"), runs_on_actors("ngram", "local"), runs_on_actors("sps", "actors")
 (True, False, True)
 
-This module is torch-free and imports nothing at module level (``decoding.config`` imports it): the builders
-import what they need when they run.
+This module is torch-free declarations and imports only the ground module ``decoding.errors`` (``decoding.config``
+imports it); the one function that reads more, the trained method's ``fit``, imports the artifacts when a Tune sample
+needs it.
 """
 
 from __future__ import annotations
@@ -24,15 +26,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from decoding.errors import ConfigError
+
 if TYPE_CHECKING:
     from decoding.config import SpecConfig
-    from decoding.drafters import Drafter
-    from decoding.models import LoadedModel
 
 # ---- constants: each defined here once, imported everywhere else ----------------------------------------------------
 WORKER_ROLES = ("target", "draft")  # the two model workers of placement=actors; placement bundle 0 is the target, 1 the draft
 ACTOR_TRANSPORTS = ("calls", "compiled")  # plain actor calls or Ray compiled graphs between the driver and the workers
-TWO_SIDED_SCHEDULES = ("sps", "pearl")  # decoding.two_sided over a draft and a target side: sequential, or drafting while verifying
+# decoding.schedules.two_sided over a draft and a target side: sequential, or drafting while verifying
+TWO_SIDED_SCHEDULES = ("sps", "pearl")
 TRIFORCE_BOTTOMS = ("layers", "ngram", "model")  # what drafts for TriForce's middle level
 # a method's own schedule: draft then verify (the one loop), draft while verifying (PEARL), a drafter that itself
 # runs a speculative step (TriForce's middle level)
@@ -63,7 +66,7 @@ class KnobSpec:
 _K = KnobSpec("k", "int", 1, 8)
 _CONFIDENCE = KnobSpec("confidence_threshold", "float", 0.0, 0.9, step=0.05)
 _DRAFT_LAYERS = KnobSpec("draft_layers", "int", 1, DEPTH)
-# token trees (decoding/trees.py): the drafters that grow trees also search the shape and the node budget (static trees
+# token trees (decoding/trees/trees.py): the drafters that grow trees also search the shape and the node budget (static trees
 # need user paths, so they are not searched; sequoia uses the config's tree_acceptance)
 _TREE = (KnobSpec("tree", "choice", choices=("chain", "sequoia", "dyspec")), KnobSpec("tree_budget", "int", 4, 32))
 # model-free tree drafters: k is the tree depth; tree_budget applies with tree_fit=budget (measured picks the size from
@@ -101,7 +104,7 @@ def _resolve_trained(values: dict, depth: int) -> dict:
 def _fit_trained(values: dict, base: SpecConfig) -> dict:
     """Medusa, Hydra and distilled drafters search tree shapes; a chain-only artifact's trials get chains."""
     if values.get("tree", "chain") != "chain":
-        from decoding.artifacts import drafts_trees
+        from decoding.drafters.artifacts import drafts_trees
 
         if not drafts_trees(values.get("drafter", base.drafter)):  # Kangaroo, feature head: chains only
             values["tree"] = "chain"
@@ -109,113 +112,23 @@ def _fit_trained(values: dict, base: SpecConfig) -> dict:
     return values
 
 
-# ---- drafter builders: (cfg, target, device, memory) -> Drafter | None ----------------------------------------------
-def _depth(target: LoadedModel) -> int:
-    from decoding.adapter import ModelAdapter
+def _fit_early_exit(values: dict, base: SpecConfig) -> dict:
+    """With the drafters shipped for the model (no drafter= of the user's), a sampled exit layer snaps to the nearest
+    one that has a trained Kangaroo adapter: the exit-layer search compares adapted exits."""
+    if "exit_layer" in values and base.drafter is None:
+        from decoding.drafters.artifacts import shipped_exit_layers
 
-    return len(ModelAdapter(target.model).layers)
-
-
-def _shape(cfg: SpecConfig):
-    from decoding.engine import tree_shape
-
-    return tree_shape(cfg)
-
-
-def _draft_model(cfg: SpecConfig, target: LoadedModel, device):
-    """The adapter of the separate ``draft_model``, on ``device``; it must share the target's tokenizer."""
-    from decoding.adapter import ModelAdapter
-    from decoding.config import ConfigError
-    from decoding.models import load_model
-
-    draft = load_model(cfg.draft_model, cfg.dtype, device)
-    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
-        raise ConfigError("draft_model", f"{cfg.draft_model!r} does not share the target's tokenizer")
-    return ModelAdapter(draft.model.to(device))
-
-
-def _first_layers(cfg: SpecConfig, target: LoadedModel):
-    """The adapter of the target's first ``draft_layers`` layers (plus its final norm and LM head)."""
-    from decoding.adapter import ModelAdapter
-    from decoding.config import ConfigError
-
-    depth = _depth(target)
-    if cfg.draft_layers >= depth:
-        raise ConfigError("draft_layers", f"must be below the model's {depth} layers, got {cfg.draft_layers}")
-    return ModelAdapter(target.model, num_layers=cfg.draft_layers)
-
-
-def _no_drafter(cfg, target, device, memory) -> None:
-    return None
-
-
-def _ngram_drafter(cfg, target, device, memory) -> Drafter:
-    from decoding.drafters import NgramDrafter, max_nodes_of
-
-    shape = _shape(cfg)
-    return NgramDrafter(cfg.ngram_max, cfg.ngram_min, tree_budget=None if shape is None else max_nodes_of(shape, cfg.k))
-
-
-def _early_exit_drafter(cfg, target, device, memory) -> Drafter:
-    from decoding.config import ConfigError
-    from decoding.drafters import EarlyExitDrafter
-
-    shape, depth = _shape(cfg), _depth(target)
-    if cfg.exit_layer >= depth:
-        raise ConfigError("exit_layer", f"must be below the model's {depth} layers, got {cfg.exit_layer}")
-    return EarlyExitDrafter(cfg.exit_layer, cfg.confidence_threshold, tree=shape)
-
-
-def _draft_model_drafter(cfg, target, device, memory) -> Drafter:
-    """SpS (and PEARL in one process): ``draft_model``, else the target's first ``draft_layers`` layers."""
-    from decoding.drafters import DraftModelDrafter
-
-    shape = _shape(cfg)
-    adapter = _draft_model(cfg, target, device) if cfg.draft_model else _first_layers(cfg, target)
-    return DraftModelDrafter(adapter, cfg.confidence_threshold, tree=shape)
-
-
-def _triforce_drafter(cfg, target, device, memory) -> Drafter:
-    from decoding.config import ConfigError
-    from decoding.triforce import TriForceDrafter
-
-    bottom = None
-    if cfg.triforce_bottom == "model":
-        if not cfg.draft_model:
-            raise ConfigError("draft_model", "triforce_bottom=model needs a draft_model (a local model directory)")
-        bottom = _draft_model(cfg, target, device)
-    elif cfg.triforce_bottom == "layers":
-        bottom = _first_layers(cfg, target)
-    return TriForceDrafter(
-        cfg.triforce_bottom,
-        budget=cfg.triforce_budget,
-        chunk_size=cfg.triforce_chunk_size,
-        gamma=cfg.triforce_gamma,
-        sinks=cfg.triforce_sinks,
-        window=cfg.triforce_window,
-        bottom_adapter=bottom,
-        ngram=(cfg.ngram_max, cfg.ngram_min),
-        confidence_threshold=cfg.confidence_threshold,
-    )
-
-
-def _trained_drafter(cfg, target, device, memory) -> Drafter:
-    from decoding.artifacts import load_artifact
-
-    return load_artifact(cfg.drafter, target.model).drafter(cfg.confidence_threshold, cfg.draft_vocab, _shape(cfg))
-
-
-def _model_free_drafter(cfg, target, device, memory) -> Drafter:
-    from decoding.model_free import build_model_free
-
-    return build_model_free(cfg, target, memory)
+        layers = shipped_exit_layers(base.model)
+        if layers:
+            values["exit_layer"] = min(layers, key=lambda layer: (abs(layer - values["exit_layer"]), layer))
+    return values
 
 
 # ---- the entries --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class OnActors:
     """How a method runs with ``placement=actors``: a target worker and a draft worker (``roles``), driven by
-    ``decoding.two_sided``'s ``schedule`` (or the one the config field ``schedule_field`` names) over one of
+    ``decoding.schedules.two_sided``'s ``schedule`` (or the one the config field ``schedule_field`` names) over one of
     ``transports``."""
 
     draft_worker: str  # DRAFT_MODEL | TARGET_WITH_DRAFTER: what the draft worker hosts
@@ -238,7 +151,6 @@ class Method:
 
     name: str
     summary: str
-    drafter: Callable  # (cfg, target: LoadedModel, device, memory: DraftMemory | None) -> Drafter | None
     knobs: tuple[KnobSpec, ...] = ()  # what Tune searches, in order, with default ranges
     schedule: str = SEQUENTIAL  # SEQUENTIAL | PARALLEL | HIERARCHICAL
     actors: OnActors | None = None  # None: placement=actors cannot run it
@@ -256,11 +168,10 @@ _ON_TWO_WORKERS = OnActors(DRAFT_MODEL, schedule="sps")
 METHOD_TABLE: dict[str, Method] = {
     m.name: m
     for m in (
-        Method("ar", "plain autoregressive decoding: the baseline of every speedup", _no_drafter, serves_auto_k=False),
+        Method("ar", "plain autoregressive decoding: the baseline of every speedup", serves_auto_k=False),
         Method(
             "sps",
             "a smaller model of the same tokenizer (draft_model, else the target's first draft_layers layers) drafts",
-            _draft_model_drafter,
             (_K, _DRAFT_LAYERS, _CONFIDENCE, *_TREE),
             actors=_ON_TWO_WORKERS,
             layer_knob="draft_layers",
@@ -269,7 +180,6 @@ METHOD_TABLE: dict[str, Method] = {
         Method(
             "ngram",
             "prompt lookup: drafts copied from earlier matches of the latest n-gram",
-            _ngram_drafter,
             (_K, KnobSpec("ngram_max", "int", 1, 5), KnobSpec("ngram_min", "int", 1, 3), *_TREE),
             resolve=_resolve_ngram,
             fit=_fit_ngram,
@@ -277,14 +187,13 @@ METHOD_TABLE: dict[str, Method] = {
         Method(
             "early-exit",
             "self-speculation: the target's first exit_layer layers draft",
-            _early_exit_drafter,
             (_K, KnobSpec("exit_layer", "int", 1, DEPTH), _CONFIDENCE, *_TREE),
             layer_knob="exit_layer",
+            fit=_fit_early_exit,
         ),
         Method(
             "pearl",
             "SpS with drafting and verifying at the same time on two workers (pre- and post-verify)",
-            _draft_model_drafter,
             (_K, _DRAFT_LAYERS, _CONFIDENCE),
             schedule=PARALLEL,
             actors=OnActors(DRAFT_MODEL, schedule="pearl", always=True),
@@ -297,7 +206,6 @@ METHOD_TABLE: dict[str, Method] = {
         Method(
             "triforce",
             "the target over a retrieval-selected sparse KV cache drafts for the full target, a bottom drafter for it",
-            _triforce_drafter,
             # bounds keep triforce_budget >= sinks (default 4) + window
             (
                 _K,
@@ -315,7 +223,6 @@ METHOD_TABLE: dict[str, Method] = {
         Method(
             "trained",
             "a trained drafter artifact (Kangaroo adapter, Medusa or Hydra heads, feature head, distilled draft)",
-            _trained_drafter,
             # drafter: --range drafter=a,b,c searches artifacts, --set drafter=X fixes one; draft_vocab: VocabTrim
             (
                 _K,
@@ -329,21 +236,30 @@ METHOD_TABLE: dict[str, Method] = {
             fit=_fit_trained,
         ),
         Method(
+            "eagle",
+            "a feature-level head (the target's low, middle and last hidden states, one layer, a trimmed vocabulary) drafts "
+            "chains or dynamic trees sized by the measured verification cost; the head shipped for the model unless drafter=",
+            # k: the tree's depth; tree_budget: nodes drafted before the cost curve picks the verified prefix
+            (
+                KnobSpec("k", "int", 2, 10),
+                KnobSpec("tree", "choice", choices=("dyspec", "chain")),
+                KnobSpec("tree_budget", "int", 8, 64),
+                *_FIT[:1],
+            ),
+        ),
+        Method(
             "recycling",
             "Token Recycling: a tree from the target's own past top-k candidates (an adjacency matrix)",
-            _model_free_drafter,
             (_K, *_RECYCLE, *_FIT),
         ),
         Method(
             "suffix",
             "suffix decoding: a tree from suffix tries over this and earlier requests",
-            _model_free_drafter,
             (_K, *_SUFFIX, *_FIT),
         ),
         Method(
             "hybrid",
             "recycling, suffix and prompt-lookup drafts merged into one tree",
-            _model_free_drafter,
             (_K, *_RECYCLE, *_SUFFIX, *_FIT),
         ),
     )
@@ -356,8 +272,6 @@ def method_of(name: str) -> Method:
     try:
         return METHOD_TABLE[name]
     except (KeyError, TypeError):
-        from decoding.config import ConfigError
-
         raise ConfigError("method", f"unknown method {name!r}; choose from {', '.join(METHODS)}") from None
 
 
@@ -370,8 +284,6 @@ def on_actors(cfg: SpecConfig) -> OnActors:
     """How ``cfg`` runs over a target and a draft worker; a method the workers cannot run fails on ``placement``."""
     plan = method_of(cfg.method).actors
     if plan is None:
-        from decoding.config import ConfigError
-
         *rest, last = actor_methods()
         raise ConfigError("placement", f"placement=actors runs {', '.join(rest)} and {last}, not {cfg.method!r}")
     return plan

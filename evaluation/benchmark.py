@@ -28,8 +28,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from decoding.adapter import ModelAdapter
-from decoding.metrics import StepRecord, peak_rss_mb, per_position_acceptance, reset_peak_rss  # noqa: F401  (re-exported)
+from decoding.loop.metrics import StepRecord, peak_rss_mb, per_position_acceptance, reset_peak_rss  # noqa: F401  (re-exported)
+from decoding.model.adapter import ModelAdapter
 
 BASELINE = "ar"
 

@@ -3,7 +3,7 @@
 This is the specray half of ``specray bench`` (``jobs/bench.py`` adds the
 Hugging Face peer on top) and the measurement inside a Tune trial
 (``tuning/trainable.py``): one :class:`~decoding.engine.SpecDecoder` per named
-configuration, all sharing one loaded model (``decoding.models`` caches per
+configuration, all sharing one loaded model (``decoding.model.models`` caches per
 process), the baseline ``ar`` among them. The configurations run in an order
 rotated per prompt (:func:`evaluation.benchmark.method_order`) so no one of them
 always runs first, and every greedy output is compared with the baseline's on

@@ -141,7 +141,7 @@ def run_bench(args, on_prompt_done: Callable[[int, Prompt], None] | None = None)
     for m in methods:  # check every method's config before loading anything
         cfg = base.for_method(m)
         if cfg.method == "trained":
-            from decoding.artifacts import read_description
+            from decoding.drafters.artifacts import read_description
 
             read_description(cfg.drafter)
 

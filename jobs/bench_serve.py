@@ -151,8 +151,9 @@ def run(args) -> dict:
     from ray import serve
 
     from cluster.registry import Entry, open_registry
-    from decoding.config import ConfigError, SpecConfig
+    from decoding.config import SpecConfig
     from decoding.engine import SpecDecoder
+    from decoding.errors import ConfigError
     from evaluation.workloads import WorkloadError, load_prompts
     from serving.app import build_app
     from serving.settings import ServeSettings

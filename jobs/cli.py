@@ -15,6 +15,8 @@ COMMANDS = {
     "soak": "jobs.soak",
     "tune": "jobs.tune",
     "train-drafter": "jobs.train_drafter",
+    "distill": "jobs.distill",
+    "ship-drafters": "jobs.ship_drafters",
 }
 
 

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import kernels
-from decoding.config import METHODS, ConfigError, SpecConfig
+from decoding.config import METHODS, SpecConfig
+from decoding.errors import ConfigError
 from decoding.limits import check_config
 
 
@@ -117,12 +118,16 @@ def add_config_args(p: argparse.ArgumentParser, method: bool = True) -> None:
     p.add_argument("--top-k", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--dtype", help="bfloat16 (default) or float32")
+    p.add_argument(
+        "--quant",
+        help="the target's weights: auto (default: the GGUF's own 4-bit blocks in bfloat16 on a CPU), none, q4, int8",
+    )
     p.add_argument("--threads", type=int, help="torch threads (default: SPECRAY_THREADS, OMP_NUM_THREADS or torch's choice)")
     p.add_argument("--config", help="a SpecConfig JSON file; flags override it")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config field, e.g. --set k=6")
 
 
-_FLAG_FIELDS = ("method", "model", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "dtype", "threads")
+_FLAG_FIELDS = ("method", "model", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "dtype", "quant", "threads")
 
 
 def config_from_args(args) -> SpecConfig:

@@ -163,7 +163,7 @@ def check_port_free(host: str, port: int) -> None:
 def check_models(settings, catalog) -> None:
     """Fail (one line) when the base model or a preloaded configuration's model does not load, instead of
     starting a server whose every request fails. Reads each model's config and looks for its weights (no weights loaded)."""
-    from decoding.config import ConfigError
+    from decoding.errors import ConfigError
     from serving.catalog import ModelNotFound
 
     wanted = [("--base-model", settings.base_model)]
@@ -182,8 +182,8 @@ def check_models(settings, catalog) -> None:
 
 def model_loads(name: str) -> None:
     """Raise ConfigError unless ``name`` resolves to a model whose config reads and whose weights are there."""
-    from decoding.config import ConfigError
-    from decoding.models import resolve
+    from decoding.errors import ConfigError
+    from decoding.model.models import resolve
 
     kind, path, _ = resolve(name)
     if kind != "dir":
@@ -202,7 +202,7 @@ def check_placed_entries(settings, catalog) -> None:
     """Before Serve starts: every entry that runs on two workers fits the cluster (one line naming the entry, what it
     wants and what the cluster has, and exit 2, instead of a deployment that never gets its placement group)."""
     from cluster.runtime import shutdown_if_started_here
-    from decoding.config import ConfigError
+    from decoding.errors import ConfigError
     from serving.placement import placed_entries
 
     if not settings.place_actor_entries:

@@ -29,7 +29,7 @@ from decoding.config import DEVICE_RE
 from evaluation.workloads import DEFAULT_PROMPTS, WorkloadError, load_prompts, select
 from jobs.common import Parser, fail, output_dir, path_name, run_cli
 
-RECIPE_NAMES = ("kangaroo", "medusa", "hydra", "feature", "distill")
+RECIPE_NAMES = ("kangaroo", "medusa", "hydra", "feature", "distill", "eagle")
 LOSS_NAMES = ("kl", "tvdpp", "ce")
 
 
@@ -37,6 +37,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p = parser or Parser(prog="specray train-drafter", description="Train a drafter (adapter, heads, feature head, draft model).")
     p.add_argument("--recipe", required=True, help=f"one of {', '.join(RECIPE_NAMES)}")
     p.add_argument("--model", default="smollm2-135m", help="the target: smollm2-135m (default) or a local HF model directory")
+    p.add_argument(
+        "--data",
+        help="a `specray distill` data directory: train on its token ids, the target's hidden states computed as training "
+        "draws each window (no --prompts generation); its held-out split is the evaluation set",
+    )
+    p.add_argument("--max-sequences", type=int, help="with --data: train on the first N training sequences (data-size curves)")
+    p.add_argument("--eval-sequences", type=int, default=64, help="with --data: held-out sequences to evaluate on (default 64)")
+    p.add_argument("--features-quant", default="auto", help="with --data: the target's weights when it computes features (default auto)")
+    p.add_argument("--eval-every", type=int, default=0, help="held-out agreement every N steps (the learning curve; default: at the end)")
     p.add_argument("--prompts", help=f"Spec-Bench style JSONL (default {DEFAULT_PROMPTS})")
     p.add_argument("--categories", help="comma list of categories (default all)")
     p.add_argument("--limit", type=int, help="at most N prompts per category")
@@ -110,6 +119,10 @@ def check_args(args) -> None:
         fail(f"--strategy: unknown strategy {args.strategy!r}; choose from ddp, deepspeed")
     if args.threads is not None and args.threads < 1:
         fail(f"--threads: must be >= 1, got {args.threads}")
+    if args.data is not None and not (Path(args.data) / "manifest.json").is_file():
+        fail(f"--data: {args.data} is not a `specray distill` data directory (no manifest.json)")
+    if (args.max_sequences is not None and args.max_sequences < 2) or args.eval_sequences < 1:
+        fail("--max-sequences must be >= 2 and --eval-sequences >= 1")
     if DEVICE_RE.fullmatch(args.device) is None:
         fail(f"--device: unknown device {args.device!r}; choose from auto, cpu, cuda, cuda:N")
 
@@ -127,6 +140,8 @@ def _progress(label: str, quiet: bool):
 def main_with_args(args) -> int:
     check_args(args)
     knobs = parse_knobs(args.knob)
+    if args.data is not None:
+        return train_from_data(args, knobs)
     try:
         prompts = load_prompts(args.prompts)
         cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
@@ -146,10 +161,10 @@ def main_with_args(args) -> int:
         fail(f"--prompts: need at least 2 prompts (one is held out for evaluation), got {len(prompts)}")
 
     from decoding.config import SpecConfig  # heavy imports after the cheap checks
+    from decoding.drafters.trained import get_recipe
     from decoding.engine import SpecDecoder
-    from decoding.models import load_model
+    from decoding.model.models import load_model, model_fingerprint
     from decoding.paths import specray_home
-    from decoding.trained import get_recipe, model_fingerprint
     from training.data import data_dir, generate_data, load_examples
     from training.trainer import TrainSpec
 
@@ -200,6 +215,50 @@ def main_with_args(args) -> int:
         print(f", loss {result['loss_first']:.4f} -> {result['loss_last']:.4f}")
         print(f"  held-out top-1 agreement per head: before [{fmt(result['agreement_before'])}] after [{fmt(result['agreement_after'])}]")
         print(f"  use: --method trained --set drafter={out}")
+    return 0
+
+
+def train_from_data(args, knobs: dict) -> int:
+    """--data: self-distillation token ids, features computed on the fly (locally or under Ray Train)."""
+    from decoding.paths import specray_home
+    from training.runs import DataRun, train_on_data
+
+    name = args.name or f"{args.recipe}-{Path(args.model).name}" + "".join(f"-{k}{v}" for k, v in sorted(knobs.items()))
+    out = Path(args.out) if args.out else specray_home() / "drafters" / name
+    run = DataRun(
+        args.recipe,
+        knobs,
+        args.steps,
+        args.batch,
+        args.lr,
+        args.window,
+        args.loss,
+        args.seed,
+        args.max_sequences,
+        args.eval_sequences,
+        args.eval_every,
+    )
+    deadline = None if args.max_minutes is None else time.time() + 60 * args.max_minutes
+    on_cluster = bool(args.on_cluster or os.environ.get("RAY_ADDRESS"))
+    result = train_on_data(
+        run,
+        Path(args.data),
+        out,
+        args.model,
+        args.device,
+        args.features_quant,
+        on_cluster,
+        args.workers,
+        args.strategy,
+        not args.no_progress,
+        deadline,
+    )
+    if args.json:
+        print(json.dumps(result))
+    else:
+        fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs or [])  # noqa: E731
+        print(f"{args.recipe} {result['knobs']}: artifact {out} ({result['train_sequences']} sequences, {result['train_seconds']}s)")
+        print(f"  held-out top-1 agreement per step: before [{fmt(result['agreement_before'])}] after [{fmt(result['agreement_after'])}]")
     return 0
 
 

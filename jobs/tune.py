@@ -179,8 +179,8 @@ def load_workload(settings) -> list:
 
 def model_depth(base: SpecConfig) -> int:
     """Decoder layers of the target (the bound of the layer knobs); loads the model in this process (cached)."""
-    from decoding.adapter import ModelAdapter
-    from decoding.models import load_model
+    from decoding.model.adapter import ModelAdapter
+    from decoding.model.models import load_model
 
     return len(ModelAdapter(load_model(base.model, base.dtype).model).layers)
 

@@ -1,6 +1,6 @@
 """Triton kernel for TriForce's chunk relevance scores (the retrieval cache's selection).
 
-Torch reference: :func:`decoding.kv_views.chunk_scores_reference`. For each
+Torch reference: :func:`decoding.model.kv_views.chunk_scores_reference`. For each
 batch row b, KV head h and chunk c of ``chunk_size`` consecutive keys::
 
     score[b, h, c] = mean_{i in chunk c} k[b, h, i] . sum_{g in group(h), t} q[b, g, t]
@@ -9,7 +9,7 @@ batch row b, KV head h and chunk c of ``chunk_size`` consecutive keys::
 program handles one (b, h) pair and ``BLOCK_C`` chunks: it sums the group's
 queries once, then reads each chunk's keys a single time, so the whole key
 cache is streamed once and no [chunks, D] mean tensor is materialised.
-``decoding.kv_views.chunk_scores`` dispatches here on CUDA tensors, or on CPU
+``decoding.model.kv_views.chunk_scores`` dispatches here on CUDA tensors, or on CPU
 under ``TRITON_INTERPRET=1`` (set before triton is imported).
 """
 
@@ -69,7 +69,7 @@ if triton is not None:
 
 
 def chunk_scores_triton(query: torch.Tensor, keys: torch.Tensor, chunk_size: int, block_c: int = 16) -> torch.Tensor:
-    """Same contract as ``decoding.kv_views.chunk_scores_reference``: query [B, Hq, Tq, D], keys [B, Hkv, N, D]
+    """Same contract as ``decoding.model.kv_views.chunk_scores_reference``: query [B, Hq, Tq, D], keys [B, Hkv, N, D]
     (N a multiple of ``chunk_size``, last dim contiguous) -> [B, Hkv, N // chunk_size] float32."""
     bsz, hq, tq, dim = query.shape
     hkv, n = keys.shape[1], keys.shape[2]

@@ -1,11 +1,11 @@
 """Greedy tree verification as one Triton program per batch row.
 
-The torch reference is :func:`decoding.verify.greedy_tree_accept` (what the decoding code runs on CPU): a node
+The torch reference is :func:`decoding.loop.verify.greedy_tree_accept` (what the decoding code runs on CPU): a node
 is ok when its token equals the target's argmax at its parent, accepted when every ancestor-or-self is ok; the
 answer is the deepest accepted node. The kernel loads the row's T node tokens, parents, depths and the [T, T]
 ancestor mask into one block (T <= 1024 nodes), so the whole verdict is a handful of vector ops and one argmax.
 
-``kernels.install()`` registers it for ``decoding.verify.verify_tree_greedy``, which then runs it where
+``kernels.install()`` registers it for ``decoding.loop.verify.verify_tree_greedy``, which then runs it where
 :func:`kernels.use_kernel` says so (CUDA tensors, or the CPU interpreter under ``TRITON_INTERPRET=1``).
 """
 

@@ -622,7 +622,7 @@ def build_app(settings: ServeSettings | dict | None = None) -> Application:
         try:
             preload = [catalog.resolve(name).config.to_dict() for name in settings.preload]
         except ModelNotFound as e:
-            from decoding.config import ConfigError
+            from decoding.errors import ConfigError
 
             raise ConfigError("preload", str(e)) from None
         finally:

@@ -1,6 +1,6 @@
 """One decoding batch per model in a replica: a thread steps it, request handlers feed it.
 
-:class:`EngineLoop` owns a ``decoding.loop.Batch`` over one target model (one
+:class:`EngineLoop` owns a ``decoding.loop.loop.Batch`` over one target model (one
 model and dtype). Handlers :meth:`~EngineLoop.submit` a ``Sequence`` and a
 ``done`` callback; the loop thread admits waiting sequences between steps
 (prefilling each; up to ``max_rows`` decode at once, the rest wait in order),
@@ -20,7 +20,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from decoding.loop import Batch, Sequence
+from decoding.loop.loop import Batch, Sequence
 
 log = logging.getLogger("ray.serve")
 

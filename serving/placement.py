@@ -47,7 +47,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from cluster.placement import ROLES, PlacementError, _fits, _fmt, plan_placement
-from decoding.config import ConfigError, SpecConfig
+from decoding.config import SpecConfig
+from decoding.errors import ConfigError
 
 log = logging.getLogger("ray.serve")
 

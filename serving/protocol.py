@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from decoding import limits as L
-from decoding.config import ConfigError
+from decoding.errors import ConfigError
 
 MAX_STOP_SEQUENCES = L.MAX_STOP_SEQUENCES
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")

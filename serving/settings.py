@@ -2,7 +2,7 @@
 
 ``ServeSettings`` is what :func:`serving.app.build_app` takes, what the YAML's
 ``args`` hold and what ``specray serve`` builds from its flags. Invalid values
-fail at construction with a :class:`~decoding.config.ConfigError` naming the field.
+fail at construction with a :class:`~decoding.errors.ConfigError` naming the field.
 
 >>> s = ServeSettings.from_dict({"registry": "/tmp/reg", "max_ongoing_requests": 2})
 >>> (s.max_ongoing_requests, s.model_deployment_options()["max_ongoing_requests"])
@@ -10,7 +10,7 @@ fail at construction with a :class:`~decoding.config.ConfigError` naming the fie
 >>> ServeSettings(max_queued_requests=0)
 Traceback (most recent call last):
 ...
-decoding.config.ConfigError: max_queued_requests: must be >= 1, got 0
+decoding.errors.ConfigError: max_queued_requests: must be >= 1, got 0
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from decoding.config import DTYPES, ConfigError
+from decoding.config import DTYPES
+from decoding.errors import ConfigError
 
 
 def _default_autoscaling() -> dict:

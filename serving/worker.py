@@ -3,7 +3,7 @@
 ``ModelWorker`` is a plain class (``serving.app`` wraps it in ``serve.deployment``).
 One replica hosts a decoder per configuration, loaded on first use and kept
 in an LRU; model weights are shared between configurations of the same model
-and dtype (``decoding.models`` caches loads per process).
+and dtype (``decoding.model.models`` caches loads per process).
 
 A request is a dict (``GenerationRequest.to_worker()`` plus ``request_id``,
 ``model`` and ``config``); :meth:`ModelWorker.stream` yields events:
@@ -15,7 +15,7 @@ A request is a dict (``GenerationRequest.to_worker()`` plus ``request_id``,
 - ``{"type": "error", "status", "message", "param", "code"}`` instead of any of them.
 
 Generation is batched: a replica runs one :class:`serving.batching.EngineLoop`
-per model and dtype, a thread that steps one ``decoding.loop.Batch`` whose rows
+per model and dtype, a thread that steps one ``decoding.loop.loop.Batch`` whose rows
 are the in-flight requests, whatever their configuration's drafter. A request
 becomes a ``Sequence`` with its own drafter, sampling and seeded generator;
 its ``on_step`` callback hands tokens to the event loop with
@@ -35,7 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import kernels
 from actors.devices import placed
-from decoding.config import ConfigError, SpecConfig
+from decoding.config import SpecConfig
+from decoding.errors import ConfigError
 from decoding.methods import METHOD_TABLE, runs_on_actors
 from serving.batching import EngineFailed, EngineLoop, run_alone
 from serving.protocol import prompt_surely_exceeds

@@ -85,7 +85,7 @@ def tiny_model():
 
 @pytest.fixture(scope="session")
 def smollm2_fp32():
-    from decoding.models import load_model
+    from decoding.model.models import load_model
 
     return load_model("smollm2-135m", "float32")
 

@@ -1,5 +1,5 @@
-"""The layers of DESIGN.md, checked from the source: imports point inward only, and no two modules import
-each other (directly or round a longer loop), lazily or not."""
+"""The layers of DESIGN.md, checked from the source: imports point inward only, no two modules import each other
+(directly or round a longer loop), lazily or not, and neither do decoding/'s rooms."""
 
 from __future__ import annotations
 
@@ -9,11 +9,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # from the inside out; a package may import only packages before it in this list
 LAYERS = ["decoding", "kernels", "actors", "cluster", "evaluation", "training", "tuning", "serving", "jobs"]
-
-
-# The one place whose function-level imports may point back at a module importing it: the table of methods'
-# drafter builders import the drafters they build when they run (the config imports the table for the names).
-BUILDERS = {"decoding.methods"}
 
 
 def imports_of(path: Path, lazy: bool = True) -> set[str]:
@@ -58,16 +53,18 @@ def test_imports_point_inward():
     assert not outward, "imports must point inward (DESIGN.md layers):\n" + "\n".join(sorted(outward))
 
 
-def test_no_import_circles():
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports (lazily too)."""
     mods = project_modules()
-    graph = {m: {i for i in imports_of(p, lazy=m not in BUILDERS) if i in mods and i != m} for m, p in mods.items()}
-    # a package's __init__ importing its own submodules is not a circle worth failing on
-    graph = {m: {i for i in deps if not (mods[i].name == "__init__" and m.startswith(i + "."))} for m, deps in graph.items()}
+    return {m: {i for i in imports_of(p) if i in mods and i != m} for m, p in mods.items()}
+
+
+def circles_in(graph: dict[str, set[str]]) -> list[str]:
     circles, state = [], {}
 
     def visit(m, stack):
         state[m] = "open"
-        for dep in sorted(graph[m]):
+        for dep in sorted(graph.get(m, ())):
             if state.get(dep) == "open":
                 circles.append(" -> ".join(stack[stack.index(dep) :] + [dep]))
             elif dep not in state:
@@ -77,7 +74,30 @@ def test_no_import_circles():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+    return circles
+
+
+def test_no_import_circles():
+    circles = circles_in(import_graph())
     assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def room_of(module: str) -> str | None:
+    """decoding/'s room of a module: its subpackage (``decoding.loop``, ``decoding.drafters``, ...), or the module
+    itself at decoding/'s root (``decoding.config``); None outside decoding/ and for the package itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "decoding" and len(parts) > 1 else None
+
+
+def test_no_circles_between_decodings_rooms():
+    """The rooms of decoding/ (model, trees, drafters, loop, schedules, and the modules at its root) import one
+    another one way only: a drafter that runs the loop lives above it (schedules/), not beside the drafters."""
+    rooms: dict[str, set[str]] = {}
+    for m, deps in import_graph().items():
+        if room_of(m):
+            rooms.setdefault(room_of(m), set()).update(room_of(d) for d in deps if room_of(d) not in (None, room_of(m)))
+    circles = circles_in(rooms)
+    assert not circles, "circles between decoding/'s rooms:\n" + "\n".join(circles)
 
 
 def test_the_checks_catch_a_violation(tmp_path):
@@ -87,3 +107,6 @@ def test_the_checks_catch_a_violation(tmp_path):
     )
     assert imports_of(bad) == {"jobs.common", "jobs.common.fail", "serving.app"}
     assert imports_of(bad, lazy=False) == set()
+    assert circles_in({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a -> b -> c -> a"]
+    rooms = [room_of(m) for m in ("decoding.loop.loop", "decoding.config", "decoding", "jobs.cli")]
+    assert rooms == ["decoding.loop", "decoding.config", None, None]

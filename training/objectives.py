@@ -1,7 +1,7 @@
 """What the trained drafters learn from: the losses (KL, TVD++, cross-entropy), top-1 agreement, VocabTrim's token
 ranking, and each recipe's objective on one example (pairs of student and teacher logits plus an auxiliary loss).
 
-The modules and drafters the recipes build live in ``decoding/trained.py`` (what decodes); the training loop in
+The modules and drafters the recipes build live in ``decoding/drafters/trained.py`` (what decodes); the training loop in
 ``training/trainer.py``.
 """
 
@@ -12,7 +12,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from decoding.trained import Shared
+from decoding.drafters.eagle import VocabHead
+from decoding.drafters.trained import Shared
 
 Objectives = tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]
 
@@ -84,8 +85,8 @@ def vocab_order(examples: list[dict], vocab_size: int) -> torch.Tensor:
     [3, 1, 2]
     """
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for ex in examples:
-        counts += torch.bincount(ex["tokens"], minlength=vocab_size)[:vocab_size]
+    for ex in examples:  # what a drafter predicts: the answers (every token where the example marks none)
+        counts += torch.bincount(ex["tokens"][ex.get("answer_from", 0) :], minlength=vocab_size)[:vocab_size]
     order = torch.argsort(-counts, stable=True)
     return order[: int((counts > 0).sum())]
 
@@ -97,18 +98,102 @@ def teacher_logits(shared: Shared, final: torch.Tensor) -> torch.Tensor:
         return shared.logits(final)
 
 
+def student_logits(module, shared: Shared, hidden: torch.Tensor) -> torch.Tensor:
+    """A drafter's logits from its hidden states: its own trimmed head when it has one (over the same tokens as a
+    trimmed ``shared`` in training, over the full vocabulary with -inf elsewhere in evaluation), else the target's."""
+    head = getattr(module, "lm_head", None)
+    if isinstance(head, VocabHead):
+        normed = shared.norm(hidden)
+        return head.trimmed(normed) if shared.head_rows is not None else head(normed)
+    return shared.logits(hidden)
+
+
+def answer_rows(ex: dict, rows: int, ahead: int) -> torch.Tensor:
+    """[rows] bool: row i (position start+i) predicts the token ``ahead`` positions on, and that token is part of the
+    answer (``ex["answer_from"]``, the first answer position; every row when absent)."""
+    positions = ex["start"] + torch.arange(rows, device=ex["tokens"].device)
+    return positions + ahead >= ex.get("answer_from", 0)
+
+
+def _masked(pairs: list, keep: torch.Tensor) -> list:
+    return [(student[keep], teacher[keep]) for student, teacher in pairs]
+
+
 def kangaroo_objectives(module, shared: Shared, ex: dict, knobs: dict) -> Objectives:
     depth = shared.config.num_hidden_layers
     h = ex["hidden"][knobs["exit_layer"]][None]  # [1, T', H]
-    student = shared.logits(module.run(h, ex["start"]))[0]
-    return [(student, teacher_logits(shared, ex["hidden"][depth]))], None
+    student = student_logits(module, shared, module.run(h, ex["start"]))[0]
+    pairs = [(student, teacher_logits(shared, ex["hidden"][depth]))]
+    return _masked(pairs, answer_rows(ex, student.shape[0], 1)), None
 
 
 def distill_objectives(module, shared: Shared, ex: dict, knobs: dict) -> Objectives:
     depth = shared.config.num_hidden_layers
     tokens = ex["tokens"][ex["start"] :][None]  # the window only: positions start..T-1 (a truncated context)
-    student = shared.logits(module.run(shared.embed(tokens), ex["start"]))[0]
-    return [(student, teacher_logits(shared, ex["hidden"][depth]))], None
+    student = student_logits(module, shared, module.run(shared.embed(tokens), ex["start"]))[0]
+    pairs = [(student, teacher_logits(shared, ex["hidden"][depth]))]
+    return _masked(pairs, answer_rows(ex, student.shape[0], 1)), None
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def ttt_layer(layer, x, cos, sin, keys: list, values: list, mask: torch.Tensor):
+    """One Llama decoder layer on x [1, T, H] (differentiable) whose queries see ``keys``/``values`` of earlier
+    unrolled steps ([1, KV, T, D] each) and this step's own, under ``mask`` [T, (steps) * T] bool; returns the output
+    and this step's keys and values (appended to the lists). The same math as the layer's own forward."""
+    a = layer.self_attn
+    t, hd = x.shape[1], a.head_dim
+    h = layer.input_layernorm(x)
+    q = a.q_proj(h).view(1, t, -1, hd).transpose(1, 2)
+    k = a.k_proj(h).view(1, t, -1, hd).transpose(1, 2)
+    v = a.v_proj(h).view(1, t, -1, hd).transpose(1, 2)
+    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    keys.append(k)
+    values.append(v)
+    out = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, scale=a.scaling, enable_gqa=True)
+    x = x + a.o_proj(out.transpose(1, 2).reshape(1, t, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def ttt_mask(t: int, step: int, device=None) -> torch.Tensor:
+    """[t, (step + 1) * t] bool: at unrolled step j (0-based) the query at row i sees the true-feature keys (step 0)
+    of rows <= i - j and, of each later step s = 1..j, the key at row i - j + s (its own chain of drafts).
+
+    >>> ttt_mask(3, 1).int().tolist()
+    [[0, 0, 0, 1, 0, 0], [1, 0, 0, 0, 1, 0], [1, 1, 0, 0, 0, 1]]
+    """
+    rows = torch.arange(t, device=device)[:, None]
+    cols = torch.arange(t, device=device)[None, :]
+    return torch.cat([cols <= rows - step] + [cols == rows - step + s for s in range(1, step + 1)], 1)
+
+
+def eagle_objectives(module, shared: Shared, ex: dict, knobs: dict) -> Objectives:
+    """The feature head (``decoding.drafters.eagle``) unrolled ``ttt_steps`` steps, each step's input feature at row i
+    being the previous step's output at row i-1 (what drafting feeds it), teacher the target's distribution of the
+    token two positions on. One (student, teacher) pair per step (step 0 = the first draft)."""
+    depth = shared.config.num_hidden_layers
+    layers = module.feature_layers
+    f = {layer: ex["hidden"][layer][None] for layer in layers}  # [1, T', H], rows p = start..T-1
+    tokens = ex["tokens"][ex["start"] + 1 :][None]  # x_{p+1}
+    t = tokens.shape[1]  # rows p = start..T-2 (the last row has no next token)
+    teacher = teacher_logits(shared, ex["hidden"][depth][1:])  # the target at p+1: the distribution of x_{p+2}
+    positions = torch.arange(ex["start"], ex["start"] + t, device=tokens.device)[None]
+    g = module.fuse({layer: h[:, :t] for layer, h in f.items()})
+    cos, sin = (c.unsqueeze(1) for c in module.model.rotary_emb(g, positions))
+    layer = module.model.layers[0]
+    keys, values, pairs, out = [], [], [], g
+    for step in range(knobs["ttt_steps"]):
+        if step > 0:  # the previous step's output at row i-1 stands in for the feature at row i
+            g = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], 1)
+        z = module.inputs(g, tokens)
+        out = ttt_layer(layer, z, cos, sin, keys, values, ttt_mask(t, step, z.device))
+        keep = answer_rows(ex, t, 2) & (torch.arange(t, device=z.device) >= step)  # row i has a chain of `step` drafts
+        student = student_logits(module, shared, out[0])
+        pairs.append((student[keep], teacher[keep]))
+    return pairs, None
 
 
 def feature_objectives(module, shared: Shared, ex: dict, knobs: dict) -> Objectives:
@@ -144,6 +229,7 @@ def hydra_objectives(module, shared: Shared, ex: dict, knobs: dict) -> Objective
 
 
 OBJECTIVES: dict[str, Callable[..., Objectives]] = {
+    "eagle": eagle_objectives,
     "kangaroo": kangaroo_objectives,
     "distill": distill_objectives,
     "feature": feature_objectives,

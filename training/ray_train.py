@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from decoding.config import ConfigError
+from decoding.errors import ConfigError
 
 
 def deepspeed_available() -> bool:
@@ -37,7 +37,7 @@ def scaling(resources: dict, workers: int | None, strategy: str) -> tuple[int, b
     >>> scaling({"CPU": 8}, None, "deepspeed")
     Traceback (most recent call last):
     ...
-    decoding.config.ConfigError: strategy: deepspeed (ZeRO) runs on GPUs and this cluster has none; use --strategy ddp
+    decoding.errors.ConfigError: strategy: deepspeed (ZeRO) runs on GPUs and this cluster has none; use --strategy ddp
     """
     gpus = int(resources.get("GPU", 0))
     if strategy == "deepspeed":
@@ -84,7 +84,7 @@ def _worker(config: dict) -> None:
     import ray.train
     import torch
 
-    from decoding.models import load_model
+    from decoding.model.models import load_model
     from training.data import load_examples
     from training.trainer import TrainSpec, train
 
@@ -96,7 +96,18 @@ def _worker(config: dict) -> None:
         from ray.train.torch import get_device
 
         target = target.to(get_device())
-    examples = load_examples(Path(config["data_dir"]), config["layers"])
+    features, eval_examples, weights_dtype = None, None, None
+    if config.get("distill"):  # token ids of `specray distill`; the target's features computed per window
+        from training.features import TargetFeatures, distill_training_set
+
+        d = config["distill"]
+        examples, eval_examples = distill_training_set(Path(config["data_dir"]), d["max_sequences"], d["eval_sequences"])
+        features = TargetFeatures(
+            load_model(config["model"], "bfloat16", next(target.parameters()).device, d["quant"]).model, config["layers"]
+        )
+        weights_dtype = torch.bfloat16
+    else:
+        examples = load_examples(Path(config["data_dir"]), config["layers"])
     wrap = _deepspeed_wrap(spec.batch) if config["strategy"] == "deepspeed" else _ddp_wrap(world)
 
     def report(row, ckpt_path):
@@ -115,6 +126,9 @@ def _worker(config: dict) -> None:
         report=report,
         shard=(rank, world),
         extra_training=config["extra"],
+        features=features,
+        eval_examples=eval_examples,
+        weights_dtype=weights_dtype,
     )
     if rank == 0:
         ray.train.report({"done": True, "eval_agreement": training["eval_agreement"]})
@@ -131,8 +145,12 @@ def train_on_cluster(
     extra: dict | None = None,
     threads: int = 1,
     address: str | None = None,
+    distill: dict | None = None,
 ) -> dict:
-    """Run the training on Ray Train; returns the artifact's ``training`` description (read back from ``out``)."""
+    """Run the training on Ray Train; returns the artifact's ``training`` description (read back from ``out``).
+
+    ``distill`` ({"max_sequences", "eval_sequences", "quant"}): ``data_dir`` is a ``specray distill`` directory
+    (token ids; each worker computes the target's features as it draws windows)."""
     import json
 
     from ray.train import RunConfig, ScalingConfig
@@ -154,6 +172,7 @@ def train_on_cluster(
             "use_gpu": use_gpu,
             "threads": threads,
             "extra": {**(extra or {}), "ray_workers": num_workers, "strategy": strategy},
+            "distill": distill,
         }
         resources = None if use_gpu else {"CPU": threads}
         trainer = TorchTrainer(

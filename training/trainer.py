@@ -1,8 +1,8 @@
 """The training loop of a drafter recipe: plain torch, one process; checkpoints, resume, progress, loss curve.
 
-``train`` trains a recipe's module (``decoding.trained``) on self-distillation
+``train`` trains a recipe's module (``decoding.drafters.trained``) on self-distillation
 examples (``training.data``) against the frozen target, then saves the
-artifact (``decoding.artifacts``) in ``out``. Every ``checkpoint_every`` steps
+artifact (``decoding.drafters.artifacts``) in ``out``. Every ``checkpoint_every`` steps
 (and on Ctrl-C) ``out/checkpoint.pt`` holds module, optimiser, step and loss
 history; a rerun with the same spec resumes there. Batches are drawn from a
 generator seeded by (seed, step), so a resumed run computes what the
@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from decoding.artifacts import save_artifact
-from decoding.trained import Shared, get_recipe
+from decoding.drafters.artifacts import save_artifact
+from decoding.drafters.eagle import VocabHead
+from decoding.drafters.trained import Shared, get_recipe
 from training.objectives import LOSSES, agreement, objectives, vocab_order
 
 
@@ -41,6 +42,8 @@ class TrainSpec:
     eval_fraction: float = 0.1
     checkpoint_every: int = 25
     train_vocab: int = 0  # > 0: losses over the data's most frequent tokens only (the LM head dominates CPU training cost)
+    autocast: bool = False  # bfloat16 autocast for the drafter's forward and backward (about 2x on this kind of CPU)
+    eval_every: int = 0  # > 0: held-out agreement every this many steps (the learning curve against data seen)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -64,23 +67,46 @@ def _crop(ex: dict, window: int, generator: torch.Generator | None = None, devic
 
 
 def example_loss(recipe, module, shared, ex, knobs, loss_fn) -> tuple[torch.Tensor, list[float]]:
-    """Mean over heads of loss_fn(teacher, student), plus the recipe's auxiliary loss; and per-head agreement."""
+    """Mean over heads of loss_fn(teacher, student), plus the recipe's auxiliary loss; and per-head agreement.
+
+    A head with no row in this window (every row masked) adds nothing and agrees 0 of 0 (reported as 0)."""
     pairs, aux = objectives(recipe, module, shared, ex, knobs)
-    loss = sum(loss_fn(t, s) for s, t in pairs) / len(pairs)
+    live = [(s, t) for s, t in pairs if s.shape[0] > 0]
+    if not live:
+        zero = sum(p.sum() * 0.0 for p in module.parameters() if p.requires_grad)
+        return zero, [0.0] * len(pairs)
+    loss = sum(loss_fn(t, s) for s, t in live) / len(live)
     if aux is not None:
         loss = loss + aux
     return loss, [agreement(t, s.detach()) for s, t in pairs]
 
 
 @torch.no_grad()
-def evaluate(recipe, module, shared, examples, knobs, window, device: torch.device | None = None) -> list[float]:
-    """Per-head top-1 agreement with the target over the examples' windows (head 1 = the first draft)."""
-    sums, counts = None, 0
+def evaluate(recipe, module, shared, examples, knobs, window, device: torch.device | None = None, prepare=None) -> list[float]:
+    """Per-head top-1 agreement with the target over the examples' windows (head 1 = the first draft), weighted by the
+    rows each window scores. ``prepare(ex, window, generator, device)`` makes a window (default: stored hidden
+    states, ``_crop``; on the fly: ``training.features.TargetFeatures.example``)."""
+    prepare = prepare or _crop
+    sums, rows = None, None
     for ex in examples:
-        _, agree = example_loss(recipe, module, shared, _crop(ex, window, device=device), knobs, LOSSES["ce"])
+        ex = prepare(ex, window, None, device)
+        pairs, _ = objectives(recipe, module, shared, ex, knobs)
+        n = [s.shape[0] for s, _ in pairs]
+        agree = [agreement(t, s) * k if k else 0.0 for (s, t), k in zip(pairs, n, strict=True)]
         sums = agree if sums is None else [a + b for a, b in zip(sums, agree, strict=False)]
-        counts += 1
-    return [s / counts for s in sums] if sums else []
+        rows = n if rows is None else [a + b for a, b in zip(rows, n, strict=False)]
+    return [s / r if r else 0.0 for s, r in zip(sums, rows, strict=True)] if sums else []
+
+
+def draws(spec: TrainSpec, size: int, step: int) -> tuple[torch.Generator, list[int]]:
+    """Step ``step``'s generator and the training sequences it draws (a function of (seed, step): a resumed run draws
+    what the uninterrupted one would have); the generator goes on to pick the windows.
+
+    >>> draws(TrainSpec("eagle", batch=2), 10, 3)[1] == draws(TrainSpec("eagle", batch=2), 10, 3)[1]
+    True
+    """
+    g = torch.Generator().manual_seed(spec.seed * 1_000_003 + step)
+    return g, torch.randperm(size, generator=g)[: spec.batch].tolist()
 
 
 def lr_at(spec: TrainSpec, step: int) -> float:
@@ -159,6 +185,9 @@ def train(
     extra_training: dict | None = None,
     shard: tuple[int, int] = (0, 1),
     deadline: float | None = None,
+    features=None,
+    eval_examples: list[dict] | None = None,
+    weights_dtype: torch.dtype | None = None,
 ) -> dict:
     """Train (or resume) and save the artifact in ``out``; returns the artifact's ``training`` description.
 
@@ -167,6 +196,10 @@ def train(
     a DeepSpeed engine: ``wrap(module, optimizer) -> (model, backward, step)``)
     and ``report``; only rank 0 writes checkpoints and the artifact.
     ``deadline`` (a ``time.time()``) ends training early; the artifact records the steps done.
+    ``features`` (``training.features.TargetFeatures``): the examples hold token ids only and the target's hidden
+    states are computed per window as training draws it (else they are stored in the examples). ``eval_examples``:
+    the held-out set (default: the last ``eval_fraction`` of ``examples``). ``weights_dtype``: the artifact's
+    storage dtype (default: as trained, float32).
     """
     if spec.loss not in LOSSES:
         raise ValueError(f"loss: unknown loss {spec.loss!r}; choose from {', '.join(LOSSES)}")
@@ -179,9 +212,12 @@ def train(
     knobs = recipe.check(spec.knobs, depth)
     shared = Shared(target_hf)  # evaluation: agreement over the full vocabulary
     vocab = vocab_order(examples, target_hf.config.vocab_size)
-    train_shared = Shared(target_hf, vocab[: spec.train_vocab]) if spec.train_vocab else shared
-    n_eval = max(1, round(len(examples) * spec.eval_fraction))
-    train_set, eval_set = examples[:-n_eval], examples[-n_eval:]
+    if eval_examples:
+        train_set, eval_set = examples, eval_examples
+    else:
+        n_eval = max(1, round(len(examples) * spec.eval_fraction))
+        train_set, eval_set = examples[:-n_eval], examples[-n_eval:]
+    prepare = features.example if features is not None else _crop
     rank, world = shard
     train_set = train_set[rank::world] or train_set
     chief = rank == 0
@@ -189,6 +225,12 @@ def train(
 
     torch.manual_seed(spec.seed)  # module init (random parts) is reproducible
     module = recipe.build(target_hf, knobs).float().to(device).train()
+    recipe.prepare(module, vocab)  # a trimmed head drafts over the data's most frequent tokens
+    head = getattr(module, "lm_head", None)
+    if isinstance(head, VocabHead):  # the losses over the head's own tokens
+        train_shared = Shared(target_hf, head.vocab)
+    else:
+        train_shared = Shared(target_hf, vocab[: spec.train_vocab]) if spec.train_vocab else shared
     opt = torch.optim.AdamW(module.parameters(), lr=spec.lr, weight_decay=0.0)
     ckpt_path = out / "checkpoint.pt"
     step, history, before = 0, [], None
@@ -199,28 +241,34 @@ def train(
             opt.load_state_dict(ckpt["opt"])
             step, history, before = ckpt["step"], ckpt["history"], ckpt.get("eval_before")
     if before is None:
-        before = evaluate(recipe, module, shared, eval_set, knobs, spec.window, device)
+        before = evaluate(recipe, module, shared, eval_set, knobs, spec.window, device, prepare)
     model, backward, opt_step = wrap(module, opt) if wrap else (module, lambda loss: loss.backward(), opt.step)
     bar = _Progress(spec.steps, step, progress and chief)
+    seen = {i for done in range(step) for i in draws(spec, len(train_set), done)[1]}  # distinct sequences drawn so far
     t0 = time.perf_counter()
     try:
         while step < spec.steps:
             for group in opt.param_groups:
                 group["lr"] = lr_at(spec, step)
-            g = torch.Generator().manual_seed(spec.seed * 1_000_003 + step)
-            idx = torch.randperm(len(train_set), generator=g)[: spec.batch].tolist()
+            g, idx = draws(spec, len(train_set), step)
             opt.zero_grad(set_to_none=True)
             total, agree = 0.0, 0.0
             for i in idx:
-                ex = _crop(train_set[i], spec.window, g, device)
-                loss, head_agree = example_loss(recipe, model, train_shared, ex, knobs, LOSSES[spec.loss])
+                ex = prepare(train_set[i], spec.window, g, device)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.autocast):
+                    loss, head_agree = example_loss(recipe, model, train_shared, ex, knobs, LOSSES[spec.loss])
                 backward(loss / len(idx))
                 total += float(loss.detach()) / len(idx)
                 agree += head_agree[0] / len(idx)
             torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
             opt_step()
             step += 1
-            row = {"step": step, "loss": total, "agree": agree, "lr": lr_at(spec, step - 1)}
+            seen.update(idx)
+            row = {"step": step, "loss": total, "agree": agree, "lr": lr_at(spec, step - 1), "sequences_seen": len(seen)}
+            if spec.eval_every and step % spec.eval_every == 0 and chief:
+                module.eval()
+                row["eval_agreement"] = evaluate(recipe, module, shared, eval_set, knobs, spec.window, device, prepare)
+                module.train()
             history.append(row)
             bar.update(step, total, agree)
             if step % spec.checkpoint_every == 0 or step == spec.steps:
@@ -241,7 +289,7 @@ def train(
         raise
     bar.close()
     module.eval()
-    after = evaluate(recipe, module, shared, eval_set, knobs, spec.window, device)
+    after = evaluate(recipe, module, shared, eval_set, knobs, spec.window, device, prepare)
     training = {
         "spec": spec.to_dict(),
         "knobs": knobs,
@@ -257,7 +305,7 @@ def train(
     }
     if save and chief:
         plot_loss(history, out / "loss.png", f"{spec.recipe} ({spec.loss})")
-        save_artifact(out, spec.recipe, knobs, module, target_hf, target_name, training, vocab=vocab)
+        save_artifact(out, spec.recipe, knobs, module, target_hf, target_name, training, vocab=vocab, weights_dtype=weights_dtype)
         import json
 
         (out / "history.json").write_text(json.dumps(history))

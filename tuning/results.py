@@ -32,7 +32,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from decoding.config import ConfigError, SpecConfig
+from decoding.config import SpecConfig
+from decoding.errors import ConfigError
 from tuning.space import METHOD_KNOBS, knob_fields
 from tuning.trainable import METRIC_KEYS, METRIC_TYPES
 

@@ -139,7 +139,7 @@ def new_tuner(settings: TuneSettings, setup: TrialSetup, callbacks=None, verbose
             num_samples=settings.num_samples,
             max_concurrent_trials=concurrency(settings),
             time_budget_s=settings.time_budget_s,
-            reuse_actors=True,  # a worker keeps its loaded model (decoding.models caches per process) for the next trial
+            reuse_actors=True,  # a worker keeps its loaded model (decoding.model.models caches per process) for the next trial
         ),
         run_config=tune.RunConfig(
             name=settings.name,

@@ -33,7 +33,8 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from decoding.config import METHODS, ConfigError, SpecConfig
+from decoding.config import METHODS, SpecConfig
+from decoding.errors import ConfigError
 from decoding.methods import DEPTH, METHOD_TABLE, KnobSpec
 
 

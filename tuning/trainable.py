@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 import kernels
 from actors.devices import placed
-from decoding.config import ConfigError, SpecConfig
+from decoding.config import SpecConfig
+from decoding.errors import ConfigError
 from evaluation import benchmark as bm
 from evaluation.workloads import Prompt
 

@@ -97,7 +97,7 @@ def main():
                 t["rss"] = stats["peak_rss_mb"]
         refs.append(ref)
 
-    from decoding.two_sided import round_summary
+    from decoding.schedules.two_sided import round_summary
 
     probe = next(iter(decs.values())).rpc_probe(50)
     rows = {}
@@ -138,14 +138,14 @@ def synthetic_run(args, actor_cfg, target, draft, ids, refs, ar, totals):
     import ray
 
     from actors.driver import ActorDecoder
-    from decoding.two_sided import DraftResult, DraftSide, round_summary
+    from decoding.schedules.two_sided import DraftResult, DraftSide, round_summary
 
     @ray.remote(num_cpus=0)
     class SyntheticDraft:
         def __init__(self, cfg_json, threads, alpha):
-            from decoding.adapter import ModelAdapter
             from decoding.config import SpecConfig
-            from decoding.models import load_model, set_threads
+            from decoding.model.adapter import ModelAdapter
+            from decoding.model.models import load_model, set_threads
 
             cfg = SpecConfig.from_json(cfg_json)
             set_threads(threads)

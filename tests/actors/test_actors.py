@@ -73,7 +73,8 @@ def test_compiled_graph_transport_is_identical(workers, ar_reference):
 
 @pytest.mark.parametrize("method", ["pearl", "sps"])
 def test_sampling_over_actors_is_seeded(workers, ar_reference, method):
-    # the distribution itself is tested in process (tests/decoding/test_two_sided.py); here: q/p rows cross the wire and seeds hold
+    # the distribution itself is tested in process (tests/decoding/schedules/test_two_sided.py); here: q/p rows cross the wire
+    # and seeds hold
     ids, _ = next(iter(ar_reference.values()))
     dec = decoder(workers, method=method, temperature=1.0, top_k=50)
     a, b, c = (dec.generate_ids(ids, max_new_tokens=16, seed=s) for s in (1, 1, 2))

@@ -56,7 +56,7 @@ def test_too_many_threads_for_one_node_fails():
 
 
 def test_new_config_fields_are_validated():
-    from decoding.config import ConfigError
+    from decoding.errors import ConfigError
 
     for bad, field in [
         ("draft_threads=0", "draft_threads"),

@@ -11,7 +11,7 @@ import pytest
 from redis_server import closed_port
 
 from cluster.runtime import check_reachable, connect
-from decoding.config import ConfigError
+from decoding.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 

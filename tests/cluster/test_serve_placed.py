@@ -25,8 +25,9 @@ openai = pytest.importorskip("openai")
 
 from cluster.registry import Entry, open_registry  # noqa: E402
 from cluster.runtime import PATIENT_SERVE  # noqa: E402
-from decoding.config import ConfigError, SpecConfig  # noqa: E402
+from decoding.config import SpecConfig  # noqa: E402
 from decoding.engine import SpecDecoder  # noqa: E402
+from decoding.errors import ConfigError  # noqa: E402
 from serving.settings import ServeSettings  # noqa: E402
 
 pytestmark = pytest.mark.cluster

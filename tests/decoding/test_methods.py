@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from decoding.config import METHODS, ConfigError, SpecConfig
+from decoding.config import METHODS, SpecConfig
+from decoding.errors import ConfigError
 from decoding.methods import (
     ACTOR_TRANSPORTS,
     METHOD_TABLE,
@@ -37,9 +38,12 @@ CONSULTERS = [
 
 
 def test_every_method_has_one_entry_named_after_it():
-    assert tuple(METHOD_TABLE) == METHODS
+    import decoding.engine  # noqa: F401  (imports the drafters' modules, which register their builders)
+    from decoding.builders import BUILDERS
+
+    assert tuple(METHOD_TABLE) == METHODS and set(BUILDERS) == set(METHODS)  # a builder per method, none for others
     for name, entry in METHOD_TABLE.items():
-        assert entry.name == name and entry.summary and callable(entry.drafter)
+        assert entry.name == name and entry.summary and callable(BUILDERS[name])
         assert entry.schedule in SCHEDULES
         SpecConfig(method=name, drafter="x" if entry.needs_drafter else None)  # every entry is a valid config
 
@@ -97,13 +101,13 @@ def test_trial_resources_follow_the_table():
 
 
 def test_the_table_builds_each_methods_drafter(tiny_model_dir):
-    from decoding.drafters import DraftModelDrafter, EarlyExitDrafter, NgramDrafter
+    from decoding.drafters.drafters import DraftModelDrafter, EarlyExitDrafter, NgramDrafter
+    from decoding.drafters.hybrid import HybridDrafter
+    from decoding.drafters.recycling import RecyclingDrafter
+    from decoding.drafters.suffix import SuffixDrafter
     from decoding.engine import build_drafter
-    from decoding.hybrid import HybridDrafter
-    from decoding.models import load_model
-    from decoding.recycling import RecyclingDrafter
-    from decoding.suffix import SuffixDrafter
-    from decoding.triforce import TriForceDrafter
+    from decoding.model.models import load_model
+    from decoding.schedules.triforce import TriForceDrafter
 
     loaded = load_model(str(tiny_model_dir), "float32")  # 2 layers
     base = SpecConfig(model=str(tiny_model_dir), dtype="float32", exit_layer=1, draft_layers=1, tree_fit="budget")
@@ -118,7 +122,11 @@ def test_the_table_builds_each_methods_drafter(tiny_model_dir):
         "suffix": SuffixDrafter,
         "hybrid": HybridDrafter,
     }
-    assert set(expected) | {"trained"} == set(METHODS)  # trained needs an artifact: tests/decoding/test_trained.py
+    # trained and eagle need an artifact: tests/decoding/drafters/test_trained.py, test_eagle.py (none ships for this model)
+    assert set(expected) | {"trained", "eagle"} == set(METHODS)
+    with pytest.raises(ConfigError, match="no eagle head ships") as e:
+        build_drafter(base.replace(method="eagle"), loaded)
+    assert e.value.field == "drafter"
     for name, kind in expected.items():
         assert isinstance(build_drafter(base.replace(method=name), loaded), kind), name
     with pytest.raises(ConfigError, match="exit_layer"):
@@ -155,7 +163,7 @@ def test_shared_constants_are_defined_once():
     values = {"('target', 'draft')", "('calls', 'compiled')", "('sps', 'pearl')"}
     assert {repr(v) for v in (WORKER_ROLES, ACTOR_TRANSPORTS, TWO_SIDED_SCHEDULES)} == values
     assert all(len(paths) == 1 for paths in found.values()), found
-    assert found["GREEDY"] == ["decoding/loop.py"]
+    assert found["GREEDY"] == ["decoding/loop/loop.py"]
 
 
 def test_the_table_stays_in_decoding_and_torch_free():

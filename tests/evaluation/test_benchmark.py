@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from decoding.adapter import ModelAdapter
+from decoding.model.adapter import ModelAdapter
 from evaluation import benchmark as bm
 from evaluation.workloads import DEFAULT_PROMPTS, WorkloadError, load_prompts, parse_prompts, select
 

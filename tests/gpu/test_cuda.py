@@ -11,8 +11,9 @@ import time
 import pytest
 import torch
 
-from decoding.config import ConfigError, SpecConfig
+from decoding.config import SpecConfig
 from decoding.engine import SpecDecoder
+from decoding.errors import ConfigError
 
 PROMPT = "the cat sat on the mat and the cat sat on the"
 METHODS = {
@@ -44,7 +45,7 @@ def kernels_on():
 def test_auto_is_cuda():
     dec_cfg = SpecConfig()
     assert dec_cfg.device == "auto"
-    from decoding.models import resolve_device
+    from decoding.model.models import resolve_device
 
     assert resolve_device("auto").type == "cuda"
     with pytest.raises(ConfigError, match="^device: "):
@@ -71,8 +72,8 @@ def test_sampling_on_cuda(tiny_model_dir):
 
 def test_tree_kernel_runs_on_cuda(kernels_on):
     from decoding import accel
-    from decoding.trees import Tree
-    from decoding.verify import greedy_tree_accept
+    from decoding.loop.verify import greedy_tree_accept
+    from decoding.trees.trees import Tree
 
     tree = Tree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0]])
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -137,8 +138,8 @@ def test_ray_workers_use_the_gpu_they_were_given():
 def test_drafter_training_on_cuda(tmp_path):
     from conftest import tiny_llama
 
-    from decoding.adapter import ModelAdapter
-    from decoding.loop import generate
+    from decoding.loop.loop import generate
+    from decoding.model.adapter import ModelAdapter
     from training.data import extract_hidden
     from training.trainer import TrainSpec, train
 

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent(
     """
     import torch
-    from decoding.kv_views import chunk_scores, chunk_scores_reference
+    from decoding.model.kv_views import chunk_scores, chunk_scores_reference
     import kernels
     from decoding import accel
     from kernels import use_kernel
@@ -58,7 +58,7 @@ def test_kernel_matches_reference_under_the_interpreter():
 def test_reference_is_used_without_the_interpreter():
     import torch
 
-    from decoding.kv_views import chunk_scores, chunk_scores_reference
+    from decoding.model.kv_views import chunk_scores, chunk_scores_reference
 
     q, k = torch.randn(1, 2, 1, 4), torch.randn(1, 1, 8, 4)
     if os.environ.get("TRITON_INTERPRET") != "1":

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not in
 COMPARE = textwrap.dedent(
     """
     import torch
-    from decoding.trees import Tree, tree_mask
-    from decoding.verify import greedy_tree_accept, verify_tree_greedy
+    from decoding.trees.trees import Tree, tree_mask
+    from decoding.loop.verify import greedy_tree_accept, verify_tree_greedy
     import kernels
     from decoding import accel
     from kernels import use_kernel

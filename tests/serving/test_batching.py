@@ -6,9 +6,9 @@ import threading
 import pytest
 import torch
 
-from decoding.adapter import ModelAdapter
-from decoding.drafters import NgramDrafter
-from decoding.loop import ContextTooLong, Sequence, generate
+from decoding.drafters.drafters import NgramDrafter
+from decoding.loop.loop import ContextTooLong, Sequence, generate
+from decoding.model.adapter import ModelAdapter
 from serving.batching import EngineFailed, EngineLoop, run_alone
 
 PROMPTS = [[3, 7, 3, 7, 3], [1, 2, 3, 4, 5, 6], [9, 9, 4, 9, 9, 4], [5], [2, 11, 6, 2, 11, 6, 2], [0, 4, 8]]

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from cluster.registry import Entry, open_registry
-from decoding.config import ConfigError, SpecConfig
+from decoding.config import SpecConfig
+from decoding.errors import ConfigError
 from serving import protocol as P
 from serving.catalog import Catalog, ModelNotFound
 from serving.metrics import ServingMetrics

@@ -6,7 +6,7 @@ import json
 import pytest
 from tiny_models import build_tiny_model, write_prompts
 
-from decoding.config import ConfigError
+from decoding.errors import ConfigError
 from training.ray_train import scaling
 
 

@@ -7,10 +7,10 @@ import torch
 from conftest import tiny_llama
 from tiny_models import build_tiny_model, write_prompts
 
-from decoding.adapter import ModelAdapter
-from decoding.artifacts import load_artifact
-from decoding.loop import generate
-from decoding.trained import RECIPES
+from decoding.drafters.artifacts import load_artifact
+from decoding.drafters.trained import RECIPES
+from decoding.loop.loop import generate
+from decoding.model.adapter import ModelAdapter
 from training.data import extract_hidden, generate_data, load_examples, read_meta
 from training.trainer import TrainSpec, train
 
@@ -20,6 +20,7 @@ KNOBS = {
     "medusa": {"num_heads": 2},
     "hydra": {"num_heads": 2},
     "feature": {},
+    "eagle": {"draft_vocab": 12},
 }
 
 
@@ -58,7 +59,7 @@ def test_loss_falls(target, examples, recipe, tmp_path):
 
 
 def test_tvdpp_loss_lowers_total_variation(target, examples, tmp_path):
-    from decoding.trained import Shared, get_recipe
+    from decoding.drafters.trained import Shared, get_recipe
     from training.objectives import objectives, tvd
 
     recipe, knobs = get_recipe("distill"), {"draft_layers": 1}
@@ -128,3 +129,28 @@ def test_training_over_a_token_subset(target, examples, tmp_path):
     training = train(spec, target, examples, tmp_path, "tiny", progress=False)
     assert training["loss_last"] < training["loss_first"]
     assert sum(training["eval_agreement"]) > sum(training["eval_agreement_before"])
+
+
+@pytest.mark.parametrize("recipe,knobs", [("eagle", {"draft_vocab": 10}), ("distill", {"draft_layers": 1, "draft_vocab": 10})])
+def test_training_on_the_fly_from_token_ids(target, recipe, knobs, tmp_path):
+    """Token-id examples only (what ``specray distill`` writes): the target's hidden states are computed per window as
+    training draws it; the loss falls, the held-out agreement rises, and the losses count the answers only."""
+    from training.features import TargetFeatures
+
+    adapter, g = ModelAdapter(target), torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(10):
+        prompt = torch.randint(0, 12, (1, 6), generator=g)
+        answer = generate(adapter, prompt, max_new_tokens=30).token_ids
+        rows.append({"tokens": torch.cat([prompt[0], torch.tensor(answer)]), "answer_from": 6})
+    spec = TrainSpec(recipe, knobs, steps=30, batch=2, lr=1e-2, window=24, checkpoint_every=100)
+    from decoding.drafters.trained import get_recipe
+
+    layers = get_recipe(recipe).data_layers(get_recipe(recipe).check(knobs, 3), 3)
+    features = TargetFeatures(target, layers)
+    training = train(spec, target, rows[:8], tmp_path, "tiny", progress=False, features=features, eval_examples=rows[8:])
+    assert training["loss_last"] < 0.8 * training["loss_first"]
+    assert training["eval_agreement"][0] > training["eval_agreement_before"][0]
+    assert features.tokens_run > 30 * 2 * 6  # the target really ran for every draw
+    art = load_artifact(str(tmp_path), target)
+    assert art.module.lm_head.vocab.shape == (10,)

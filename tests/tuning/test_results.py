@@ -7,7 +7,7 @@ import json
 import pytest
 
 from decoding.config import SpecConfig
-from decoding.metrics import StepRecord
+from decoding.loop.metrics import StepRecord
 from evaluation import benchmark as bm
 from tuning import results as res
 from tuning.resources import bundles_for, max_concurrent

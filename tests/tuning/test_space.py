@@ -5,7 +5,8 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from decoding.config import ConfigError, SpecConfig
+from decoding.config import SpecConfig
+from decoding.errors import ConfigError
 from tuning.space import Knob, SearchSpace, knob_fields, parse_range
 from tuning.trainable import TrialSetup, trial_config
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from decoding.config import ConfigError, SpecConfig
+from decoding.config import SpecConfig
+from decoding.errors import ConfigError
 from tuning.space import SearchSpace, parse_range
 
 
@@ -25,8 +26,8 @@ def test_trained_space_keeps_the_fixed_artifact():
 
 def test_trained_trials_search_trees_only_for_tree_recipes(tiny_model, tmp_path):
     """Medusa / Hydra / distilled artifacts take the sampled tree; a Kangaroo trial gets a chain, not a failed trial."""
-    from decoding.artifacts import save_artifact
-    from decoding.trained import get_recipe
+    from decoding.drafters.artifacts import save_artifact
+    from decoding.drafters.trained import get_recipe
 
     for recipe, knobs in (("medusa", {"num_heads": 2}), ("kangaroo", {"exit_layer": 1})):
         module = get_recipe(recipe).build(tiny_model, knobs)

@@ -1,0 +1,298 @@
+"""Trained drafter artifacts: ``drafter.safetensors`` (only the trained weights) + ``drafter.json`` (what it is).
+
+The description names the recipe, its knobs, the target it was trained for
+(name and :func:`~decoding.drafters.trained.model_fingerprint`) and the training
+figures. Artifacts live in ``$SPECRAY_HOME/drafters/<name>`` or any directory;
+``SpecConfig(method="trained", drafter=NAME_OR_PATH)`` loads one. Loading an
+artifact for another target fails with a ``ConfigError`` on ``drafter``.
+
+>>> # save_artifact(out_dir, "kangaroo", {"exit_layer": 10}, module, target_hf, "smollm2-135m", training={...})
+>>> # art = load_artifact("kangaroo-smollm2", target_hf); drafter = art.drafter(confidence_threshold=0.3)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from decoding.builders import builds
+from decoding.drafters.drafters import (
+    Drafter,
+    DraftModelDrafter,
+    EarlyExitDrafter,
+    draft_model_adapter,
+    first_layers_adapter,
+    model_depth,
+)
+from decoding.drafters.trained import RECIPES, Recipe, TrimmedHead, get_recipe, trim_vocab
+from decoding.errors import ConfigError
+from decoding.model.adapter import ModelAdapter
+from decoding.model.models import model_fingerprint
+from decoding.paths import specray_home
+from decoding.trees.hardware import chooser_for
+from decoding.trees.trees import Dynamic, tree_shape
+
+FORMAT = 1
+WEIGHTS, DESCRIPTION = "drafter.safetensors", "drafter.json"
+
+
+def drafters_home() -> Path:
+    return specray_home() / "drafters"
+
+
+def resolve_artifact(name: str) -> Path:
+    """A directory holding drafter.json: ``name`` as a path, else ``$SPECRAY_HOME/drafters/<name>``, else a drafter
+    shipped with specray (``shipped/<model>/<name>``, e.g. ``smollm2-135m/eagle``)."""
+    for cand in (Path(name).expanduser(), drafters_home() / name, SHIPPED / name):
+        if (cand / DESCRIPTION).is_file():
+            return cand
+    raise ConfigError("drafter", f"no trained drafter {name!r} (looked for {DESCRIPTION} in {name} and {drafters_home() / name})")
+
+
+# The drafters trained for the bundled model ship in the package (each fingerprinted to its target): per model
+# alias a folder of artifacts, the defaults of the methods that draft with a trained part.
+SHIPPED = Path(__file__).resolve().parent / "shipped"
+NO_DRAFTER = "none"  # drafter=none: a method that would use a shipped drafter by default runs without it
+
+
+def shipped_artifact(model: str, name: str) -> str | None:
+    """``<model>/<name>`` when specray ships that artifact for the model (``SHIPPED``; model aliases only), else None.
+
+    >>> shipped_artifact("/some/model/dir", "eagle") is None
+    True
+    """
+    if not _is_alias(model):
+        return None
+    return f"{model}/{name}" if (SHIPPED / model / name / DESCRIPTION).is_file() else None
+
+
+def _is_alias(model: str) -> bool:
+    """A model alias (``smollm2-135m``), not a path: only aliases have shipped drafters."""
+    return bool(model) and "/" not in model and not model.startswith(".")
+
+
+def shipped_exit_layers(model: str) -> list[int]:
+    """The exit layers of the Kangaroo adapters shipped for ``model`` (``kangaroo-l<L>``), ascending."""
+    if not _is_alias(model):
+        return []
+    layers = []
+    for folder in (SHIPPED / model).glob("kangaroo-l*"):
+        layer = folder.name.removeprefix("kangaroo-l")
+        if layer.isdigit() and (folder / DESCRIPTION).is_file():
+            layers.append(int(layer))
+    return sorted(layers)
+
+
+def default_drafter(cfg, name: str) -> str | None:
+    """The artifact a method uses: ``cfg.drafter`` when set (None for ``none``), else the one shipped for the model."""
+    if cfg.drafter == NO_DRAFTER:
+        return None
+    return cfg.drafter or shipped_artifact(cfg.model, name)
+
+
+VOCAB_ORDER = "__vocab_order__"  # token ids by descending frequency in the training data (VocabTrim)
+
+
+def save_artifact(
+    out: Path,
+    recipe: str,
+    knobs: dict,
+    module: torch.nn.Module,
+    target_hf,
+    target_name: str,
+    training: dict,
+    vocab: torch.Tensor | None = None,
+    weights_dtype: torch.dtype | None = None,
+) -> Path:
+    """Write weights and description atomically (a half-written artifact is never loaded). ``weights_dtype`` stores
+    the floating-point weights in that dtype (bfloat16 halves a float32 drafter; loading casts to the target's)."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+    if weights_dtype is not None:
+        tensors = {k: v.to(weights_dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    if vocab is not None:
+        tensors[VOCAB_ORDER] = vocab.long().contiguous().cpu()
+    save_file(tensors, str(out / (WEIGHTS + ".tmp")))
+    os.replace(out / (WEIGHTS + ".tmp"), out / WEIGHTS)
+    c = target_hf.config
+    desc = {
+        "format": FORMAT,
+        "recipe": recipe,
+        "knobs": knobs,
+        "target": {
+            "name": target_name,
+            "fingerprint": model_fingerprint(target_hf),
+            "num_layers": c.num_hidden_layers,
+            "hidden_size": c.hidden_size,
+            "vocab_size": c.vocab_size,
+        },
+        "parameters": sum(t.numel() for k, t in tensors.items() if k != VOCAB_ORDER),
+        "vocab_ranked": 0 if vocab is None else int(vocab.numel()),
+        "training": training,
+    }
+    (out / (DESCRIPTION + ".tmp")).write_text(json.dumps(desc, indent=2, sort_keys=True, default=str))
+    os.replace(out / (DESCRIPTION + ".tmp"), out / DESCRIPTION)
+    return out
+
+
+@dataclass
+class Artifact:
+    path: Path
+    description: dict
+    recipe: Recipe
+    knobs: dict
+    module: torch.nn.Module
+    vocab: torch.Tensor | None = None  # VocabTrim ranking
+    lm_head: torch.nn.Module | None = None
+
+    def drafter(self, confidence_threshold: float = 0.0, draft_vocab: int = 0, tree=None):
+        """The drafter; ``draft_vocab`` > 0 drafts over that many of the most frequent tokens (VocabTrim);
+        ``tree`` (a ``trees.Tree`` or ``trees.Dynamic``) drafts token trees where the recipe can."""
+        d = self.recipe.drafter(self.module, self.knobs, confidence_threshold, tree)
+        if draft_vocab:
+            if self.vocab is None:
+                raise ConfigError("draft_vocab", f"{self.path} has no token ranking to trim the vocabulary with")
+            d = trim_vocab(d, TrimmedHead(self.lm_head, self.vocab[:draft_vocab]))
+        return d
+
+
+def read_description(name: str) -> tuple[Path, dict]:
+    path = resolve_artifact(name)
+    try:
+        desc = json.loads((path / DESCRIPTION).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError("drafter", f"{path / DESCRIPTION} is not readable JSON ({e})") from None
+    if not isinstance(desc, dict) or desc.get("format") != FORMAT or "recipe" not in desc or "target" not in desc:
+        raise ConfigError("drafter", f"{path / DESCRIPTION} is not a specray drafter description (format {FORMAT})")
+    return path, desc
+
+
+def drafts_trees(name: str) -> bool:
+    """Whether the artifact's recipe drafts token trees (Medusa, Hydra, distilled draft); reads only its description."""
+    recipe = RECIPES.get(read_description(name)[1]["recipe"])
+    return bool(recipe and recipe.drafts_trees)
+
+
+_LOADED: dict[tuple, tuple[object, Artifact]] = {}  # the target is kept alive so its id() is never reused
+_LOCK = threading.Lock()
+
+
+def load_artifact(name: str, target_hf) -> Artifact:
+    """Load a trained drafter for ``target_hf`` (a HF causal LM), in the target's dtype.
+
+    Loads are cached per (artifact file, target object): forks of a decoder
+    (one per request) share the read-only module and build only their drafter.
+    """
+    path, desc = read_description(name)
+    weights = path / WEIGHTS
+    key = (str(weights.resolve()), weights.stat().st_mtime_ns if weights.exists() else 0, id(target_hf))
+    with _LOCK:
+        if key not in _LOADED:
+            _LOADED[key] = (target_hf, _load(name, path, desc, target_hf))
+        return _LOADED[key][1]
+
+
+def _load(name: str, path: Path, desc: dict, target_hf) -> Artifact:
+    from safetensors.torch import load_file
+
+    fp = model_fingerprint(target_hf)
+    want = desc["target"]
+    if want.get("fingerprint") != fp:
+        raise ConfigError(
+            "drafter",
+            f"{name!r} was trained for target {want.get('name')!r} (fingerprint {want.get('fingerprint')}), "
+            f"not for this model (fingerprint {fp})",
+        )
+    recipe = get_recipe(desc["recipe"])
+    knobs = recipe.check(desc.get("knobs", {}), target_hf.config.num_hidden_layers)
+    module = recipe.build(target_hf, knobs)
+    try:
+        tensors = load_file(str(path / WEIGHTS))
+        vocab = tensors.pop(VOCAB_ORDER, None)
+        module.load_state_dict(tensors)
+    except (OSError, RuntimeError) as e:
+        raise ConfigError("drafter", f"{path / WEIGHTS} does not hold a {desc['recipe']} drafter with knobs {knobs}: {e}") from None
+    dtype = target_hf.lm_head.weight.dtype
+    module.to(device=target_hf.lm_head.weight.device, dtype=dtype).eval().requires_grad_(False)
+    return Artifact(path, desc, recipe, knobs, module, vocab, target_hf.lm_head)
+
+
+@builds("trained")
+def _trained_drafter(cfg, target, device, memory):
+    return load_artifact(cfg.drafter, target.model).drafter(cfg.confidence_threshold, cfg.draft_vocab, tree_shape(cfg))
+
+
+def load_recipe_artifact(name: str, recipe: str, target_hf) -> Artifact:
+    """An artifact that must be of ``recipe`` (one line naming it otherwise)."""
+    art = load_artifact(name, target_hf)
+    if art.recipe.name != recipe:
+        raise ConfigError("drafter", f"{name!r} is a {art.recipe.name} drafter, not {recipe}")
+    return art
+
+
+def eagle_drafter(cfg, target, name: str | None = None):
+    """The feature head (``decoding.drafters.eagle``) of ``name`` or the config's default; dynamic trees are sized by
+    the measured verification cost when ``tree_fit=measured``."""
+    name = name or default_drafter(cfg, "eagle")
+    if name is None:
+        hint = "train one (specray train-drafter --recipe eagle --data DIR) and set drafter="
+        raise ConfigError("drafter", f"no eagle head ships for {cfg.model!r}; {hint}")
+    drafter = load_recipe_artifact(name, "eagle", target.model).drafter(cfg.confidence_threshold, 0, tree_shape(cfg))
+    if isinstance(drafter.tree, Dynamic):
+        drafter.chooser = chooser_for(cfg, target)
+    return drafter
+
+
+@builds("eagle")
+def _eagle_drafter(cfg, target, device, memory):
+    return eagle_drafter(cfg, target)
+
+
+def is_artifact(name: str | None) -> bool:
+    """Whether ``name`` names a drafter artifact (a directory with drafter.json, or a shipped one)."""
+    if not name:
+        return False
+    return any((cand / DESCRIPTION).is_file() for cand in (Path(name).expanduser(), drafters_home() / name, SHIPPED / name))
+
+
+def draft_adapter(cfg, target, device) -> ModelAdapter:
+    """The draft model of SpS, PEARL and TriForce's model bottom: ``draft_model`` (a local HF model directory, or a
+    distilled-draft artifact), ``layers`` (the target's first ``draft_layers`` layers), or unset: the distilled draft
+    shipped for the model when there is one, else the target's first layers."""
+    name = cfg.draft_model
+    if name == "layers" or (name is None and shipped_artifact(cfg.model, "distill") is None):
+        return first_layers_adapter(cfg, target)
+    if name is None or is_artifact(name):
+        art = load_recipe_artifact(name or shipped_artifact(cfg.model, "distill"), "distill", target.model)
+        return ModelAdapter(art.module)
+    return draft_model_adapter(cfg, target, device)
+
+
+@builds("sps", "pearl")
+def _draft_model_drafter(cfg, target, device, memory) -> Drafter:
+    """SpS (and PEARL in one process) with :func:`draft_adapter`'s draft."""
+    return DraftModelDrafter(draft_adapter(cfg, target, device), cfg.confidence_threshold, tree=tree_shape(cfg))
+
+
+@builds("early-exit")
+def _early_exit_drafter(cfg, target, device, memory) -> Drafter:
+    """The target's first ``exit_layer`` layers draft; through the Kangaroo adapter of that exit layer when one ships
+    for the model (or ``drafter`` names one)."""
+    shape, depth = tree_shape(cfg), model_depth(target)
+    if cfg.exit_layer >= depth:
+        raise ConfigError("exit_layer", f"must be below the model's {depth} layers, got {cfg.exit_layer}")
+    name = default_drafter(cfg, f"kangaroo-l{cfg.exit_layer}")
+    if name is None:
+        return EarlyExitDrafter(cfg.exit_layer, cfg.confidence_threshold, tree=shape)
+    art = load_recipe_artifact(name, "kangaroo", target.model)
+    if art.knobs["exit_layer"] != cfg.exit_layer:
+        raise ConfigError("drafter", f"{name!r} adapts exit layer {art.knobs['exit_layer']}, not exit_layer={cfg.exit_layer}")
+    return art.drafter(cfg.confidence_threshold, 0, shape)

@@ -1,0 +1,213 @@
+"""A feature-level drafter in the manner of EAGLE-2/3: the target's own hidden states in, one decoder layer, a
+trimmed vocabulary out.
+
+Inputs (positions p of the committed text, the loop's convention: the pending token is x_{n-1} and the target's
+hidden states exist for p <= n-2):
+
+* ``g_p = fc_features([norm(h^a_p); norm(h^b_p); norm(h^c_p)])``: the target's hidden states after a low, a middle
+  and its last layer (EAGLE-3 fuses several depths; ``norm`` is a parameter-free RMS normalisation, so the fused
+  depths start on one scale), from ``DecodeState.target_features``;
+* ``z_p = fc_in([e(x_{p+1}); g_p])``: with the embedding of the next token (EAGLE's token shift);
+* one decoder layer over ``z`` with its own KV cache gives ``o_p``; the target's final norm and a head over the
+  ``M`` most frequent tokens of the training data (VocabTrim) give the draft distribution of x_{p+2}.
+
+Drafting feeds the drafter its own output: the first draft comes from ``o_{n-2}`` (true features of the committed
+text); the next from ``z = fc_in([e(d_1); o_{n-2}])`` at slot n-1, and so on. The training (``training.objectives``,
+recipe ``eagle``) unrolls exactly this: at step j the input feature at p is the step-(j-1) output at p-1 and the
+query attends to the true-feature keys of positions <= p-j and to its own chain (EAGLE-3's training-time test).
+After each verdict the drafted nodes' keys are dropped and the accepted positions are fed again with the target's
+true features, so the cache only ever holds true-feature keys of committed text.
+
+Trees: ``Dynamic`` shapes grow best-first by path probability (DySpec, as EAGLE-2's dynamic trees do by
+reranking); every prefix of that order is a tree, and with a ``chooser`` (the host's measured verification-cost
+curve, ``decoding.trees.hardware``) the verified prefix is the one with the most expected tokens per second of
+verification, taking the draft's path probability as its acceptance estimate.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from decoding.drafters.drafters import DecodeState, Drafter, Proposal, _draft_chain, _draft_tree, _tree_forward, max_nodes_of
+from decoding.model.adapter import KVCache, ModelAdapter
+from decoding.trees.trees import Dynamic, Tree
+
+EPS = 1e-6
+
+
+def feature_norm(h: torch.Tensor) -> torch.Tensor:
+    """Parameter-free RMS normalisation over the last dim (each fused depth on the same scale)."""
+    hf = h.float()
+    return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS)).to(h.dtype)
+
+
+class VocabHead(nn.Module):
+    """A trainable LM head over ``vocab`` (target token ids, [M]); its logits over the full vocabulary are -inf
+    outside ``vocab``, so it stands in for the target's head (``out_features`` = V)."""
+
+    def __init__(self, lm_head: nn.Linear, vocab: torch.Tensor):
+        super().__init__()
+        self.out_features = lm_head.out_features
+        object.__setattr__(self, "source", lm_head)  # the target's head (not a submodule): reset() starts from its rows
+        self.register_buffer("vocab", vocab.long().clone())
+        self.weight = nn.Parameter(lm_head.weight.detach()[self.vocab].clone())
+
+    @torch.no_grad()
+    def reset(self, vocab: torch.Tensor) -> None:
+        """Draft over ``vocab`` (its first M ids, M = this head's size), starting from the target head's rows; a ranking
+        shorter than M is followed by the unranked ids in id order (tokens the data never showed).
+
+        >>> head = VocabHead(nn.Linear(4, 6, bias=False), torch.arange(4)); head.reset(torch.tensor([5, 2])); head.vocab.tolist()
+        [5, 2, 0, 1]
+        """
+        size = self.vocab.shape[0]
+        ranked = vocab[:size].long().cpu()
+        if ranked.shape[0] < size:
+            unseen = torch.ones(self.out_features, dtype=torch.bool)
+            unseen[ranked] = False
+            ranked = torch.cat([ranked, unseen.nonzero().flatten()[: size - ranked.shape[0]]])
+        ids = ranked.to(self.vocab.device)
+        self.vocab.copy_(ids)
+        self.weight.copy_(self.source.weight.detach()[ids].to(self.weight.dtype))
+
+    def trimmed(self, h: torch.Tensor) -> torch.Tensor:  # [.., H] -> [.., M]
+        return h @ self.weight.T
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [.., H] -> [.., V]
+        sub = self.trimmed(h)
+        out = torch.full((*sub.shape[:-1], self.out_features), float("-inf"), dtype=sub.dtype, device=sub.device)
+        return out.index_copy_(-1, self.vocab, sub)
+
+
+class EagleNet(nn.Module):
+    """``fc_features``, ``fc_in``, one decoder layer and a :class:`VocabHead`, over the target's frozen embedding,
+    final norm and rotary embedding (attributes, not submodules: never trained or saved).
+
+    Shaped like a Hugging Face causal LM (``model.layers``, ``model.embed_tokens``, ``model.norm``,
+    ``model.rotary_emb``, ``lm_head``, ``config``), so ``ModelAdapter`` runs its layer with its own KV cache
+    (the adapter's ``hidden=`` entry takes ``fc_in``'s output).
+    """
+
+    def __init__(self, hf_model, feature_layers: tuple[int, ...], vocab: torch.Tensor, init_layer: int | None = None):
+        super().__init__()
+        base = hf_model.model
+        h = hf_model.config.hidden_size
+        self.feature_layers = tuple(int(x) for x in feature_layers)
+        self.config = copy.deepcopy(hf_model.config)
+        self.config.num_hidden_layers = 1
+        self.model = nn.Module()
+        layer = copy.deepcopy(base.layers[len(base.layers) - 1 if init_layer is None else init_layer])
+        layer.self_attn.layer_idx = 0  # indexes the drafter's own one-layer KV cache
+        layer.requires_grad_(True)
+        self.model.layers = nn.ModuleList([layer])
+        for name in ("embed_tokens", "norm", "rotary_emb"):
+            object.__setattr__(self.model, name, getattr(base, name))
+        dtype = base.embed_tokens.weight.dtype
+        self.fc_features = nn.Linear(len(self.feature_layers) * h, h, bias=False, dtype=dtype)
+        self.fc_in = nn.Linear(2 * h, h, bias=True, dtype=dtype)
+        with torch.no_grad():  # start as g = the last depth's normalised feature, z = e(x) + g
+            self.fc_features.weight.zero_()
+            self.fc_features.weight[:, -h:].copy_(torch.eye(h))
+            self.fc_in.weight.copy_(torch.cat([torch.eye(h), torch.eye(h)], 1))
+            self.fc_in.bias.zero_()
+        self.lm_head = VocabHead(hf_model.lm_head, vocab)
+
+    def fuse(self, features: dict) -> torch.Tensor:
+        """g [B, c, H] from the target's hidden states {layer: [B, c, H]} at ``feature_layers``."""
+        return self.fc_features(torch.cat([feature_norm(features[layer]) for layer in self.feature_layers], -1))
+
+    def inputs(self, g: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """z [B, c, H] = fc_in([e(tokens); g]); tokens [B, c] are the tokens after g's positions."""
+        return self.fc_in(torch.cat([self.model.embed_tokens(tokens), g.to(self.fc_in.weight.dtype)], -1))
+
+
+class EagleDrafter(Drafter):
+    """Drafts chains, or trees of ``tree`` shape, from an :class:`EagleNet` (see the module docstring)."""
+
+    name = "eagle"
+
+    def __init__(self, net: EagleNet, confidence_threshold: float = 0.0, tree: Tree | Dynamic | None = None, chooser=None):
+        self.net, self.adapter = net, ModelAdapter(net)
+        self.feature_layers = net.feature_layers
+        self.threshold = confidence_threshold
+        self.tree = tree
+        self.chooser = chooser  # decoding.trees.hardware.TreeChooser: size dynamic trees by verification cost
+        self.cache: KVCache | None = None
+        self.fed = 0  # slots 0..fed-1 of the drafter's cache hold true-feature keys
+        self.queue: list[dict] = []
+        self.last: dict = {}
+        self._probs = None
+
+    def max_nodes(self, k: int) -> int:
+        return max_nodes_of(self.tree, k)
+
+    def start(self, state: DecodeState) -> None:
+        self.cache = self.adapter.new_cache(state.tokens.shape[0], state.max_len)
+        self.fed, self.queue = 0, [state.target_features]
+
+    def update(self, state: DecodeState, num_accepted: int) -> None:
+        self.queue.append(state.target_features)  # the positions kept: pending + accepted, fed again next time
+        self.cache.rollback(self.fed)  # the drafted nodes' keys came from drafted features: dropped
+
+    def _catch_up(self, state: DecodeState) -> torch.Tensor:
+        """Feed positions fed..n-2 with the target's features; returns o_{n-2} [B, 1, H]."""
+        tokens, n = state.tokens, state.tokens.shape[1]
+        features = {layer: torch.cat([q[layer] for q in self.queue], 1) for layer in self.feature_layers}
+        self.queue = []
+        z = self.net.inputs(self.net.fuse(features), tokens[:, self.fed + 1 : n])
+        out = self.adapter.forward(self.cache, self.fed, hidden=z)
+        self.fed = n - 1
+        self.cache.rollback(self.fed)
+        return out[:, -1:]
+
+    @torch.inference_mode()
+    def propose(self, state: DecodeState, k: int) -> Proposal:
+        a, n = self.adapter, state.tokens.shape[1]
+        root = self._catch_up(state)
+        root_logits = a.logits(root)[:, -1]
+        if k <= 0:
+            return Proposal.empty(state.tokens.shape[0], state.tokens.device)
+        if self.tree is None:
+            prev = [root]
+
+            def step(tok, i, need_logits):
+                prev.append(a.forward(self.cache, n - 1 + i, hidden=self.net.inputs(prev[-1], tok[:, None])))
+                return a.logits(prev[-1])[:, -1]
+
+            tokens, probs, _ = _draft_chain(step, root_logits, k, state, self.threshold, feed_last=False)
+            return Proposal(tokens=tokens, probs=probs)
+
+        tokens, parents, path_p = self.draft_tree(state, k, root, root_logits)
+        if self.chooser is not None and isinstance(self.tree, Dynamic):
+            keep = self.chooser.prefix(path_p)  # best-first order: every prefix is a tree
+            self.last = {"drafted": len(tokens), "verified": keep, "expected": 1 + sum(path_p[:keep])}
+            tokens, parents = tokens[:keep], parents[:keep]
+        ids = torch.tensor([tokens], dtype=torch.long, device=state.tokens.device)
+        return Proposal(tokens=ids, probs=self._probs, tree=Tree.from_parents([-1] + parents))
+
+    def draft_tree(self, state: DecodeState, k: int, root=None, root_logits=None) -> tuple[list[int], list[int], list[float]]:
+        """A token tree of up to ``k`` levels in ``self.tree``'s shape: (tokens, parents indexing [pending, nodes...],
+        path probabilities) per node, in node order (for a ``Dynamic`` shape: best-first, every prefix a tree). Feeds
+        the committed positions first unless ``root`` (o_{n-2}) and ``root_logits`` are given."""
+        a, n = self.adapter, state.tokens.shape[1]
+        if root is None:
+            root = self._catch_up(state)
+            root_logits = a.logits(root)[:, -1]
+        outputs = {0: root}  # node -> its output feature [B, 1, H] (node 0: the pending token's pair at slot n-2)
+
+        def tree_step(toks, lo, hi, tree):
+            parents = tree.parents.tolist()
+            g = torch.cat([outputs[parents[i]] for i in range(lo, hi)], 1)
+            h = _tree_forward(a, self.cache, n - 2, tree, lo, hi, hidden=self.net.inputs(g, toks))
+            outputs.update({i: h[:, j : j + 1] for j, i in enumerate(range(lo, hi))})
+            return a.logits(h)
+
+        path_p: list[float] = []
+        shape = self.tree or Dynamic(budget=k)
+        tokens, probs, tree, _ = _draft_tree(tree_step, root_logits, shape, k, state, feed_last=False, path_probs=path_p)
+        self._probs = probs
+        nodes = tokens[0].tolist()
+        return nodes, tree.parents.tolist()[1:], path_p[1:] if path_p else [1.0] * len(nodes)

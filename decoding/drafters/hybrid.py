@@ -1,0 +1,216 @@
+"""The hybrid model-free drafter: prompt lookup, suffix decoding and Token Recycling merged into one tree per step.
+
+Each source proposes a tree with an estimate of each node's chance to be accepted (its path probability):
+
+* recycling: the product of the measured per-rank acceptance along the node's path (``recycling.RankStats``);
+* suffix: the empirical continuation frequencies of the longest match (``suffix.best_first``);
+* prompt lookup (``NgramDrafter.lookup_tree``): ``NGRAM_PRIOR ** depth``, halved per earlier sibling;
+* a trained feature head (``eagle``, optional), run only where the copying sources expect little
+  (``HEAD_WHEN``): its draft path probabilities.
+
+Every source's estimates are rescaled by how well they predicted so far (accepted nodes + 2 over predicted
+mass + 2, counted over the nodes it contributed), so a source that over-promises loses its place. The trees
+are merged into one trie (a node proposed by several sources keeps the best estimate); the nodes are ranked by
+estimate (a child never outranks its parent, so every prefix of the ranking is a tree) and the step keeps the
+prefix of b nodes that maximises expected tokens per second, (1 + sum of the b estimates) / cost(b + 1), with
+``hardware.TreeChooser``'s measured verification cost (or exactly ``budget`` nodes without one). So a category
+where one source is strong gets that source's long draft, and none is left with nothing to draft.
+
+>>> merged = merge_trees([([5, 6], [0, 1], [0.9, 0.8], "suffix"), ([5, 7], [0, 0], [0.4, 0.3], "recycling")])
+>>> [(tokens, parent, round(p, 2), sorted(src)) for tokens, parent, p, src in merged]
+[(5, 0, 0.9, ['recycling', 'suffix']), (6, 1, 0.8, ['suffix']), (7, 0, 0.3, ['recycling'])]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decoding.drafters.drafters import DecodeState, Drafter, NgramDrafter, Proposal
+from decoding.drafters.recycling import RecyclingDrafter, verified_nodes
+from decoding.drafters.suffix import SuffixDrafter
+from decoding.trees.trees import Tree
+
+NGRAM_PRIOR = 0.6  # prompt lookup's per-token acceptance before any is measured
+SOURCES = ("ngram", "suffix", "recycling", "eagle")
+# With a trained head (``decoding.drafters.eagle``) the hybrid drafts with it where copying offers little: when no
+# model-free source expects this many accepted tokens from its whole tree (scaled estimates summed; a 3-token prompt
+# lookup match expects 0.6 + 0.36 + 0.22 before calibration). Copying costs nothing; the head costs small forwards.
+HEAD_WHEN = 1.0
+
+
+def merge_trees(trees) -> list[tuple[int, int, float, set]]:
+    """Merge trees given as (tokens, parents, probs, source) into one trie, nodes ranked by estimate.
+
+    Returns (token, parent, prob, sources) per node, parents indexing [root, nodes...] in the returned order.
+    """
+    nodes: dict[tuple, list] = {}  # token path -> [prob, sources]
+    for tokens, parents, probs, source in trees:
+        paths = [()]
+        for tok, par, p in zip(tokens, parents, probs, strict=True):
+            path = paths[par] + (tok,)
+            paths.append(path)
+            entry = nodes.setdefault(path, [0.0, set()])
+            entry[0] = max(entry[0], p)
+            entry[1].add(source)
+    # a child's estimate never exceeds its parent's within a source, hence within the merge; ties: shallower first
+    order = sorted(nodes, key=lambda path: (-nodes[path][0], len(path)))
+    index = {(): 0}
+    out = []
+    for path in order:
+        if path[:-1] not in index:  # unreachable for monotone estimates; kept safe
+            continue
+        index[path] = len(out) + 1
+        out.append((path[-1], index[path[:-1]], nodes[path][0], nodes[path][1]))
+    return out
+
+
+class HybridDrafter(Drafter):
+    name = "hybrid"
+
+    def __init__(
+        self,
+        recycling: RecyclingDrafter,
+        suffix: SuffixDrafter,
+        ngram: NgramDrafter | None = None,
+        budget: int = 16,
+        chooser=None,
+        head=None,
+    ):
+        self.recycling, self.suffix = recycling, suffix
+        self.head = head  # an EagleDrafter, or None
+        self.feature_layers = head.feature_layers if head is not None else ()
+        self.model_free = head is None  # with a head, proposing costs forwards: k=auto must count them
+        self.ngram = ngram or NgramDrafter(3, 1)
+        self.budget, self.chooser = budget, chooser
+        self._nodes: list[int] = []
+        self._parents: list[int] = []
+        self._sources: list[set] = []
+        self._raw: list[dict] = []  # per node: source -> its unscaled estimate
+        self._ranks: list[int | None] = []  # per node: its rank among recycling's candidates (None: not recycled)
+        self._rank_of: dict = {}
+        self.last_choice: dict = {}
+
+    @property
+    def calibration(self) -> dict:
+        """Per source: [accepted nodes, predicted mass], shared with the decoder's memory (warm across requests)."""
+        return self.recycling.memory.get("hybrid-calibration", lambda: {s: [0.0, 0.0] for s in SOURCES})
+
+    def scale(self, source: str) -> float:
+        accepted, predicted = self.calibration[source]
+        return (accepted + 2.0) / (predicted + 2.0)
+
+    def max_nodes(self, k: int) -> int:
+        return self.chooser.max_budget if self.chooser is not None else self.budget
+
+    def start(self, state: DecodeState) -> None:
+        self.recycling.start(state)
+        self.suffix.start(state)
+        if self.head is not None:
+            self.head.start(state)
+        if self.recycling.cold:
+            self.calibration.update({s: [0.0, 0.0] for s in SOURCES})
+
+    def candidates(self, state: DecodeState, k: int) -> list[tuple[list[int], list[int], list[float], str]]:
+        seq = state.tokens[0]
+        root = int(seq[-1])
+        cap = self.max_nodes(k)
+        out = []
+        toks, pars = self.ngram.lookup_tree(seq, k, cap)
+        if toks:
+            probs, depth, rank, kids = [], [0], [], {}
+            for p in pars:
+                rank.append(kids.get(p, 0))
+                kids[p] = rank[-1] + 1
+                depth.append(depth[p] + 1)
+            probs = [(NGRAM_PRIOR ** depth[i + 1]) * 0.5 ** rank[i] for i in range(len(toks))]
+            # a child's estimate must not exceed its parent's
+            for i, p in enumerate(pars):
+                if p:
+                    probs[i] = min(probs[i], probs[p - 1])
+            out.append((toks, pars, probs, "ngram"))
+        self.suffix.catch_up(state)
+        toks, pars, probs, _ = self.suffix.draft(seq[-self.suffix.max_match :].tolist(), k, cap)
+        if toks:
+            out.append((toks, pars, probs, "suffix"))
+        toks, pars, ranks = self.recycling.draft(root, k)
+        self._rank_of = {}
+        if toks:
+            acc = self.recycling.stats.acceptance()
+            probs, paths = [], [()]
+            for tok, p, r in zip(toks, pars, ranks, strict=True):
+                probs.append((probs[p - 1] if p else 1.0) * (acc[r] if r < len(acc) else 0.0))
+                paths.append(paths[p] + (tok,))
+                self._rank_of[paths[-1]] = r
+            out.append((toks, pars, probs, "recycling"))
+        return out
+
+    def propose(self, state: DecodeState, k: int) -> Proposal:
+        root = int(state.tokens[0, -1])
+        self._nodes, self._parents, self._sources, self._raw, self._ranks = [root], [], [], [], []
+        if k <= 0:
+            return Proposal.empty(1, state.tokens.device)
+        raw = self.candidates(state, k)
+        scaled = []
+        for toks, pars, probs, src in raw:
+            c = self.scale(src)
+            scaled.append((toks, pars, [min(1.0, c * p) for p in probs], src))
+        if self.head is not None and max((sum(probs) for *_, probs, _ in scaled), default=0.0) < HEAD_WHEN:
+            toks, pars, probs = self.head.draft_tree(state, k)
+            if toks:
+                raw.append((toks, pars, probs, "eagle"))
+                scaled.append((toks, pars, [min(1.0, self.scale("eagle") * p) for p in probs], "eagle"))
+        merged = merge_trees(scaled)
+        raw_of = {}
+        for toks, pars, probs, src in raw:  # the unscaled estimate of every (path, source), for calibration
+            paths = [()]
+            for tok, par, p in zip(toks, pars, probs, strict=True):
+                paths.append(paths[par] + (tok,))
+                raw_of[(paths[-1], src)] = p
+        b = self.pick_size([p for _, _, p, _ in merged])
+        merged = merged[:b]
+        paths = [()]
+        for tok, par, _, src in merged:
+            paths.append(paths[par] + (tok,))
+            self._nodes.append(tok)
+            self._parents.append(par)
+            self._sources.append(src)
+            self._raw.append({s: raw_of.get((paths[-1], s), 0.0) for s in src})
+            self._ranks.append(self._rank_of.get(paths[-1]))
+        self.last_choice = {"nodes": b, "sources": sorted({s for src in self._sources for s in src})}
+        if not merged:
+            return Proposal.empty(1, state.tokens.device)
+        ids = torch.tensor([self._nodes[1:]], dtype=torch.long, device=state.tokens.device)
+        return Proposal(tokens=ids, tree=Tree.from_parents([-1] + self._parents))
+
+    def pick_size(self, probs: list[float]) -> int:
+        """How many of the ranked nodes to verify: the most expected tokens per second (exactly the budget without a chooser)."""
+        return self.chooser.prefix(probs) if self.chooser is not None else min(len(probs), self.budget)
+
+    def update(self, state: DecodeState, num_accepted: int) -> None:
+        if self.head is not None:
+            self.head.update(state, num_accepted)
+        if state.last_logits is not None:
+            self.recycling.observe(verified_nodes(state, num_accepted, self._nodes), state.last_logits[0])
+        self._nodes = []
+        if not self._parents:
+            return
+        self._record(state, num_accepted)
+        self._parents, self._sources, self._raw, self._ranks = [], [], [], []  # a step without a proposal must not reuse them
+
+    def _record(self, state: DecodeState, num_accepted: int) -> None:
+        path = state.accepted_path if state.accepted_path is not None else list(range(num_accepted + 1))
+        accepted = set(path[1:])
+        cal = self.calibration
+        for i, raw in enumerate(self._raw, 1):
+            for src, p in raw.items():
+                cal[src][1] += p
+                cal[src][0] += i in accepted
+        # recycling's per-rank acceptance, learnt at the accepted path's nodes where recycling proposed children
+        stats, recycled_parents = self.recycling.stats, {p for p, r in zip(self._parents, self._ranks, strict=True) if r is not None}
+        for j, node in enumerate(path):
+            if node not in recycled_parents:
+                break
+            stats.visits += 1
+            r = self._ranks[path[j + 1] - 1] if j + 1 < len(path) else None
+            if r is not None and r < stats.width:
+                stats.accepted[r] += 1

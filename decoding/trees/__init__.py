@@ -1,0 +1,2 @@
+"""Token trees: shapes as lists of paths turned into masks once (``trees``), and their size for the host they run
+on (``hardware``)."""

@@ -1,0 +1,317 @@
+"""Model-free tree drafters: Token Recycling, suffix decoding and the hybrid; their data structures, the tree size
+chosen from a measured cost curve, greedy equality and the sampled distribution on a tiny model."""
+
+import itertools
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from decoding.config import SpecConfig
+from decoding.drafters.draft_memory import DraftMemory
+from decoding.drafters.drafters import NgramDrafter
+from decoding.drafters.hybrid import HybridDrafter, merge_trees
+from decoding.drafters.model_free import build_model_free
+from decoding.drafters.recycling import AdjacencyMatrix, RankStats, RecyclingDrafter, verified_nodes
+from decoding.drafters.suffix import SuffixCache, SuffixDrafter, SuffixTrie, best_first
+from decoding.errors import ConfigError
+from decoding.loop import loop as loop_module
+from decoding.loop.loop import generate
+from decoding.loop.metrics import chi_square_pvalue
+from decoding.loop.verify import verify_tree_speculative
+from decoding.model.adapter import ModelAdapter
+from decoding.sampling import sample_from
+from decoding.trees import hardware
+from decoding.trees.trees import Tree
+from tests.decoding.loop.test_loop import N_TOKENS, PROMPT, SAMPLING, exact_joint, sample_counts
+
+V = 12  # the tiny model's vocabulary
+# this wrong rule differs from the right one only after a rejected tree node: at 300 draws recycling's control gave
+# p = 0.08; it needs more draws than the loop's controls
+BROKEN_RULE_DRAWS = 1500
+
+
+# ---- Token Recycling's adjacency matrix ------------------------------------------------------------------------------
+def test_adjacency_keeps_the_latest_top_k_of_every_observed_token():
+    adj = AdjacencyMatrix(vocab=V, width=3)
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0))
+    adj.observe(torch.tensor([2, 5, 2, 9]), logits)  # token 2 twice: the later row wins
+    assert adj.table[5].tolist() == logits[1].topk(3).indices.tolist()
+    assert adj.table[2].tolist() == logits[2].topk(3).indices.tolist()
+    assert adj.table[9].tolist() == logits[3].topk(3).indices.tolist()
+    assert (adj.table[[0, 1, 3]] == -1).all()
+    assert adj.table.dtype == torch.int32
+    assert AdjacencyMatrix(49152, 8).table.numel() * 4 < 2 * 2**20  # under 2 MB for SmolLM2's vocabulary
+
+
+def test_expansion_follows_the_template_and_drops_unknown_subtrees():
+    adj = AdjacencyMatrix(vocab=V, width=2)
+    adj.table[1] = torch.tensor([4, 6], dtype=torch.int32)
+    adj.table[4] = torch.tensor([7, 8], dtype=torch.int32)  # 6 was never seen: its subtree is dropped
+    adj.table[7] = torch.tensor([1, 2], dtype=torch.int32)
+    template = Tree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    tokens, parents, ranks = adj.expand(1, template)
+    assert tokens == [4, 6, 7, 8, 1]
+    assert parents == [0, 0, 1, 1, 3]
+    assert ranks == [0, 1, 0, 1, 0]
+    assert adj.expand(3, template) == ([], [], [])  # an unseen root drafts nothing
+
+
+def test_rank_stats_count_the_accepted_rank_at_every_visited_node():
+    stats = RankStats(width=2)
+    # tree: root -> a (rank 0), b (rank 1); a -> c (rank 0). Accepted: root, b (rank 1); b is a leaf.
+    stats.record(parents=[0, 0, 1], ranks=[0, 1, 0], path=[0, 2])
+    assert (stats.visits, stats.accepted) == (1, [0, 1])
+    stats.record(parents=[0, 0, 1], ranks=[0, 1, 0], path=[0, 1, 3])  # root -> a -> c: two visits, both rank 0
+    assert (stats.visits, stats.accepted) == (3, [2, 1])
+    acc = stats.acceptance(prior=(0.5, 0.1), weight=1.0)
+    assert acc == pytest.approx([(2 + 0.5) / 4, (1 + 0.1) / 4])
+
+
+def test_the_logits_rows_are_matched_to_the_tokens_they_follow():
+    state = SimpleNamespace(tokens=torch.tensor([[5, 6, 7, 8]]), last_logits=torch.zeros(1, 3, V))
+    assert verified_nodes(state, 1, [6, 7, 2]) == [6, 7, 2]  # the proposal's root and nodes
+    state.last_logits = torch.zeros(1, 1, V)  # a step that drafted nothing: only the root (pending) was verified
+    assert verified_nodes(state, 0, [6, 7, 2]) == [7]  # a stale proposal is not used; the root was tokens[-2]
+    assert verified_nodes(state, 0, []) == [7]
+
+
+# ---- suffix tries --------------------------------------------------------------------------------------------------
+def _count(text, sub):
+    return sum(1 for i in range(len(text) - len(sub) + 1) if text[i : i + len(sub)] == sub)
+
+
+def test_suffix_trie_counts_every_substring_up_to_its_depth():
+    rnd = random.Random(0)
+    text = [rnd.randrange(4) for _ in range(60)]
+    trie = SuffixTrie(depth=4)
+    trie.extend(text)
+    for n in range(1, 5):
+        for sub in itertools.product(range(4), repeat=n):
+            node = trie.root
+            for t in sub:
+                node = node.kids.get(t) if node else None
+            assert (node.count if node else 0) == _count(text, list(sub)), sub
+    assert trie.root.kids[text[0]].kids  # depth 1 nodes have children
+    assert all(len(trie.open) <= 4 for _ in [0])
+
+
+def test_longest_match_with_a_continuation():
+    trie = SuffixTrie(depth=8)
+    trie.extend([9, 1, 2, 3, 5, 0, 2, 3])  # ends "2 3": seen before (followed by 5); "1 2 3" is not the suffix
+    node, m = trie.match_open(max_match=6)
+    assert m == 2 and list(node.kids) == [5]
+    node, m = trie.match([7, 1, 2, 3], max_match=6)  # another text's context: "1 2 3" matches, continues with 5
+    assert m == 3 and list(node.kids) == [5]
+    assert trie.match([4, 4], max_match=6) == (None, 0)
+
+
+def test_best_first_takes_the_most_frequent_paths_and_respects_min_prob():
+    trie = SuffixTrie(depth=6)
+    for cont in ([1, 2], [1, 2], [1, 2], [1, 3], [4, 5]):  # after 0: "1 2" x3, "1 3" x1, "4 5" x1
+        trie.extend([0] + cont)
+        trie.end_text()
+    node = trie.root.kids[0]
+    tokens, parents, probs = best_first(node, depth=2, budget=10, min_prob=0.0)
+    assert tokens[:2] == [1, 2] and parents[:2] == [0, 1]
+    assert probs == sorted(probs, reverse=True)
+    assert probs[:2] == pytest.approx([0.8, 0.6])
+    tokens, _, probs = best_first(node, depth=2, budget=10, min_prob=0.25)
+    assert min(probs) >= 0.25 and 3 not in tokens
+    assert len(best_first(node, depth=2, budget=2, min_prob=0.0)[0]) == 2
+    assert max(len(p) for p in [best_first(node, depth=1, budget=10, min_prob=0.0)[1]]) and set(
+        best_first(node, depth=1, budget=10, min_prob=0.0)[1]
+    ) == {0}
+
+
+def test_suffix_cache_is_bounded_and_forgets_the_oldest_outputs():
+    cache = SuffixCache(depth=4, cache_tokens=100)
+    for i in range(30):
+        cache.add([i % 50 + 50] * 3 + [i])
+    assert cache.tokens <= 100
+    assert cache.trie.match([29], 3)[0] is None  # the last output ends the text: no continuation after it
+    assert cache.trie.root.kids.get(0) is None  # output 0 was evicted
+    assert cache.trie.root.kids.get(29) is not None
+
+
+# ---- the hybrid's merge and the hardware fit ------------------------------------------------------------------------
+def test_merge_keeps_the_best_estimate_and_a_tree_in_every_prefix():
+    merged = merge_trees(
+        [
+            ([5, 6, 7], [0, 1, 2], [0.9, 0.2, 0.1], "suffix"),
+            ([5, 8, 9], [0, 1, 0], [0.5, 0.4, 0.3], "recycling"),
+            ([9, 1], [0, 1], [0.6, 0.5], "ngram"),
+        ]
+    )
+    probs = [p for _, _, p, _ in merged]
+    assert probs == sorted(probs, reverse=True)
+    parents = [par for _, par, _, _ in merged]
+    assert all(par <= i for i, par in enumerate(parents))  # every prefix is a tree
+    by_token = {(tok, par): (p, src) for tok, par, p, src in merged}
+    assert by_token[(5, 0)] == (0.9, {"suffix", "recycling"})
+    assert by_token[(9, 0)] == (0.6, {"recycling", "ngram"})
+    assert len(merged) == 6
+
+
+def test_tree_chooser_prefers_small_trees_when_nodes_are_expensive():
+    acc = [0.45, 0.1, 0.05, 0.03]
+    flat = hardware.TreeChooser({1: 1.0, 64: 1.02})
+    steep = hardware.TreeChooser({1: 1.0, 8: 1.3, 16: 1.7, 32: 2.6, 64: 4.6})
+    assert flat.choose(acc, 6).size > steep.choose(acc, 6).size
+    assert steep.prefix([0.01, 0.01]) == 0  # nothing worth its cost: do not draft
+    assert flat.prefix([0.5] * 80) == flat.max_budget
+
+
+def test_verify_costs_are_measured_once_and_cached(tiny_model, tmp_path, monkeypatch, one_thread):
+    monkeypatch.setenv("SPECRAY_HOME", str(tmp_path))
+    adapter = ModelAdapter(tiny_model)
+    costs = hardware.verify_costs(adapter, "tiny", "float32", 1)
+    assert set(costs) == set(hardware.SIZES) and all(c > 0 for c in costs.values())
+    path = hardware.calibration_path("tiny", "float32", 1)
+    assert json.loads(path.read_text())["seconds"]
+
+    def fail(*a, **k):
+        raise AssertionError("measured again instead of reading the cache")
+
+    monkeypatch.setattr(hardware, "measure_verify_cost", fail)
+    assert hardware.verify_costs(adapter, "tiny", "float32", 1) == costs
+    others = {hardware.calibration_path("tiny", "bfloat16", 1), hardware.calibration_path("tiny", "float32", 1, implementation="modules")}
+    assert path not in others and len(others) == 2  # a cache per model, dtype, threads and forward implementation
+    assert hardware.calibration_path("tiny", "float32", 1, implementation=adapter.implementation) == path
+
+
+# ---- configuration ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("recycle_width", 0),
+        ("suffix_factor", 0.0),
+        ("suffix_min_prob", 1.5),
+        ("suffix_depth", 1),
+        ("suffix_cache_tokens", -1),
+        ("draft_memory", "lukewarm"),
+        ("tree_fit", "guess"),
+    ],
+)
+def test_config_names_the_bad_field(field, value):
+    with pytest.raises(ConfigError) as e:
+        SpecConfig(method="hybrid", **{field: value})
+    assert e.value.field == field
+
+
+def test_builder_makes_each_method_with_its_knobs(tiny_model):
+    target = SimpleNamespace(model=tiny_model)
+    memory = DraftMemory()
+    base = SpecConfig(tree_fit="budget", tree_budget=6, recycle_width=3, draft_memory="cold")
+    rec = build_model_free(base.replace(method="recycling"), target, memory)
+    assert isinstance(rec, RecyclingDrafter) and rec.width == 3 and rec.cold and rec.memory is memory
+    suf = build_model_free(base.replace(method="suffix", suffix_factor=2.0), target, memory)
+    assert isinstance(suf, SuffixDrafter) and suf.factor == 2.0 and suf.memory is memory
+    hyb = build_model_free(base.replace(method="hybrid"), target, memory)
+    assert isinstance(hyb, HybridDrafter) and hyb.max_nodes(4) == 6
+    static = build_model_free(base.replace(method="recycling", tree="static", tree_paths="[[0],[1],[0,0]]"), target)
+    assert static.template_for(4).size == 4
+    with pytest.raises(ConfigError) as e:
+        build_model_free(base.replace(method="recycling", tree="static", tree_paths="[[0],[1],[2],[3]]"), target)
+    assert e.value.field == "tree_paths"
+
+
+# ---- end to end on the tiny model ------------------------------------------------------------------------------------
+def drafters(memory=None, cold=False):
+    memory = memory or DraftMemory()
+    rec = RecyclingDrafter(V, width=3, budget=6, memory=memory, cold=cold)
+    suf = SuffixDrafter(budget=6, factor=2.0, min_prob=0.0, depth=6, memory=memory, cold=cold)
+    hyb = HybridDrafter(
+        RecyclingDrafter(V, width=3, budget=6, memory=memory, cold=cold),
+        SuffixDrafter(budget=6, factor=2.0, min_prob=0.0, depth=6, memory=memory, cold=cold),
+        NgramDrafter(2, 1),
+        budget=6,
+    )
+    return {"recycling": rec, "suffix": suf, "hybrid": hyb}
+
+
+NAMES = ["recycling", "suffix", "hybrid"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_output_equals_ar_and_trees_are_accepted(tiny_model, one_thread, name):
+    target = ModelAdapter(tiny_model)
+    drafter = drafters()[name]
+    for prompt in (PROMPT, torch.tensor([[1, 2, 3, 4, 5, 6]]), torch.tensor([[11, 0, 11, 0]])):
+        ref = generate(target, prompt, max_new_tokens=40).token_ids
+        out = generate(target, prompt, drafter=drafter, k=4, max_new_tokens=40)
+        assert out.token_ids == ref
+    assert out.stats.mean_accepted_tokens > 1.2, out.stats.mean_accepted_tokens  # the drafts were used
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("max_new", [1, 2, 5])
+def test_lengths_exact(tiny_model, one_thread, name, max_new):
+    out = generate(ModelAdapter(tiny_model), PROMPT, drafter=drafters()[name], k=4, max_new_tokens=max_new)
+    assert len(out.token_ids) == max_new
+
+
+def test_warm_memory_carries_over_and_cold_forgets(tiny_model, one_thread):
+    target = ModelAdapter(tiny_model)
+    memory = DraftMemory()
+    warm = drafters(memory)["recycling"]
+    generate(target, PROMPT, drafter=warm, k=4, max_new_tokens=20)
+    seen = int((warm.adjacency.table[:, 0] >= 0).sum())
+    assert seen > 0 and warm.stats.visits > 0
+    # a second decoder's drafter on the same memory starts warm: it drafts at its very first step
+    first = drafters(memory)["recycling"]
+    out = generate(target, PROMPT, drafter=first, k=4, max_new_tokens=3)
+    assert out.steps[0].drafted > 0
+    cold = drafters(memory, cold=True)["recycling"]
+    out = generate(target, PROMPT, drafter=cold, k=4, max_new_tokens=3)
+    assert out.steps[0].drafted == 0  # forgotten at start: the first step has nothing to recycle
+
+
+def test_suffix_global_cache_serves_a_later_request(tiny_model, one_thread):
+    target = ModelAdapter(tiny_model)
+    memory = DraftMemory()
+    d = drafters(memory)["suffix"]
+    first = generate(target, torch.tensor([[1, 2, 3]]), drafter=d, k=4, max_new_tokens=20)
+    d.finish()
+    # a new request whose prompt is the first one's output so far: the continuation is in the global cache
+    prompt = torch.tensor([[1, 2, 3] + first.token_ids[:6]])
+    again = generate(target, prompt, drafter=drafters(memory)["suffix"], k=4, max_new_tokens=8)
+    assert again.token_ids == first.token_ids[6:14]
+    assert again.steps[0].accepted >= 1
+    cold = generate(target, prompt, drafter=drafters(memory, cold=True)["suffix"], k=4, max_new_tokens=8)
+    assert cold.steps[0].drafted <= again.steps[0].drafted
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sampled_distribution_matches_target(tiny_model, one_thread, name):
+    drafter = drafters()[name]
+    counts = sample_counts(tiny_model, drafter, SAMPLING, k=3)
+    p = chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING))
+    assert p > 1e-4, f"{name}: sampled tokens do not follow the target (p={p:.2e})"
+
+
+def test_sampling_trees_are_really_accepted(tiny_model, one_thread):
+    # the distribution test means something only if drafted nodes get accepted under sampling
+    target = ModelAdapter(tiny_model)
+    gen = torch.Generator().manual_seed(0)
+    for name, drafter in drafters().items():
+        outs = [generate(target, PROMPT, drafter=drafter, k=3, sampling=SAMPLING, max_new_tokens=12, generator=gen) for _ in range(30)]
+        tau = sum(o.stats.mean_accepted_tokens for o in outs) / len(outs)
+        assert tau > 1.1, (name, tau)
+
+
+# the fast tier keeps the control on the hybrid (it drafts with all three sources); the other two run in the full suite
+@pytest.mark.parametrize("name", [n if n == "hybrid" else pytest.param(n, marks=pytest.mark.slow) for n in NAMES])
+def test_a_broken_tree_rule_is_caught(tiny_model, one_thread, monkeypatch, name):
+    def draw_from_p(node_tokens, parents, draft_probs, target_probs, u_accept, u_sample):
+        """Wrong: the final draw comes from p at the last accepted node, not from the residual after rejections."""
+        v = verify_tree_speculative(node_tokens, parents, draft_probs, target_probs, u_accept, u_sample)
+        m = int(v.num_accepted[0])
+        v.tokens[0, m] = sample_from(target_probs[0, int(v.path[0, m])][None], u_sample)[0]
+        return v
+
+    monkeypatch.setattr(loop_module, "verify_tree_speculative", draw_from_p)
+    counts = sample_counts(tiny_model, drafters()[name], SAMPLING, k=3, draws=BROKEN_RULE_DRAWS)
+    assert chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING)) < 1e-6

@@ -1,0 +1,257 @@
+"""Continuous batching on a tiny random model: every row equals its own AR run, rows join and leave,
+sampling is per row and lossless in batches, k=auto drafts at low load and stops at high load."""
+
+import pytest
+import torch
+
+from decoding.drafters.drafters import DraftModelDrafter, EarlyExitDrafter, NgramDrafter
+from decoding.loop import loop as loop_module
+from decoding.loop.goodput import CostModel
+from decoding.loop.loop import Batch, NotBatchable, Sequence, generate, generate_many
+from decoding.loop.metrics import chi_square_pvalue
+from decoding.loop.verify import verify_speculative
+from decoding.model.adapter import ModelAdapter
+from decoding.sampling import SamplingParams, sample_from
+from decoding.trees.trees import Dynamic, Tree
+from tests.decoding.loop.test_loop import exact_joint
+
+PROMPTS = [
+    [3, 7, 3, 7, 3],
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3],
+    [5],
+    [9, 9, 4, 9, 9, 4, 9],
+    [2, 11, 6, 2, 11, 6, 2, 11, 6, 2, 11, 6, 2, 11, 6, 2, 11, 6, 2, 11],
+    [0, 4, 8, 10],
+]
+
+
+def make_drafter(model, name):
+    return {
+        "ar": lambda: None,
+        "ngram": lambda: NgramDrafter(ngram_max=2, ngram_min=1),
+        "ngram-tree": lambda: NgramDrafter(ngram_max=2, ngram_min=1, tree_budget=6),
+        "sps": lambda: DraftModelDrafter(ModelAdapter(model, num_layers=1)),
+        "sps-tree": lambda: DraftModelDrafter(ModelAdapter(model, num_layers=1), tree=Dynamic(budget=5)),
+        "sps-static": lambda: DraftModelDrafter(ModelAdapter(model, num_layers=1), tree=Tree.from_paths([[0], [1], [0, 0], [0, 1]])),
+        "early-exit": lambda: EarlyExitDrafter(exit_layer=1),
+    }[name]()
+
+
+DRAFTERS = ["ar", "ngram", "ngram-tree", "sps", "sps-tree", "sps-static", "early-exit"]
+
+
+def ids(p):
+    return torch.tensor([p])
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model):
+    return ModelAdapter(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def ar_alone(target):
+    return [generate(target, ids(p), max_new_tokens=24).token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_every_row_equals_its_ar_run(tiny_model, target, ar_alone, name, one_thread):
+    seqs = [Sequence(ids(p), drafter=make_drafter(tiny_model, name), k=3, max_new_tokens=24) for p in PROMPTS]
+    outs = generate_many(target, seqs, max_rows=len(PROMPTS))
+    assert [o.token_ids for o in outs] == ar_alone
+    assert max(r.rows for o in outs for r in o.steps) == len(PROMPTS)  # they really shared steps
+
+
+def test_mixed_drafters_join_and_leave(tiny_model, target, ar_alone, one_thread):
+    # rows of different drafters, different max_new_tokens; 3 rows at a time, so rows join as others finish
+    names = ["ngram", "sps", "ar", "early-exit", "sps-tree", "ngram-tree"]
+    lengths = [24, 5, 17, 24, 9, 24]
+    seqs = [
+        Sequence(ids(p), drafter=make_drafter(tiny_model, n), k=4, max_new_tokens=m)
+        for p, n, m in zip(PROMPTS, names, lengths, strict=True)
+    ]
+    outs = generate_many(target, seqs, max_rows=3)
+    for out, ref, m in zip(outs, ar_alone, lengths, strict=True):
+        assert out.token_ids == ref[:m] and out.finish_reason == "length"
+    assert max(r.rows for o in outs for r in o.steps) == 3
+
+
+def test_arrival_order_does_not_matter(tiny_model, target, ar_alone, one_thread):
+    order = [4, 2, 0, 5, 1, 3]
+    seqs = [Sequence(ids(PROMPTS[i]), drafter=make_drafter(tiny_model, "ngram"), k=5, max_new_tokens=24) for i in order]
+    outs = generate_many(target, seqs, max_rows=4)
+    assert [o.token_ids for o in outs] == [ar_alone[i] for i in order]
+
+
+def test_eos_and_callback_stop_end_one_row(tiny_model, target, ar_alone, one_thread):
+    eos = ar_alone[0][6]
+    seen = []
+
+    def stop_after_four(tokens):
+        seen.extend(tokens)
+        return "stop-sequence" if len(seen) >= 4 else None
+
+    seqs = [
+        Sequence(ids(PROMPTS[0]), drafter=make_drafter(tiny_model, "ngram"), k=3, max_new_tokens=24, eos_token_ids=[eos]),
+        Sequence(ids(PROMPTS[1]), drafter=make_drafter(tiny_model, "sps"), k=3, max_new_tokens=24, on_step=stop_after_four),
+        Sequence(ids(PROMPTS[3]), k=3, max_new_tokens=24),
+    ]
+    outs = generate_many(target, seqs, max_rows=3)
+    cut = ar_alone[0].index(eos) + 1
+    assert outs[0].token_ids == ar_alone[0][:cut] and outs[0].finish_reason == "stop"
+    assert outs[1].finish_reason == "stop-sequence" and outs[1].token_ids == seen and 4 <= len(seen) < 24
+    assert outs[1].token_ids == ar_alone[1][: len(seen)]
+    assert outs[2].token_ids == ar_alone[3]
+
+
+def test_cancel_between_steps(tiny_model, target, ar_alone, one_thread):
+    batch = Batch(target, max_rows=4)
+    a = batch.add(Sequence(ids(PROMPTS[0]), k=3, max_new_tokens=24))
+    b = batch.add(Sequence(ids(PROMPTS[1]), drafter=make_drafter(tiny_model, "ngram"), k=3, max_new_tokens=24))
+    batch.step()
+    a.cancel()
+    done = batch.step()
+    assert a in done and a.finish_reason == "cancelled" and len(batch) == 1
+    batch.run()
+    assert b.result().token_ids == ar_alone[1]  # the other row moved into row 0 and kept its cache
+
+
+def test_cache_grows_for_a_longer_row(tiny_model, target, one_thread):
+    batch = Batch(target, max_rows=8)
+    short = batch.add(Sequence(ids(PROMPTS[2]), k=2, max_new_tokens=4))
+    first = batch.cache.max_len
+    long = batch.add(Sequence(ids(PROMPTS[4]), drafter=make_drafter(tiny_model, "ngram"), k=2, max_new_tokens=120))
+    assert batch.cache.max_len > first
+    batch.run()
+    assert short.result().token_ids == generate(target, ids(PROMPTS[2]), max_new_tokens=4).token_ids
+    assert long.result().token_ids == generate(target, ids(PROMPTS[4]), max_new_tokens=120).token_ids
+
+
+def test_batch_limits_and_errors(tiny_model, target):
+    batch = Batch(target, max_rows=1)
+    batch.add(Sequence(ids(PROMPTS[0]), max_new_tokens=8))
+    with pytest.raises(RuntimeError, match="full"):
+        batch.add(Sequence(ids(PROMPTS[1]), max_new_tokens=8))
+    with pytest.raises(loop_module.ContextTooLong, match="context"):
+        Batch(target).add(Sequence(ids(PROMPTS[0]), max_new_tokens=1000))
+    with pytest.raises(ValueError, match="one row"):
+        Sequence(torch.tensor([[1, 2], [3, 4]]))
+    with pytest.raises(ValueError, match="Batch"):
+        generate(target, torch.tensor([[1, 2], [3, 4]]))
+
+    from decoding.schedules.triforce import TriForceDrafter
+
+    tri = TriForceDrafter("ngram", budget=16, chunk_size=4, gamma=2, sinks=1, window=4)
+    with pytest.raises(NotBatchable, match="one sequence at a time"):
+        Batch(target, max_rows=4).add(Sequence(ids(PROMPTS[4]), drafter=tri))
+
+
+# ---- sampling, per row ----------------------------------------------------------------------
+
+SAMPLING = SamplingParams(temperature=1.0)
+N_TOKENS = 3
+
+
+def test_sampled_row_does_not_depend_on_its_neighbours(tiny_model, target, one_thread):
+    def seq(p, seed, name="sps"):
+        return Sequence(
+            ids(p),
+            drafter=make_drafter(tiny_model, name),
+            k=3,
+            sampling=SAMPLING,
+            max_new_tokens=20,
+            generator=torch.Generator().manual_seed(seed),
+        )
+
+    alone = generate_many(target, [seq(PROMPTS[0], 7)], max_rows=1)[0].token_ids
+    crowd = [seq(PROMPTS[1], 1, "ngram"), seq(PROMPTS[0], 7), seq(PROMPTS[4], 3, "ar"), seq(PROMPTS[3], 5, "early-exit")]
+    assert generate_many(target, crowd, max_rows=4)[1].token_ids == alone
+
+
+def batched_counts(model, target, draws, name="sps", k=2, rows=16, neighbours=True):
+    """First N_TOKENS sampled tokens of PROMPTS[0] from ``draws`` sequences run ``rows`` at a time (each its own
+    generator), interleaved with sequences of other prompts that share the steps."""
+    v = model.config.vocab_size
+    counts = torch.zeros([v] * N_TOKENS, dtype=torch.long)
+    seqs, mine = [], []
+    for i in range(draws):
+        s = Sequence(
+            ids(PROMPTS[0]),
+            drafter=make_drafter(model, name),
+            k=k,
+            sampling=SAMPLING,
+            max_new_tokens=N_TOKENS + 1,
+            generator=torch.Generator().manual_seed(10_000 + i),
+        )
+        seqs.append(s)
+        mine.append(s)
+        if neighbours and i % 4 == 0:
+            other = PROMPTS[1 + i % 5]
+            seqs.append(Sequence(ids(other), drafter=make_drafter(model, "ngram"), k=3, sampling=SAMPLING, max_new_tokens=6))
+    generate_many(target, seqs, max_rows=rows)
+    for s in mine:
+        counts[tuple(s.new[:N_TOKENS])] += 1
+    return counts
+
+
+# the fast tier samples the batch with ngram; the draft-model rows (sps) run in the full suite
+@pytest.mark.parametrize("name", [pytest.param("sps", marks=pytest.mark.slow), "ngram"])
+def test_batched_sampling_follows_the_target(tiny_model, target, name, one_thread):
+    counts = batched_counts(tiny_model, target, 1500, name)
+    p = chi_square_pvalue(counts, exact_joint(tiny_model, ids(PROMPTS[0]), N_TOKENS, SAMPLING))
+    assert p > 1e-4, f"{name}: batched sampled tokens do not follow the target (p={p:.2e})"
+
+
+def test_batched_wrong_rule_is_caught(tiny_model, target, monkeypatch, one_thread):
+    def resample_from_p(drafts, q, p, u_accept, u_sample):  # a rejection draws from p, not the residual
+        verdict = verify_speculative(drafts, q, p, u_accept, u_sample)
+        rows = torch.arange(drafts.shape[0])
+        verdict.tokens[rows, verdict.num_accepted] = sample_from(p[rows, verdict.num_accepted], u_sample)
+        return verdict
+
+    monkeypatch.setattr(loop_module, "verify_speculative", resample_from_p)
+    counts = batched_counts(tiny_model, target, 1500, "sps")
+    assert chi_square_pvalue(counts, exact_joint(tiny_model, ids(PROMPTS[0]), N_TOKENS, SAMPLING)) < 1e-6
+
+
+# ---- k=auto -----------------------------------------------------------------------------------
+
+
+def flat_cost():  # a forward costs the same at any width: drafting is free, so k=auto drafts all it can
+    return CostModel({(r, t): 1.0 for r in (1, 16) for t in (1, 9)})
+
+
+def knee():  # flat up to 8 tokens a forward (memory bound), then linear in rows x tokens (compute bound), as on a CPU
+    return CostModel({(r, t): 0.05 + 0.005 * max(r * t - 8, 0) for r in (1, 2, 4, 8, 16) for t in (1, 2, 3, 5, 9)})
+
+
+def test_adaptive_greedy_equals_ar_and_records_k(tiny_model, target, ar_alone, one_thread):
+    seqs = [Sequence(ids(p), drafter=make_drafter(tiny_model, "ngram"), k=6, adaptive=True, max_new_tokens=24) for p in PROMPTS]
+    outs = generate_many(target, seqs, max_rows=6, cost=flat_cost())
+    assert [o.token_ids for o in outs] == ar_alone
+    ks = [r.k for o in outs for r in o.steps]
+    assert all(0 <= k <= 6 for k in ks) and max(ks) == 6
+
+
+def test_adaptive_turns_drafting_off_under_load(tiny_model, target, ar_alone, one_thread):
+    def run(rows, cost):
+        seqs = [
+            Sequence(ids(PROMPTS[4]), drafter=make_drafter(tiny_model, "ngram"), k=6, adaptive=True, max_new_tokens=24) for _ in range(rows)
+        ]
+        outs = generate_many(target, seqs, max_rows=rows, cost=cost)
+        assert all(o.token_ids == generate(target, ids(PROMPTS[4]), max_new_tokens=24).token_ids for o in outs)
+        return sum(r.drafted for o in outs for r in o.steps)
+
+    assert run(16, knee()) == 0  # high load: no speculation
+    assert run(1, knee()) > 0  # one row: widening the forward costs next to nothing, drafts pay
+
+
+def test_adaptive_model_drafter_and_fixed_rows_share_a_step(tiny_model, target, ar_alone, one_thread):
+    seqs = [
+        Sequence(ids(PROMPTS[0]), drafter=make_drafter(tiny_model, "sps"), k=4, adaptive=True, max_new_tokens=24),
+        Sequence(ids(PROMPTS[1]), drafter=make_drafter(tiny_model, "ngram"), k=3, max_new_tokens=24),  # fixed k=3
+        Sequence(ids(PROMPTS[3]), drafter=make_drafter(tiny_model, "sps-tree"), k=3, adaptive=True, max_new_tokens=24),
+    ]
+    outs = generate_many(target, seqs, max_rows=3, cost=knee())
+    assert [o.token_ids for o in outs] == [ar_alone[0], ar_alone[1], ar_alone[3]]
+    assert outs[1].steps[0].k == 3 and all(r.k <= 3 for r in outs[1].steps)  # the fixed row keeps its k

@@ -1,0 +1,147 @@
+"""decoding.model.fast_layers: the adapter's own layer forward against the transformers modules it replaces."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import tiny_llama
+
+from decoding.model.adapter import ModelAdapter
+from decoding.model.fast_layers import LayerStack, supported
+from decoding.trees.trees import Tree
+
+
+def pair(model):
+    fast, modules = ModelAdapter(model), ModelAdapter(model, fast=False)
+    assert fast.stack is not None and modules.stack is None
+    return fast, modules
+
+
+def run_both(fast, modules, steps, batch=1, max_len=64):
+    """Feed the same steps to both adapters on their own caches; the hidden states of each step, side by side."""
+    caches = [a.new_cache(batch, max_len) for a in (fast, modules)]
+    out = []
+    for kwargs in steps:
+        out.append(tuple(a.forward(c, **kwargs) for a, c in zip((fast, modules), caches, strict=True)))
+    return out, caches
+
+
+def steps_of_every_kind(vocab):
+    g = torch.Generator().manual_seed(1)
+    ids = lambda t: torch.randint(vocab, (1, t), generator=g)  # noqa: E731
+    tree = Tree.from_parents([-1, 0, 0, 1, 2])
+    return [
+        dict(start=0, input_ids=ids(9)),  # causal prefill from slot 0
+        dict(start=9, input_ids=ids(1)),  # one token
+        dict(start=10, input_ids=ids(4)),  # a chain (causal block after a prefix)
+        dict(start=14, input_ids=ids(5), positions=tree.positions(14)[None], tree_mask=tree.mask),  # a token tree
+        dict(start=19, input_ids=ids(1)),
+    ]
+
+
+def test_float32_hidden_states_and_cache_are_bit_identical_to_the_modules(tiny_model):
+    fast, modules = pair(tiny_model)
+    out, (c_fast, c_mod) = run_both(fast, modules, steps_of_every_kind(fast.vocab_size))
+    for a, b in out:
+        assert torch.equal(a, b)
+    assert all(torch.equal(x, y) for x, y in zip(c_fast.k + c_fast.v, c_mod.k + c_mod.v, strict=True))
+
+
+def test_ragged_rows_match_the_modules(tiny_model):
+    fast, modules = pair(tiny_model)
+    g = torch.Generator().manual_seed(2)
+    prefill = torch.randint(fast.vocab_size, (2, 12), generator=g)
+    starts = torch.tensor([7, 11])
+    steps = [dict(start=0, input_ids=prefill), dict(start=starts, input_ids=torch.randint(fast.vocab_size, (2, 3), generator=g))]
+    steps.append(dict(start=starts + 3, input_ids=torch.randint(fast.vocab_size, (2, 1), generator=g)))
+    out, _ = run_both(fast, modules, steps, batch=2)
+    for a, b in out:
+        assert torch.equal(a, b)
+
+
+def test_bfloat16_blocks_are_bit_identical_to_the_modules(tiny_model):
+    model = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    fast, modules = pair(model)
+    blocks = [step for step in steps_of_every_kind(fast.vocab_size) if step["input_ids"].shape[1] > 1]
+    for step, later in zip(blocks, blocks[1:], strict=False):
+        later["start"] = step["start"] + step["input_ids"].shape[1]  # every block right after the previous one
+    if "tree_mask" in blocks[-1]:
+        blocks[-1]["positions"] = Tree.from_parents([-1, 0, 0, 1, 2]).positions(blocks[-1]["start"])[None]
+    out, _ = run_both(fast, modules, blocks)
+    assert all(torch.equal(a, b) for a, b in out)  # fused projections give the very same products
+    # the projections are views of the fused matrices: no weight is stored twice
+    layer = model.model.layers[0]
+    assert layer.self_attn.k_proj.weight.untyped_storage().data_ptr() == layer.self_attn.q_proj.weight.untyped_storage().data_ptr()
+    assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == layer.mlp.gate_proj.weight.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bfloat16_one_token_steps_are_at_least_as_close_to_float32_as_the_modules(seed):
+    """One query attends with float32 scores instead of the CPU's 16-bit SDPA kernel: as close to float32 (within 10%) or closer."""
+    exact = tiny_llama(seed=seed)
+    fast, modules = pair(copy.deepcopy(exact).to(torch.bfloat16))
+    reference = ModelAdapter(exact, fast=False)
+    steps = steps_of_every_kind(fast.vocab_size)
+    out, _ = run_both(fast, modules, steps)
+    cache = reference.new_cache(1, 64)
+    for (a, b), step in zip(out, steps, strict=True):
+        ref = reference.forward(cache, **step)
+        err_fast, err_modules = (float((h.float() - ref).norm() / ref.norm()) for h in (a, b))
+        if step["input_ids"].shape[1] == 1:
+            assert err_fast <= 1.1 * err_modules, (err_fast, err_modules)
+
+
+def test_weights_that_move_after_fusing_are_fused_again(tiny_model):
+    model = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    fast = ModelAdapter(model)
+    cache = fast.new_cache(1, 16)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    before = fast.forward(cache, 0, input_ids=ids)
+    for p in model.parameters():  # what .to(another device) does: every parameter gets new storage
+        p.data = p.data.clone()
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.mul_(2.0)  # and a changed weight must be seen
+        k_proj = model.model.layers[1].self_attn.k_proj  # a single projection given a new weight too
+        k_proj.weight = torch.nn.Parameter(k_proj.weight * 0.5, requires_grad=False)
+    after = ModelAdapter(model, fast=False).forward(fast.new_cache(1, 16), 0, input_ids=ids)
+    assert torch.equal(fast.forward(fast.new_cache(1, 16), 0, input_ids=ids), after)
+    assert not torch.equal(before, after)
+
+
+@pytest.mark.parametrize("change", ["attention_bias", "mlp_bias", "sliding_window"])
+def test_layers_it_does_not_compute_exactly_are_left_to_the_modules(change):
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    small = dict(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    if change == "sliding_window":
+        model = MistralForCausalLM(MistralConfig(**small, sliding_window=4)).eval()
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**small, **{change: True})).eval()
+    adapter = ModelAdapter(model)
+    assert adapter.stack is None and not supported(model.model.layers[0], model.config)
+    hidden = adapter.forward(adapter.new_cache(1, 8), 0, input_ids=torch.tensor([[1, 2, 3]]))
+    assert hidden.shape == (1, 3, 32)
+
+
+def test_a_mistral_without_sliding_window_runs_fast_and_exactly():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    small = dict(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    cfg = MistralConfig(**small, sliding_window=None)
+    model = MistralForCausalLM(cfg).eval()
+    assert LayerStack.of(model.model.layers, cfg, torch.float32, torch.device("cpu")) is not None
+    out, _ = run_both(*pair(model), steps_of_every_kind(16))
+    assert all(torch.equal(a, b) for a, b in out)
+
+
+def test_a_shallow_adapter_over_fused_layers_matches_the_modules():
+    model = tiny_llama(layers=3).to(torch.bfloat16)
+    ModelAdapter(model)  # fuses every layer
+    shallow, shallow_modules = ModelAdapter(model, num_layers=2), ModelAdapter(model, num_layers=2, fast=False)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    a = shallow.forward(shallow.new_cache(1, 8), 0, input_ids=ids)
+    b = shallow_modules.forward(shallow_modules.new_cache(1, 8), 0, input_ids=ids)
+    assert torch.equal(a, b)

@@ -1,0 +1,209 @@
+"""PEARL and two-sided SpS as pure schedules: scripted sides, then the tiny model (greedy identity, exact distributions)."""
+
+import pytest
+import torch
+
+from decoding.loop.loop import ContextTooLong, generate
+from decoding.loop.metrics import chi_square_pvalue
+from decoding.model.adapter import ModelAdapter
+from decoding.sampling import SamplingParams
+from decoding.schedules import two_sided
+from decoding.schedules.two_sided import (
+    GREEDY,
+    DraftSide,
+    LocalExecutor,
+    PearlSchedule,
+    VerifySide,
+    _ScriptedDraft,
+    _ScriptedTarget,
+    generate_two_sided,
+    round_summary,
+)
+
+TEXT = "abcdefghijklmnopqrstuvwxyz"
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def run(script, schedule="pearl", k=3, max_new=12, eos=(), text=TEXT):
+    t, d = _ScriptedTarget(text), _ScriptedDraft(list(script))
+    out = generate_two_sided(LocalExecutor(t, d), [[0]], schedule=schedule, k=k, max_new_tokens=max_new, eos_token_ids=eos)
+    return out, t, d
+
+
+def as_text(ids):
+    return "".join(map(chr, ids))
+
+
+# ---- scripted sides: the state machine itself --------------------------------------------------
+
+
+def test_pre_verify_rejects_every_first_draft():
+    out, t, d = run(["xyz"] * 20, max_new=6)
+    assert as_text(out.token_ids) == "abcdef"
+    assert [r.mode for r in out.rounds] == ["pre-verify"] * 5
+    assert all(len(ids) == 1 for ids in t.calls)  # the target only ever ran the one-token pre-verify forward
+    # (the last round drafts nothing: one token is left, the target supplies it)
+    # after each rejection the draft drops all its drafts and appends the target's token
+    assert [(r.keep, r.append) for r in d.calls[1:]] == [(2 + i, [ord(TEXT[i + 1])]) for i in range(4)]
+    assert out.schedule_counts["first_draft_checks"] == 4 and out.schedule_counts["first_draft_accepted"] == 0
+
+
+def test_post_verify_accepts_all_and_keeps_drafting():
+    # a perfect draft: each call drafts the next 3 tokens after everything drafted so far
+    script = ["bcd", "efg", "hij", "klm", "nop"]
+    out, t, d = run(script, max_new=13)
+    assert as_text(out.token_ids) == TEXT[:13]
+    assert [r.mode for r in out.rounds] == ["pre-verify"] + ["post-verify"] * 4
+    assert all(r.append == [] for r in d.calls[1:])  # never rolled back: the draft run chains across rounds
+    assert t.calls[1] == [ord(c) for c in "bcd"]  # pending b, then the unverified c d
+    assert out.stats.target_forwards == 6 and out.stats.mean_accepted_tokens > 2.0
+
+
+def test_post_verify_rejects_inside_unverified_drafts():
+    # b accepted (pre-verify); in post-verify c ok, X rejected: commit c + target's d, drop the drafts made meanwhile
+    out, t, d = run(["bcX", "QQQ", "efg", "hij"], max_new=9)
+    assert as_text(out.token_ids) == TEXT[:9]
+    assert [r.mode for r in out.rounds][:3] == ["pre-verify", "post-verify", "pre-verify"]
+    third = d.calls[2]
+    assert (third.keep, third.append) == (4, [ord("d")])  # prompt 1 + a b c kept, X and QQQ dropped
+
+
+def test_first_new_draft_rejected_after_all_accepted():
+    # D = c d accepted, but the new X[0] is wrong: commit D + the target's e, next round is pre-verify
+    out, t, d = run(["bcd", "Zzz", "fgh", "ijk"], max_new=10)
+    assert as_text(out.token_ids) == TEXT[:10]
+    assert [r.mode for r in out.rounds][:3] == ["pre-verify", "post-verify", "pre-verify"]
+    assert (d.calls[2].keep, d.calls[2].append) == (5, [ord("e")])
+
+
+@pytest.mark.parametrize("schedule", ["pearl", "sps"])
+@pytest.mark.parametrize("max_new", [1, 2, 5, 11])
+def test_max_new_tokens_exact(schedule, max_new):
+    out, _, _ = run(["bcd", "efg", "hij", "klm", "nop"] * 3, schedule=schedule, max_new=max_new)
+    assert as_text(out.token_ids) == TEXT[:max_new] and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("schedule", ["pearl", "sps"])
+def test_stops_right_after_eos(schedule):
+    out, _, _ = run(["bcd", "efg", "hij"], schedule=schedule, max_new=20, eos=[ord("f")])
+    assert as_text(out.token_ids) == "abcdef" and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("schedule", ["pearl", "sps"])
+def test_on_step_stops_with_its_reason(schedule):
+    # the loop's Output: a string from on_step ends the generation after those tokens, with exact stats
+    seen = []
+
+    def stop_at_five(tokens):
+        seen.extend(tokens)
+        return "stopped" if len(seen) >= 5 else None
+
+    t, d = _ScriptedTarget(TEXT), _ScriptedDraft(["bcd", "efg", "hij", "klm"])
+    out = generate_two_sided(LocalExecutor(t, d), [[0]], schedule=schedule, k=3, max_new_tokens=20, on_step=stop_at_five)
+    assert out.finish_reason == "stopped" and out.token_ids == seen and 5 <= len(seen) < 20
+    assert as_text(out.token_ids) == TEXT[: len(seen)] and out.stats.new_tokens == len(seen)
+
+
+def test_context_check_is_the_loops():
+    t, d = _ScriptedTarget(TEXT), _ScriptedDraft([])
+    with pytest.raises(ContextTooLong, match=r"prompt \(3 tokens\) \+ max_new_tokens \(8\) exceeds the model's context of 10"):
+        generate_two_sided(LocalExecutor(t, d), [[0, 1, 2]], max_new_tokens=8, max_context=10)
+    assert t.prompt_len == 0 and not t.calls  # refused before the prefill
+
+
+def test_sequential_schedule_is_plain_sps():
+    out, t, d = run(["bcX", "efX", "hij"], schedule="sps", k=3, max_new=9)
+    assert as_text(out.token_ids) == TEXT[:9]
+    assert [r.mode for r in out.rounds] == ["sequential"] * len(out.rounds)
+    assert [s.accepted for s in out.steps] == [2, 2, 1]  # the last step may only draft one (max_new_tokens)
+    assert (d.calls[1].keep, d.calls[1].append) == (4, [ord("d")])
+
+
+def test_round_summary_overhead():
+    rec = [two_sided.RoundRecord("pre-verify", 0.010, 0.007, 0.008, True)]
+    s = round_summary(rec)
+    assert s["rounds"] == 1 and abs(s["overhead_ms"] - 2.0) < 1e-9
+    seq = two_sided.RoundRecord("sequential", 0.020, 0.007, 0.008, False)
+    assert abs(seq.overhead_s - 0.005) < 1e-12
+
+
+# ---- the real sides on the tiny model -----------------------------------------------------------
+
+PROMPT = torch.tensor([[3, 7, 3, 7, 3]])
+
+
+def sides(model, sampling=GREEDY, draft_layers=1):
+    draft = DraftSide.of_model(ModelAdapter(model, num_layers=draft_layers), sampling)
+    return LocalExecutor(VerifySide(ModelAdapter(model), sampling), draft)
+
+
+@pytest.mark.parametrize("schedule", ["pearl", "sps"])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_greedy_equals_ar_on_tiny_model(tiny_model, schedule, k):
+    ref = generate(ModelAdapter(tiny_model), PROMPT, max_new_tokens=30).token_ids
+    out = generate_two_sided(sides(tiny_model), PROMPT, schedule=schedule, k=k, max_new_tokens=30)
+    assert out.token_ids == ref
+    if schedule == "pearl":
+        assert out.schedule_counts["first_draft_checks"] > 0
+
+
+def test_greedy_with_the_target_as_its_own_draft_is_all_post_verify(tiny_model):
+    # draft = all target layers: every draft is accepted, so after the first round PEARL never leaves post-verify
+    ref = generate(ModelAdapter(tiny_model), PROMPT, max_new_tokens=25).token_ids
+    out = generate_two_sided(sides(tiny_model, draft_layers=3), PROMPT, schedule="pearl", k=3, max_new_tokens=25)
+    assert out.token_ids == ref
+    assert out.schedule_counts["pre_verify_rounds"] == 1
+    assert out.stats.target_forwards <= 1 + 25 // 3 + 1
+
+
+N_TOKENS, DRAWS = 3, 300  # the broken first-draft rule below is caught at p < 1e-16 from 150 draws
+SAMPLING = SamplingParams(temperature=1.0)
+WARPED = SamplingParams(temperature=0.8, top_k=6, top_p=0.9)
+
+
+def exact_joint(model, prompt, n, sampling):
+    import itertools
+
+    from decoding.sampling import warp
+
+    v = model.config.vocab_size
+    joint = torch.ones([], dtype=torch.float64)
+    with torch.inference_mode():
+        for depth in range(n):
+            prefixes = list(itertools.product(range(v), repeat=depth))
+            ids = torch.tensor([list(prompt[0]) + list(p) for p in prefixes])
+            probs = warp(model(input_ids=ids).logits[:, -1], sampling).double()
+            joint = joint.reshape(-1, 1) * probs
+    return joint.reshape([v] * n)
+
+
+def sample_counts(model, schedule, sampling, k=2, draws=DRAWS):
+    ex = sides(model, sampling)
+    v = model.config.vocab_size
+    counts = torch.zeros([v] * N_TOKENS, dtype=torch.long)
+    checks = 0
+    for i in range(draws):
+        out = generate_two_sided(ex, PROMPT, schedule=schedule, k=k, sampling=sampling, max_new_tokens=N_TOKENS + 1, seed=i)
+        counts[tuple(out.token_ids[:N_TOKENS])] += 1
+        checks += out.schedule_counts.get("first_draft_checks", 0)
+    return counts, checks
+
+
+@pytest.mark.parametrize(("schedule", "sampling"), [("pearl", SAMPLING), ("pearl", WARPED), ("sps", SAMPLING)])
+def test_sampled_distribution_matches_target(tiny_model, schedule, sampling):
+    counts, checks = sample_counts(tiny_model, schedule, sampling)
+    p = chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, sampling))
+    assert p > 1e-4, f"{schedule}: sampled tokens do not follow the target (p={p:.2e})"
+    if schedule == "pearl":
+        assert checks > DRAWS  # the first-draft check (the PEARL-specific rule) ran and mattered
+
+
+def test_wrong_first_draft_rule_is_caught(tiny_model, monkeypatch):
+    def always_accept(self, x1, t, d):
+        return True, x1
+
+    monkeypatch.setattr(PearlSchedule, "_check_first", always_accept)
+    counts, _ = sample_counts(tiny_model, "pearl", SAMPLING, draws=400)
+    assert chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING)) < 1e-6
