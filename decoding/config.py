@@ -29,7 +29,7 @@ from decoding.methods import ACTOR_TRANSPORTS, METHOD_TABLE, METHODS, TRIFORCE_B
 DTYPES = ("float32", "bfloat16")
 QUANTS = ("auto", "none", "q4", "int8")  # the weights a load runs (decoding.model.quant, which keeps the same names)
 PLACEMENTS = ("local", "actors")
-TREE_SHAPES = ("chain", "static", "sequoia", "dyspec")  # the tree shapes a config may name (decoding.trees.trees builds them)
+TREE_SHAPES = ("chain", "static", "sequoia", "dyspec", "levels")  # the tree shapes a config may name (decoding.trees.trees builds them)
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # decoding.model.models.resolve_device turns it into a torch.device
 DRAFT_MEMORIES = ("warm", "cold")
 TREE_FITS = ("measured", "budget")
@@ -94,6 +94,9 @@ class SpecConfig:
         the expected accepted length under ``tree_acceptance``, a per-rank
         acceptance vector; unset = a generic falling profile,
         ``jobs.bench_trees --calibrate`` measures yours) or
+        ``levels`` (EAGLE-2's dynamic tree: grown level by level, the 8 most
+        probable children of each level fed in one draft forward, then the
+        ``tree_budget`` best nodes kept) or
         ``dyspec`` (grown per step best-first by draft probability, up to
         ``tree_budget`` nodes, depth <= k). ``ngram`` merges several earlier
         matches into a trie of as many nodes as the shape has.
@@ -170,7 +173,7 @@ class SpecConfig:
     rpc_timeout_s: float = 120.0
     placement_timeout_s: float = 30.0
     actor_transport: str = "calls"
-    # token trees (decoding/trees/trees.py): chain (default) | static | sequoia | dyspec
+    # token trees (decoding/trees/trees.py): chain (default) | static | sequoia | dyspec | levels
     tree: str = "chain"
     tree_paths: str = ""  # static: JSON list of rank paths, e.g. [[0],[1],[0,0]]
     tree_budget: int = 16  # sequoia / dyspec / n-gram tries: draft nodes per step

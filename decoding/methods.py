@@ -242,7 +242,7 @@ METHOD_TABLE: dict[str, Method] = {
             # k: the tree's depth; tree_budget: nodes drafted before the cost curve picks the verified prefix
             (
                 KnobSpec("k", "int", 2, 10),
-                KnobSpec("tree", "choice", choices=("dyspec", "chain")),
+                KnobSpec("tree", "choice", choices=("levels", "dyspec", "chain")),
                 KnobSpec("tree_budget", "int", 8, 64),
                 *_FIT[:1],
             ),

@@ -95,7 +95,8 @@ class KVCache:
         return end
 
     def compact(self, start: int, slots: torch.Tensor) -> None:
-        """Move the KV at ``slots`` ([m] ascending, >= start) to the contiguous slots start..start+m, every layer.
+        """Move the KV at ``slots`` ([m], each >= start, any order: they are read before anything is written) to the
+        contiguous slots start..start+m, every layer.
 
         After a tree verification the accepted branch sits at scattered tree slots; this makes it the
         committed prefix again (one gather + copy per layer; a no-op when the branch is already in place).
