@@ -303,14 +303,17 @@ class SpecConfig:
         _check(self.tree_fit in TREE_FITS, "tree_fit", f"unknown tree fit {self.tree_fit!r}; choose from {', '.join(TREE_FITS)}")
 
     def for_method(self, label: str) -> SpecConfig:
-        """The config a bench label names: a method, or ``trained:NAME`` (method trained with drafter NAME).
+        """The config a bench label names: a method, or ``METHOD:NAME`` (the method with drafter NAME: a trained
+        artifact for ``trained``, ``eagle``, ``early-exit`` and ``hybrid``, ``none`` for no shipped drafter).
 
         >>> SpecConfig().for_method("trained:kangaroo-l10").drafter
         'kangaroo-l10'
+        >>> SpecConfig().for_method("hybrid:none").drafter, SpecConfig().for_method("eagle").method
+        ('none', 'eagle')
         """
         method, _, drafter = label.partition(":")
-        if drafter and method in METHOD_TABLE and METHOD_TABLE[method].needs_drafter:
-            return self.replace(method="trained", drafter=drafter)
+        if drafter and method in METHOD_TABLE:
+            return self.replace(method=method, drafter=drafter)
         return self.replace(method=label)
 
     # ---- serialisation -------------------------------------------------
