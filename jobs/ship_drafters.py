@@ -78,9 +78,15 @@ def main_with_args(args) -> int:
             progress=not args.no_progress,
         )
         results[name]["shipped"] = str(publish(work, shipped / name))
-        histories[name] = read_history(work)
-    learning_curves(histories, Path(args.docs) / "learning_curves.png")
-    (Path(args.docs) / "training.json").write_text(json.dumps(results, indent=1, sort_keys=True))
+    # the record and the curves cover every shipped drafter trained so far, not only this run's (runs of a few
+    # drafters each, e.g. in parallel, add up)
+    record = Path(args.docs) / "training.json"
+    Path(args.docs).mkdir(parents=True, exist_ok=True)
+    merged = {**_read_json(record), **results}
+    record.write_text(json.dumps(merged, indent=1, sort_keys=True))
+    for name in merged:
+        histories[name] = read_history(specray_home() / "ship" / args.model / name)
+    learning_curves({n: h for n, h in histories.items() if h}, Path(args.docs) / "learning_curves.png")
     if args.json:
         print(json.dumps(results))
         return 0
@@ -88,6 +94,13 @@ def main_with_args(args) -> int:
         after = ", ".join(f"{a:.3f}" for a in r["agreement_after"] or [])
         print(f"{name}: {r['train_sequences']} sequences, {r['train_seconds']}s; held-out top-1 agreement [{after}] -> {r['shipped']}")
     return 0
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
 
 
 def main(argv=None) -> int:
