@@ -119,3 +119,10 @@ def shutdown_if_started_here() -> None:
     if _STARTED_HERE and ray.is_initialized():
         ray.shutdown()
     _STARTED_HERE = False
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port nothing listens on now (for a Serve proxy or a test server started next)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -57,6 +57,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from cluster.runtime import free_port
+from evaluation.load import percentile
+
 FAULTS = ("replica_kill", "worker_kill", "node_removal", "redis_restart", "slow_reader", "queue_fill")
 FAULT_WHAT = {
     "replica_kill": "SIGKILL the engine's Serve replica (ModelServer)",
@@ -75,12 +78,6 @@ HEAD_RESOURCE = "specray_soak_head"
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- outcomes ------------------------------------------------------------------------------------------------
@@ -1265,20 +1262,6 @@ def first_success(records: list[RequestRecord], t: float, models: list[str], mar
     return min(done, key=lambda r: r.t_end, default=None)
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0..100) by linear interpolation; None for no values.
-
-    >>> percentile([1.0, 2.0, 3.0, 4.0], 99)
-    3.97
-    """
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return round(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo), 6)
-
-
 def window_latency(records: list[RequestRecord], t0: float, t1: float) -> dict:
     """p50/p99 latency of the load's completed requests sent in [t0, t1), and how many were sent and failed."""
     sent = [r for r in records if r.kind == "load" and t0 <= r.t_start < t1 and r.t_end is not None]
@@ -1287,8 +1270,8 @@ def window_latency(records: list[RequestRecord], t0: float, t1: float) -> dict:
         "sent": len(sent),
         "ok": len(lat),
         "errors": sum(r.outcome == ERROR for r in sent),
-        "p50_s": percentile(lat, 50),
-        "p99_s": percentile(lat, 99),
+        "p50_s": percentile(lat, 50, digits=6),
+        "p99_s": percentile(lat, 99, digits=6),
     }
 
 
@@ -1463,8 +1446,8 @@ def analyse(soak: Soak, recovery_targets: dict | None = None, growth_from_s: flo
             "load_requests": len(load),
             "load_ok": len(oks),
             "tokens_per_s": sum(r.tokens or 0 for r in oks) / duration if duration else None,
-            "latency_p50_s": percentile([r.latency for r in oks], 50),
-            "latency_p99_s": percentile([r.latency for r in oks], 99),
+            "latency_p50_s": percentile([r.latency for r in oks], 50, digits=6),
+            "latency_p99_s": percentile([r.latency for r in oks], 99, digits=6),
             "streams_mean": sum(r.latency for r in load) / duration if duration else None,
         },
         "faults_injected": injected,

@@ -211,10 +211,8 @@ def head_pinned(settings_cls):
 
 def deploy(registry_url: str, model: str, threads: int, max_queued: int, preload: list[str]) -> str:
     """The Serve app on the connected cluster (proxy on the head only); returns its base URL."""
-    from ray import serve
-
-    from evaluation.soak import free_port
-    from serving.app import build_app
+    from cluster.runtime import free_port
+    from serving.app import start
     from serving.settings import ServeSettings
 
     settings = head_pinned(ServeSettings)(
@@ -230,10 +228,7 @@ def deploy(registry_url: str, model: str, threads: int, max_queued: int, preload
         drain_timeout_s=2,
         preload=preload,
     )
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-    serve.run(build_app(settings), name=APP, route_prefix="/")
-    return f"http://127.0.0.1:{port}"
+    return start(settings, port=free_port(), name=APP, proxy_location="HeadOnly")
 
 
 def warm_up(url: str, models: list[str], prompt: str, timeout_s: float = 300.0) -> None:

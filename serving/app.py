@@ -644,3 +644,13 @@ def build_app(settings: ServeSettings | dict | None = None) -> Application:
 def app_builder(args: dict) -> Application:
     """For ``serve run`` / a Serve config file: ``import_path: serving.app:app_builder`` with ``args`` = ServeSettings fields."""
     return build_app(ServeSettings.from_dict(args))
+
+
+def start(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, name: str = "specray", proxy_location=None) -> str:
+    """On the connected Ray: Serve's proxy on ``host:port`` and the app as ``name`` at ``/``; returns the base URL."""
+    options = {"http_options": {"host": host, "port": port}}
+    if proxy_location:
+        options["proxy_location"] = proxy_location
+    serve.start(**options)
+    serve.run(build_app(settings), name=name, route_prefix="/")
+    return f"http://{host}:{port}"
