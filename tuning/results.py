@@ -287,6 +287,52 @@ def write_outputs(rows: list[dict], out: Path, meta: dict) -> dict:
     return {"paths": paths, "best": best}
 
 
+def write_run(rows: list[dict], settings, space, prompts: list, held_out: list, wall: float, resumed: bool, interrupted: bool):
+    """Everything a finished (or interrupted) search writes under its experiment folder (:func:`write_outputs`), and
+    its summary: (summary, the best row or None, the winner's ``SpecConfig`` as its trial ran it or None)."""
+    base = settings.base_config
+    exp = settings.experiment_path
+    categories = [p.category for p in prompts]
+    meta = {
+        "experiment": str(exp),
+        "model": base.model,
+        "dtype": base.dtype,
+        "max_new_tokens": base.max_new_tokens,
+        "workload": settings.workload,
+        "prompts_file": settings.prompts_file,
+        "categories": sorted(set(categories), key=categories.index),
+        "prompts": len(prompts),
+        "held_out_prompts": len(held_out),
+        "space": space.to_dict(),
+        "searcher": settings.searcher,
+        "trials": len(rows),
+        "num_samples": settings.num_samples,
+        "wall_s": wall,
+        "trials_per_hour": 3600.0 * len(rows) / wall if wall > 0 else None,
+        "resumed": resumed,
+        "interrupted": interrupted,
+        "finished": now(),
+        "title": f"{settings.name}: {base.model} on {settings.workload}",
+    }
+    written = write_outputs(rows, exp, meta)  # on disk before anything is published
+    best = written["best"]
+    summary = {**meta, "files": {k: str(v) for k, v in written["paths"].items()}, "best": None, "verify": None, "published": None}
+    winner = None
+    if best is not None:
+        # the config as the trial ran it (threads = the trial's CPUs); published with the user's threads setting
+        winner = SpecConfig.from_json(best["config_json"])
+        summary["best"] = {"trial_id": best["trial_id"], "config": winner.to_dict(), **{k: best.get(k) for k in WINNER_METRICS}}
+    return summary, best, winner
+
+
+def write_verify(best: dict, summary: dict) -> Path:
+    """best.json again, with the winner's verification (``tuning.verify``) in it."""
+    meta = {k: v for k, v in summary.items() if k not in ("files", "best", "verify", "published")}
+    doc = best_document(best, meta)
+    doc["verify"] = summary["verify"]
+    return write_json(doc, Path(summary["files"]["best_json"]))
+
+
 # ---- publishing ---------------------------------------------------------------------------------
 def publish(
     name: str,
@@ -308,6 +354,28 @@ def publish(
         return reg.location, version
     finally:
         reg.close()
+
+
+def publish_winner(name: str, winner: SpecConfig, best: dict, summary: dict, base: SpecConfig, registry: str | None) -> dict:
+    """Put the winner into the registry under ``name`` (with the user's threads setting, not the trial's), its figures,
+    how it was tuned and its verification; returns ``{"name", "version", "registry"}``. Raises
+    ``cluster.registry.RegistryError`` (the results stay on disk)."""
+    files = summary["files"]
+    metrics = {k: best.get(k) for k in WINNER_METRICS}
+    metrics["tuning"] = {
+        "experiment": summary["experiment"],
+        "trial_id": best["trial_id"],
+        "trials": summary["trials"],
+        "workload": summary["workload"],
+        "prompts": summary["prompts"],
+        "categories": summary["categories"],
+    }
+    if summary.get("verify"):
+        metrics["verify"] = summary["verify"]
+        metrics["speedup_verified"] = summary["verify"]["winner"]["speedup"]
+    source = {"tool": "specray tune", "experiment": summary["experiment"], "trials_parquet": files["parquet"]}
+    location, version = publish(name, winner.replace(threads=base.threads), metrics, registry, source)
+    return {"name": name, "version": version, "registry": location}
 
 
 def _plain(d: dict) -> dict:
