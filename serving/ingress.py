@@ -25,6 +25,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -43,11 +44,44 @@ WORKER_QUERY_TIMEOUT_S = 10.0
 
 # /docs and /redoc would load their assets from a CDN (blank on an offline cluster): off; /openapi.json stays
 api = FastAPI(title="specray", description="OpenAI-compatible speculative decoding", docs_url=None, redoc_url=None)
-api.add_middleware(Guard)
 
 
 def error_response(err: P.ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+class _BodyRefused(StarletteHTTPException):
+    """A body the strict JSON decoder refused, carrying its answer (FastAPI lets HTTP exceptions through its body read)."""
+
+    def __init__(self, err: P.ApiError):
+        super().__init__(err.status, err.message)
+        self.err = err
+
+
+class _StrictJSONRequest(Request):
+    async def json(self):
+        if not hasattr(self, "_json"):
+            try:
+                self._json = P.parse_body(await self.body())
+            except P.ApiError as e:
+                raise _BodyRefused(e) from None
+        return self._json
+
+
+class _StrictJSONRoute(APIRoute):
+    """Every route reads its body with ``serving.protocol.parse_body``; FastAPI then validates it with the route's
+    request model and hands the handler the model: one decode, one validation."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def strict(request: Request):
+            return await handler(_StrictJSONRequest(request.scope, request.receive))
+
+        return strict
+
+
+api.router.route_class = _StrictJSONRoute
 
 
 def _request_id(request: Request) -> str:
@@ -62,6 +96,11 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
     return error_response(
         P.ApiError(status, f"{request.method} {request.url.path}: {detail}", code=code, headers=getattr(exc, "headers", None))
     )
+
+
+@api.exception_handler(_BodyRefused)
+async def _body_refused(request: Request, exc: _BodyRefused):
+    return error_response(exc.err)
 
 
 @api.exception_handler(RequestValidationError)
@@ -187,13 +226,9 @@ class _Run:
         self.failed = True
         return P.ApiError(500, "the model deployment ended the stream early", code="internal_error")
 
-    def _chunk(self, text: str | None, finish: str | None = None, role: bool = False, **extra) -> dict:
+    def _chunk(self, text: str | None, finish: str | None = None, role: bool = False, **extra):
         if self.req.endpoint == "chat":
-            delta = {}
-            if role:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
+            delta = P.ChatDelta(role="assistant" if role else None, content=text)
             return P.chat_chunk(self.rid, self.served.name, self.created, delta, finish, **extra)
         return P.completion_chunk(self.rid, self.served.name, self.created, text or "", finish, **extra)
 
@@ -274,12 +309,12 @@ class OpenAIIngress:
 
     # ---- routes -------------------------------------------------------------
     @api.post("/v1/completions", response_model=P.CompletionResponse, responses=P.ERROR_RESPONSES)
-    async def completions(self, body: P.CompletionRequest, request: Request):
-        return await self._generate(request, "completions")
+    async def completions(self, body: P.CompletionRequest):
+        return await self._generate(body.to_request())
 
     @api.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses=P.ERROR_RESPONSES)
-    async def chat_completions(self, body: P.ChatCompletionRequest, request: Request):
-        return await self._generate(request, "chat")
+    async def chat_completions(self, body: P.ChatCompletionRequest):
+        return await self._generate(body.to_request())
 
     @api.get("/v1/models")
     async def list_models(self):
@@ -375,13 +410,10 @@ class OpenAIIngress:
         return self.model
 
     # ---- generation -----------------------------------------------------------
-    async def _generate(self, request: Request, endpoint: str):
+    async def _generate(self, req: P.GenerationRequest):
+        """A validated request: resolve its model, admit it, and answer (in one body or as server-sent events)."""
         t0 = time.perf_counter()
-        model_label = "?"
         try:
-            body = P.parse_body(await request.body())
-            req = P.parse_chat(body) if endpoint == "chat" else P.parse_completion(body)
-            model_label = req.model
             try:
                 served = self.catalog.lookup(req.model)
                 if served is None:
@@ -393,7 +425,7 @@ class OpenAIIngress:
                 raise P.ApiError(404, str(e), param="model", code="model_not_found") from None
             slot = self._admit()
         except P.ApiError as e:
-            self.metrics.observe_request(model_label if e.status != 404 else "unknown", endpoint, e.status)
+            self.metrics.observe_request(req.model if e.status != 404 else "unknown", req.endpoint, e.status)
             return error_response(e)
 
         try:
@@ -438,6 +470,6 @@ class OpenAIIngress:
         self.metrics.observe_request(served.name, endpoint, status)
         if isinstance(out, P.ApiError):
             return error_response(out)
-        return JSONResponse(out, headers={"X-Specray-Request-Id": rid})
+        return Response(out.model_dump_json(), media_type="application/json", headers={"X-Specray-Request-Id": rid})
 
 
