@@ -17,7 +17,7 @@ def verify(winner: SpecConfig, space, base: SpecConfig, prompts, warmup: int, re
     on the held-out prompts when there are any, ``repeats`` passes: each figure comes with its noise band (the
     slowest and fastest pass), and the winner ``beats_defaults`` only when its band lies above the defaults'."""
     from tuning.resources import hosts_actors
-    from tuning.trainable import decoder_for, measure
+    from tuning.trainable import measure
 
     default = next(p for p in space.default_points(base) if p["method"] == winner.method)
     default_cfg = space.to_config(default, base).replace(threads=winner.threads, device=winner.device)  # same host, same device
@@ -29,7 +29,7 @@ def verify(winner: SpecConfig, space, base: SpecConfig, prompts, warmup: int, re
     if not held_out:
         print("no held-out prompts (--holdout 0, or no category has 2 prompts): re-measuring on the tuning prompts", file=sys.stderr)
     print(f"verifying the winner outside Tune on {len(prompts)} {split} prompts, {repeats} pass(es)...", file=sys.stderr)
-    m = measure(winner, prompts, warmup=warmup, extra=extra, build=decoder_for, repeats=repeats)
+    m = measure(winner, prompts, warmup=warmup, extra=extra, repeats=repeats)
     d = m.get("extra", {}).get("defaults", m)
     keys = (
         "speedup",
