@@ -54,7 +54,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from cluster.runtime import free_port
@@ -82,8 +82,10 @@ def log(msg: str) -> None:
 
 # ---- outcomes ------------------------------------------------------------------------------------------------
 @dataclass
-class Verdict:
-    outcome: str
+class Answer:
+    """How a request was answered: what the classifiers find (a :class:`Verdict`), and what its record keeps."""
+
+    outcome: str = ""
     detail: str = ""
     status: int | None = None
     code: str | None = None
@@ -92,6 +94,10 @@ class Verdict:
     tokens: int | None = None
     finish_reason: str | None = None
     retry_after: str | None = None
+
+
+@dataclass
+class Verdict(Answer):
     where: dict | None = None  # an actor entry's placement (specray.placement.where): which pids and nodes served it
 
 
@@ -266,8 +272,8 @@ class Mix:
     max_tokens: tuple = (16, 32, 48)
 
 
-@dataclass
-class RequestRecord:
+@dataclass(kw_only=True)
+class RequestRecord(Answer):
     idx: int
     kind: str  # load | burst | slow_reader | hangup
     model: str
@@ -281,15 +287,6 @@ class RequestRecord:
     t_start: float = 0.0
     t_first: float | None = None  # first content (stream) or the whole answer (plain)
     t_end: float | None = None
-    status: int | None = None
-    outcome: str = ""
-    detail: str = ""
-    code: str | None = None
-    response_id: str | None = None
-    text: str | None = None
-    tokens: int | None = None
-    finish_reason: str | None = None
-    retry_after: str | None = None
     check: str | None = None  # greedy: match | mismatch; seeded: checked later (consistent | inconsistent)
     server_state: str | None = None  # hang-up: the replica's record of the request (cancelled, completed, ...)
 
@@ -308,14 +305,8 @@ class RequestRecord:
         return out
 
     def apply(self, v: Verdict) -> None:
-        self.status, self.outcome, self.detail, self.code = v.status, v.outcome, v.detail, v.code
-        self.response_id, self.text, self.tokens, self.finish_reason, self.retry_after = (
-            v.response_id,
-            v.text,
-            v.tokens,
-            v.finish_reason,
-            v.retry_after,
-        )
+        for f in fields(Answer):
+            setattr(self, f.name, getattr(v, f.name))
 
 
 def path_of(endpoint: str) -> str:

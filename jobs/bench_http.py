@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 
-from jobs.common import Parser, run_cli
+from jobs.common import Parser, command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,8 +82,7 @@ def main_with_args(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    return run_cli(build_parser(), main_with_args, argv)
+main = command(build_parser, main_with_args)
 
 
 if __name__ == "__main__":

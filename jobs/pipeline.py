@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 import time
 
-from jobs.common import Parser, fail, output_dir, run_cli
+from jobs.common import Parser, command, fail, output_dir
 
 QUESTION = "Summarize in two sentences: the Moon is Earth's only natural satellite. It formed about 4.5 billion years ago."
 
@@ -108,8 +108,7 @@ def main_with_args(args) -> int:
         shutdown_if_started_here()
 
 
-def main(argv=None) -> int:
-    return run_cli(build_parser(), main_with_args, argv)
+main = command(build_parser, main_with_args)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from pathlib import Path
 from decoding.config import SpecConfig
 from decoding.paths import specray_home
 from evaluation.workloads import DEFAULT_PROMPTS, WorkloadError, load_prompts, select, split_held_out
-from jobs.common import Parser, add_config_args, config_from_args, fail, output_dir, path_name, run_cli
+from jobs.common import Parser, add_config_args, command, config_from_args, fail, output_dir, path_name
 
 DEFAULT_METHODS = "ngram,early-exit,sps"
 
@@ -282,8 +282,7 @@ def main_with_args(args) -> int:
     return code
 
 
-def main(argv=None) -> int:
-    return run_cli(build_parser(), main_with_args, argv)
+main = command(build_parser, main_with_args)
 
 
 if __name__ == "__main__":

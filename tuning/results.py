@@ -184,46 +184,25 @@ def plot_pareto(rows: Sequence[dict], path: Path, title: str = "") -> Path:
 
     fig, ax = plt.subplots(figsize=(7, 5))
     measured = [r for r in rows if r.get("speedup") is not None and r.get("mean_accepted_tokens") is not None]
-    methods = list(dict.fromkeys(r["method"] for r in measured))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, m in enumerate(methods):
+
+    def xy(pts):
+        return [r["mean_accepted_tokens"] for r in pts], [r["speedup"] for r in pts]
+
+    for i, m in enumerate(dict.fromkeys(r["method"] for r in measured)):
         pts = [r for r in measured if r["method"] == m and r.get("fidelity_ok") and r.get("valid") and not r.get("error")]
         if pts:
-            ax.scatter(
-                [r["mean_accepted_tokens"] for r in pts],
-                [r["speedup"] for r in pts],
-                color=colors[i % len(colors)],
-                alpha=0.6,
-                label=m,
-                s=[60 if r.get("complete") else 25 for r in pts],
-            )
+            sizes = [60 if r.get("complete") else 25 for r in pts]
+            ax.scatter(*xy(pts), color=colors[i % len(colors)], alpha=0.6, label=m, s=sizes)
     failed = [r for r in measured if not r.get("fidelity_ok")]
     if failed:
-        ax.scatter(
-            [r["mean_accepted_tokens"] for r in failed],
-            [r["speedup"] for r in failed],
-            marker="x",
-            color="red",
-            s=70,
-            label="failed fidelity (never chosen)",
-        )
+        ax.scatter(*xy(failed), marker="x", color="red", s=70, label="failed fidelity (never chosen)")
     front = pareto_front(rows)
     if front:
-        ax.plot(
-            [r["mean_accepted_tokens"] for r in front],
-            [r["speedup"] for r in front],
-            color="black",
-            marker="o",
-            markerfacecolor="none",
-            markersize=11,
-            linewidth=1,
-            label="Pareto front",
-        )
+        ax.plot(*xy(front), color="black", marker="o", markerfacecolor="none", markersize=11, linewidth=1, label="Pareto front")
     best = select_best(rows)
     if best is not None and best.get("mean_accepted_tokens") is not None:
-        ax.scatter(
-            [best["mean_accepted_tokens"]], [best["speedup"]], marker="*", s=260, color="gold", edgecolor="black", zorder=5, label="best"
-        )
+        ax.scatter(*xy([best]), marker="*", s=260, color="gold", edgecolor="black", zorder=5, label="best")
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
     ax.set_xlabel("mean accepted tokens per target forward (tau)")
     ax.set_ylabel("speedup over AR (same trial)")
