@@ -40,7 +40,7 @@ from decoding.treespec import TreeError, parse_acceptance, parse_paths
 DTYPES = ("float32", "bfloat16")
 QUANTS = ("auto", "none", "q4", "int8")  # the weights a load runs (decoding.model.quant, which keeps the same names)
 PLACEMENTS = ("local", "actors")
-TREE_SHAPES = ("chain", "static", "sequoia", "dyspec")  # the tree shapes a config may name (decoding.trees.trees builds them)
+TREE_SHAPES = ("chain", "static", "sequoia", "dyspec", "levels")  # the tree shapes a config may name (decoding.trees.trees builds them)
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # decoding.model.models.resolve_device turns it into a torch.device
 DRAFT_MEMORIES = ("warm", "cold")
 TREE_FITS = ("measured", "budget")
@@ -111,6 +111,9 @@ class SpecConfig:
         the expected accepted length under ``tree_acceptance``, a per-rank
         acceptance vector; unset = a generic falling profile,
         ``jobs.bench_trees --calibrate`` measures yours) or
+        ``levels`` (EAGLE-2's dynamic tree: grown level by level, the 8 most
+        probable children of each level fed in one draft forward, then the
+        ``tree_budget`` best nodes kept) or
         ``dyspec`` (grown per step best-first by draft probability, up to
         ``tree_budget`` nodes, depth <= k). ``ngram`` merges several earlier
         matches into a trie of as many nodes as the shape has.
@@ -178,7 +181,7 @@ class SpecConfig:
     k: int = 4
     adaptive_k: bool = False
     # trees (decoding/trees/trees.py): chain | static (tree_paths: JSON rank paths, e.g. [[0],[1],[0,0]]) | sequoia
-    # (tree_acceptance: per-rank acceptance, e.g. [0.6,0.1,0.05]) | dyspec; tree_budget: draft nodes per step
+    # (tree_acceptance: per-rank acceptance, e.g. [0.6,0.1,0.05]) | dyspec | levels; tree_budget: draft nodes per step
     tree: str = "chain"
     tree_paths: str = ""
     tree_budget: int = 16
@@ -268,19 +271,20 @@ class SpecConfig:
         return {name: getattr(self, name) for name in OPTION_DEFAULTS if name in self._given}
 
     def for_method(self, label: str) -> SpecConfig:
-        """The config a bench label names: a method, or ``trained:NAME`` (method trained with drafter NAME);
+        """The config a bench label names: a method, or ``METHOD:NAME`` (the method with drafter NAME: a trained
+        artifact for ``trained``, ``eagle``, ``early-exit`` and ``hybrid``, ``none`` for no shipped drafter);
         ``placement=actors`` stays with the methods that run on workers (the others run in process).
 
         >>> SpecConfig().for_method("trained:kangaroo-l10").drafter
         'kangaroo-l10'
+        >>> SpecConfig().for_method("hybrid:none").drafter, SpecConfig().for_method("eagle").method
+        ('none', 'eagle')
         >>> base = SpecConfig(placement="actors")
         >>> base.for_method("sps").placement, base.for_method("ngram").placement
         ('actors', 'local')
         """
         method, _, drafter = label.partition(":")
-        if drafter and method in METHOD_TABLE and METHOD_TABLE[method].needs_drafter:
-            return self.replace(method="trained", drafter=drafter)
-        cfg = self.replace(method=label)
+        cfg = self.replace(method=method, drafter=drafter) if drafter and method in METHOD_TABLE else self.replace(method=label)
         return cfg if cfg.placement == "local" or METHOD_TABLE[cfg.method].actors is not None else cfg.replace(placement="local")
 
     # ---- serialisation -------------------------------------------------

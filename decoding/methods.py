@@ -46,6 +46,7 @@ class ArtifactFacts(Protocol):
 
     def shipped_exit_layers(self, model: str) -> list[int]: ...
 
+
 # ---- constants: each defined here once, imported everywhere else ----------------------------------------------------
 WORKER_ROLES = ("target", "draft")  # the two model workers of placement=actors; placement bundle 0 is the target, 1 the draft
 ACTOR_TRANSPORTS = ("calls", "compiled")  # plain actor calls or Ray compiled graphs between the driver and the workers
@@ -307,7 +308,7 @@ METHOD_TABLE: dict[str, Method] = {
             # k: the tree's depth; tree_budget: nodes drafted before the cost curve picks the verified prefix
             (
                 KnobSpec("k", "int", 2, 10),
-                KnobSpec("tree", "choice", choices=("dyspec", "chain")),
+                KnobSpec("tree", "choice", choices=("levels", "dyspec", "chain")),
                 KnobSpec("tree_budget", "int", 8, 64),
                 *_FIT[:1],
             ),

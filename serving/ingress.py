@@ -471,5 +471,3 @@ class OpenAIIngress:
         if isinstance(out, P.ApiError):
             return error_response(out)
         return Response(out.model_dump_json(), media_type="application/json", headers={"X-Specray-Request-Id": rid})
-
-

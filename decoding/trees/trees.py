@@ -150,12 +150,18 @@ class Tree:
 
 @dataclass(frozen=True)
 class Dynamic:
-    """DySpec's shape: no fixed tree; the drafter grows one per step, best-first by the draft's path
-    probability, up to ``budget`` draft nodes (and the step's draft length as the depth limit).
-    ``max_rank``: the most children a node may get."""
+    """A tree the drafter grows per step by the draft's path probability, up to ``budget`` draft nodes (the step's
+    draft length is the depth limit). ``max_rank``: the most children a node may get.
+
+    ``width`` 0 (``tree=dyspec``, DySpec): best-first, each candidate popped in order of path probability (a node's
+    children are scored once it is fed, so a narrow draft feeds about one node per forward). ``width`` > 0
+    (``tree=levels``, EAGLE-2's dynamic tree): level by level, the ``width`` most probable children of the level
+    before are fed in one forward; at the end every drafted node is reranked by path probability and the best
+    ``budget`` kept, so a tree of depth D costs D-1 draft forwards."""
 
     budget: int
     max_rank: int = 8
+    width: int = 0
 
 
 def tree_mask(parents: torch.Tensor) -> torch.Tensor:
@@ -256,6 +262,9 @@ def expected_accepted(acceptance: Sequence[float], paths: Sequence[Sequence[int]
     return round(total, 6)
 
 
+LEVEL_WIDTH = 8  # tree=levels: nodes fed per level (EAGLE-2's top-k)
+
+
 @lru_cache(maxsize=64)
 def build_shape(tree: str, k: int, paths: str = "", budget: int = 16, acceptance: str = "") -> Tree | Dynamic | None:
     """The tree shape a config describes: a ``Tree`` (static, sequoia), ``Dynamic`` (dyspec) or None (chain).
@@ -270,6 +279,8 @@ def build_shape(tree: str, k: int, paths: str = "", budget: int = 16, acceptance
         return Tree.from_paths(sequoia_paths(acc, budget, k))
     if tree == "dyspec":
         return Dynamic(budget)
+    if tree == "levels":
+        return Dynamic(budget, width=LEVEL_WIDTH)
     return None
 
 

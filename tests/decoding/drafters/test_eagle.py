@@ -98,7 +98,7 @@ def test_trimmed_head_trains_and_drafts_over_its_tokens(target):
     assert recipe.data_layers(recipe.check({}, 30), 30) == [2, 15, 30]
 
 
-@pytest.mark.parametrize("shape", ["chain", "dyspec"])
+@pytest.mark.parametrize("shape", ["chain", "dyspec", "levels"])
 def test_eagle_greedy_equals_ar(target, shape):
     """float32: greedy output identical to AR, chains and dynamic trees (the drafter is random: many rejections)."""
     model = copy.deepcopy(target)
@@ -106,7 +106,7 @@ def test_eagle_greedy_equals_ar(target, shape):
     adapter = ModelAdapter(model)
     prompt = torch.randint(VOCAB, (1, 12), generator=torch.Generator().manual_seed(4))
     ar = generate(adapter, prompt, max_new_tokens=40).token_ids
-    tree = Dynamic(budget=8) if shape == "dyspec" else None
+    tree = {"dyspec": Dynamic(budget=8), "levels": Dynamic(budget=8, width=4), "chain": None}[shape]
     out = generate(adapter, prompt, drafter=EagleDrafter(net, tree=tree), k=4, max_new_tokens=40)
     assert out.token_ids == ar
     assert out.stats.target_forwards <= 40
@@ -175,6 +175,7 @@ PROMPTS = ["Tell me about the sea.", "qzx vbn wrt plk"]  # the second offers not
     [
         {"method": "eagle", "tree": "dyspec", "tree_budget": 10, "k": 4},
         {"method": "eagle", "tree": "dyspec", "tree_budget": 10, "k": 4, "tree_fit": "budget"},
+        {"method": "eagle", "tree": "levels", "tree_budget": 10, "k": 4},
         {"method": "eagle", "k": 4},
         {"method": "hybrid", "k": 4},
         {"method": "sps", "k": 3},
