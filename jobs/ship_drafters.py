@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from jobs.common import Parser, fail, run_cli
+from jobs.common import Parser, command, fail
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,8 +103,7 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def main(argv=None) -> int:
-    return run_cli(build_parser(), main_with_args, argv)
+main = command(build_parser, main_with_args)
 
 
 if __name__ == "__main__":

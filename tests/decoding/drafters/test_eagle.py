@@ -281,9 +281,9 @@ def test_tune_snaps_exit_layers_to_shipped_adapters(monkeypatch, tmp_path, artif
     monkeypatch.setattr(arts, "SHIPPED", tmp_path)
     fit = method_of("early-exit").fit
     base = SpecConfig(model="tinyalias", method="early-exit")
-    assert fit({"exit_layer": 3}, base) == {"exit_layer": 3}  # nothing ships: the sample stands
+    assert fit({"exit_layer": 3}, base, arts) == {"exit_layer": 3}  # nothing ships: the sample stands
     for layer in (2, 6):
         shutil.copytree(artifacts["kangaroo-l2"], tmp_path / "tinyalias" / f"kangaroo-l{layer}")
     assert arts.shipped_exit_layers("tinyalias") == [2, 6]
-    assert [fit({"exit_layer": x}, base)["exit_layer"] for x in (1, 3, 4, 5, 20)] == [2, 2, 2, 6, 6]
-    assert fit({"exit_layer": 3}, base.replace(drafter="none")) == {"exit_layer": 3}  # the user opted out
+    assert [fit({"exit_layer": x}, base, arts)["exit_layer"] for x in (1, 3, 4, 5, 20)] == [2, 2, 2, 6, 6]
+    assert fit({"exit_layer": 3}, base.replace(drafter="none"), arts) == {"exit_layer": 3}  # the user opted out
