@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from jobs.common import Parser, command, fail
@@ -32,6 +33,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--docs", default=str(ROOT / "docs" / "drafters"), help="where the learning curves go (default docs/drafters)")
     p.add_argument("--max-sequences", type=int, help="train on the first N training sequences only")
     p.add_argument("--steps-scale", type=float, default=1.0, help="multiply every drafter's steps (e.g. 0.1 for a quick run)")
+    p.add_argument("--max-minutes", type=float, help="stop each drafter's training after M minutes; its artifact records the steps done")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--on-cluster", action="store_true", help="train with Ray Train (RAY_ADDRESS, else a local Ray)")
@@ -55,6 +57,8 @@ def main_with_args(args) -> int:
         fail(f"--only: unknown shipped drafter {unknown[0]!r}; choose from {', '.join(SHIPPED_RECIPES)}")
     if args.steps_scale <= 0 or (args.max_sequences is not None and args.max_sequences < 2):
         fail("--steps-scale must be > 0 and --max-sequences >= 2")
+    if args.max_minutes is not None and args.max_minutes <= 0:
+        fail("--max-minutes must be > 0")
     data = Path(args.data) if args.data else ROOT / "data" / "distill" / args.model
     if not (data / "manifest.json").is_file():
         fail(f"--data: {data} is not a `specray distill` data directory (no manifest.json)")
@@ -76,6 +80,7 @@ def main_with_args(args) -> int:
             workers=args.workers,
             strategy=args.strategy,
             progress=not args.no_progress,
+            deadline=None if args.max_minutes is None else time.time() + 60 * args.max_minutes,
         )
         results[name]["shipped"] = str(publish(work, shipped / name))
     # the record and the curves cover every shipped drafter trained so far, not only this run's (runs of a few
