@@ -30,8 +30,8 @@ import ray
 
 import kernels
 from actors.devices import placed_device
+from decoding.drafters.artifacts import draft_adapter, is_artifact
 from decoding.engine import SpecDecoder, build_drafter
-from decoding.errors import ConfigError
 from decoding.loop.metrics import peak_rss_mb, reset_peak_rss
 from decoding.methods import METHOD_TABLE, TARGET_WITH_DRAFTER, WORKER_ROLES
 from decoding.model.adapter import ModelAdapter
@@ -65,17 +65,13 @@ class ModelActor:
         plan = METHOD_TABLE[cfg.method].actors
         with_drafter = plan is not None and plan.draft_worker == TARGET_WITH_DRAFTER
         draft = role == "draft" and not with_drafter
-        own_model = draft and bool(cfg.draft_model)
+        # a separate model directory is loaded on its own; a distilled-draft artifact (shipped, or named) and the
+        # target's first layers are built over the target (decoding.drafters.artifacts.draft_adapter)
+        own_model = draft and cfg.draft_model not in (None, "layers") and not is_artifact(cfg.draft_model)
         loaded = load_model(cfg.draft_model if own_model else cfg.model, cfg.dtype, self.device, cfg.quant)
         self.tokenizer = loaded.tokenizer
         self.eos = loaded.eos_token_ids
-        depth = len(loaded.model.model.layers)
-        layers = None
-        if draft and not own_model:
-            if cfg.draft_layers >= depth:
-                raise ConfigError("draft_layers", f"must be below the model's {depth} layers, got {cfg.draft_layers}")
-            layers = cfg.draft_layers
-        self.adapter = ModelAdapter(loaded.model, num_layers=layers)
+        self.adapter = draft_adapter(cfg, loaded, self.device) if draft and not own_model else ModelAdapter(loaded.model)
         sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
         if role == "target":
             self.side = VerifySide(self.adapter, sampling)

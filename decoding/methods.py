@@ -223,6 +223,18 @@ METHOD_TABLE: dict[str, Method] = {
             fit=_fit_trained,
         ),
         Method(
+            "eagle",
+            "a feature-level head (the target's low, middle and last hidden states, one layer, a trimmed vocabulary) drafts "
+            "chains or dynamic trees sized by the measured verification cost; the head shipped for the model unless drafter=",
+            # k: the tree's depth; tree_budget: nodes drafted before the cost curve picks the verified prefix
+            (
+                KnobSpec("k", "int", 2, 10),
+                KnobSpec("tree", "choice", choices=("dyspec", "chain")),
+                KnobSpec("tree_budget", "int", 8, 64),
+                *_FIT[:1],
+            ),
+        ),
+        Method(
             "recycling",
             "Token Recycling: a tree from the target's own past top-k candidates (an adjacency matrix)",
             (_K, *_RECYCLE, *_FIT),

@@ -21,11 +21,21 @@ from pathlib import Path
 import torch
 
 from decoding.builders import builds
+from decoding.drafters.drafters import (
+    Drafter,
+    DraftModelDrafter,
+    EarlyExitDrafter,
+    draft_model_adapter,
+    first_layers_adapter,
+    model_depth,
+)
 from decoding.drafters.trained import RECIPES, Recipe, TrimmedHead, get_recipe, trim_vocab
 from decoding.errors import ConfigError
+from decoding.model.adapter import ModelAdapter
 from decoding.model.models import model_fingerprint
 from decoding.paths import specray_home
-from decoding.trees.trees import tree_shape
+from decoding.trees.hardware import chooser_for
+from decoding.trees.trees import Dynamic, tree_shape
 
 FORMAT = 1
 WEIGHTS, DESCRIPTION = "drafter.safetensors", "drafter.json"
@@ -36,11 +46,36 @@ def drafters_home() -> Path:
 
 
 def resolve_artifact(name: str) -> Path:
-    """A directory holding drafter.json: ``name`` as a path, else ``$SPECRAY_HOME/drafters/<name>``."""
-    for cand in (Path(name).expanduser(), drafters_home() / name):
+    """A directory holding drafter.json: ``name`` as a path, else ``$SPECRAY_HOME/drafters/<name>``, else a drafter
+    shipped with specray (``shipped/<model>/<name>``, e.g. ``smollm2-135m/eagle``)."""
+    for cand in (Path(name).expanduser(), drafters_home() / name, SHIPPED / name):
         if (cand / DESCRIPTION).is_file():
             return cand
     raise ConfigError("drafter", f"no trained drafter {name!r} (looked for {DESCRIPTION} in {name} and {drafters_home() / name})")
+
+
+# The drafters trained for the bundled model ship in the package (each fingerprinted to its target): per model
+# alias a folder of artifacts, the defaults of the methods that draft with a trained part.
+SHIPPED = Path(__file__).resolve().parent / "shipped"
+NO_DRAFTER = "none"  # drafter=none: a method that would use a shipped drafter by default runs without it
+
+
+def shipped_artifact(model: str, name: str) -> str | None:
+    """``<model>/<name>`` when specray ships that artifact for the model (``SHIPPED``; model aliases only), else None.
+
+    >>> shipped_artifact("/some/model/dir", "eagle") is None
+    True
+    """
+    if not model or "/" in model or model.startswith("."):
+        return None
+    return f"{model}/{name}" if (SHIPPED / model / name / DESCRIPTION).is_file() else None
+
+
+def default_drafter(cfg, name: str) -> str | None:
+    """The artifact a method uses: ``cfg.drafter`` when set (None for ``none``), else the one shipped for the model."""
+    if cfg.drafter == NO_DRAFTER:
+        return None
+    return cfg.drafter or shipped_artifact(cfg.model, name)
 
 
 VOCAB_ORDER = "__vocab_order__"  # token ids by descending frequency in the training data (VocabTrim)
@@ -176,3 +211,71 @@ def _load(name: str, path: Path, desc: dict, target_hf) -> Artifact:
 @builds("trained")
 def _trained_drafter(cfg, target, device, memory):
     return load_artifact(cfg.drafter, target.model).drafter(cfg.confidence_threshold, cfg.draft_vocab, tree_shape(cfg))
+
+
+def load_recipe_artifact(name: str, recipe: str, target_hf) -> Artifact:
+    """An artifact that must be of ``recipe`` (one line naming it otherwise)."""
+    art = load_artifact(name, target_hf)
+    if art.recipe.name != recipe:
+        raise ConfigError("drafter", f"{name!r} is a {art.recipe.name} drafter, not {recipe}")
+    return art
+
+
+def eagle_drafter(cfg, target, name: str | None = None):
+    """The feature head (``decoding.drafters.eagle``) of ``name`` or the config's default; dynamic trees are sized by
+    the measured verification cost when ``tree_fit=measured``."""
+    name = name or default_drafter(cfg, "eagle")
+    if name is None:
+        hint = "train one (specray train-drafter --recipe eagle --data DIR) and set drafter="
+        raise ConfigError("drafter", f"no eagle head ships for {cfg.model!r}; {hint}")
+    drafter = load_recipe_artifact(name, "eagle", target.model).drafter(cfg.confidence_threshold, 0, tree_shape(cfg))
+    if isinstance(drafter.tree, Dynamic):
+        drafter.chooser = chooser_for(cfg, target)
+    return drafter
+
+
+@builds("eagle")
+def _eagle_drafter(cfg, target, device, memory):
+    return eagle_drafter(cfg, target)
+
+
+def is_artifact(name: str | None) -> bool:
+    """Whether ``name`` names a drafter artifact (a directory with drafter.json, or a shipped one)."""
+    if not name:
+        return False
+    return any((cand / DESCRIPTION).is_file() for cand in (Path(name).expanduser(), drafters_home() / name, SHIPPED / name))
+
+
+def draft_adapter(cfg, target, device) -> ModelAdapter:
+    """The draft model of SpS, PEARL and TriForce's model bottom: ``draft_model`` (a local HF model directory, or a
+    distilled-draft artifact), ``layers`` (the target's first ``draft_layers`` layers), or unset: the distilled draft
+    shipped for the model when there is one, else the target's first layers."""
+    name = cfg.draft_model
+    if name == "layers" or (name is None and shipped_artifact(cfg.model, "distill") is None):
+        return first_layers_adapter(cfg, target)
+    if name is None or is_artifact(name):
+        art = load_recipe_artifact(name or shipped_artifact(cfg.model, "distill"), "distill", target.model)
+        return ModelAdapter(art.module)
+    return draft_model_adapter(cfg, target, device)
+
+
+@builds("sps", "pearl")
+def _draft_model_drafter(cfg, target, device, memory) -> Drafter:
+    """SpS (and PEARL in one process) with :func:`draft_adapter`'s draft."""
+    return DraftModelDrafter(draft_adapter(cfg, target, device), cfg.confidence_threshold, tree=tree_shape(cfg))
+
+
+@builds("early-exit")
+def _early_exit_drafter(cfg, target, device, memory) -> Drafter:
+    """The target's first ``exit_layer`` layers draft; through the Kangaroo adapter of that exit layer when one ships
+    for the model (or ``drafter`` names one)."""
+    shape, depth = tree_shape(cfg), model_depth(target)
+    if cfg.exit_layer >= depth:
+        raise ConfigError("exit_layer", f"must be below the model's {depth} layers, got {cfg.exit_layer}")
+    name = default_drafter(cfg, f"kangaroo-l{cfg.exit_layer}")
+    if name is None:
+        return EarlyExitDrafter(cfg.exit_layer, cfg.confidence_threshold, tree=shape)
+    art = load_recipe_artifact(name, "kangaroo", target.model)
+    if art.knobs["exit_layer"] != cfg.exit_layer:
+        raise ConfigError("drafter", f"{name!r} adapts exit layer {art.knobs['exit_layer']}, not exit_layer={cfg.exit_layer}")
+    return art.drafter(cfg.confidence_threshold, 0, shape)

@@ -466,17 +466,3 @@ def _ngram_drafter(cfg, target, device, memory) -> Drafter:
     return NgramDrafter(cfg.ngram_max, cfg.ngram_min, tree_budget=None if shape is None else max_nodes_of(shape, cfg.k))
 
 
-@builds("early-exit")
-def _early_exit_drafter(cfg, target, device, memory) -> Drafter:
-    shape, depth = tree_shape(cfg), model_depth(target)
-    if cfg.exit_layer >= depth:
-        raise ConfigError("exit_layer", f"must be below the model's {depth} layers, got {cfg.exit_layer}")
-    return EarlyExitDrafter(cfg.exit_layer, cfg.confidence_threshold, tree=shape)
-
-
-@builds("sps", "pearl")
-def _draft_model_drafter(cfg, target, device, memory) -> Drafter:
-    """SpS (and PEARL in one process): ``draft_model``, else the target's first ``draft_layers`` layers."""
-    shape = tree_shape(cfg)
-    adapter = draft_model_adapter(cfg, target, device) if cfg.draft_model else first_layers_adapter(cfg, target)
-    return DraftModelDrafter(adapter, cfg.confidence_threshold, tree=shape)

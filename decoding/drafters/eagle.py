@@ -139,6 +139,7 @@ class EagleDrafter(Drafter):
         self.fed = 0  # slots 0..fed-1 of the drafter's cache hold true-feature keys
         self.queue: list[dict] = []
         self.last: dict = {}
+        self._probs = None
 
     def max_nodes(self, k: int) -> int:
         return max_nodes_of(self.tree, k)
@@ -179,6 +180,22 @@ class EagleDrafter(Drafter):
             tokens, probs, _ = _draft_chain(step, root_logits, k, state, self.threshold, feed_last=False)
             return Proposal(tokens=tokens, probs=probs)
 
+        tokens, parents, path_p = self.draft_tree(state, k, root, root_logits)
+        if self.chooser is not None and isinstance(self.tree, Dynamic):
+            keep = self.chooser.prefix(path_p)  # best-first order: every prefix is a tree
+            self.last = {"drafted": len(tokens), "verified": keep, "expected": 1 + sum(path_p[:keep])}
+            tokens, parents = tokens[:keep], parents[:keep]
+        ids = torch.tensor([tokens], dtype=torch.long, device=state.tokens.device)
+        return Proposal(tokens=ids, probs=self._probs, tree=Tree.from_parents([-1] + parents))
+
+    def draft_tree(self, state: DecodeState, k: int, root=None, root_logits=None) -> tuple[list[int], list[int], list[float]]:
+        """A token tree of up to ``k`` levels in ``self.tree``'s shape: (tokens, parents indexing [pending, nodes...],
+        path probabilities) per node, in node order (for a ``Dynamic`` shape: best-first, every prefix a tree). Feeds
+        the committed positions first unless ``root`` (o_{n-2}) and ``root_logits`` are given."""
+        a, n = self.adapter, state.tokens.shape[1]
+        if root is None:
+            root = self._catch_up(state)
+            root_logits = a.logits(root)[:, -1]
         outputs = {0: root}  # node -> its output feature [B, 1, H] (node 0: the pending token's pair at slot n-2)
 
         def tree_step(toks, lo, hi, tree):
@@ -189,11 +206,8 @@ class EagleDrafter(Drafter):
             return a.logits(h)
 
         path_p: list[float] = []
-        tokens, probs, tree, _ = _draft_tree(tree_step, root_logits, self.tree, k, state, feed_last=False, path_probs=path_p)
-        if self.chooser is not None and isinstance(self.tree, Dynamic) and path_p:
-            keep = self.chooser.prefix(path_p[1:])  # best-first order: every prefix is a tree
-            self.last = {"drafted": tokens.shape[1], "verified": keep, "expected": 1 + sum(path_p[1 : keep + 1])}
-            tokens = tokens[:, :keep]
-            probs = None if probs is None else probs[:, :keep]
-            tree = Tree.from_parents(tree.parents.tolist()[: keep + 1])
-        return Proposal(tokens=tokens, probs=probs, tree=tree)
+        shape = self.tree or Dynamic(budget=k)
+        tokens, probs, tree, _ = _draft_tree(tree_step, root_logits, shape, k, state, feed_last=False, path_probs=path_p)
+        self._probs = probs
+        nodes = tokens[0].tolist()
+        return nodes, tree.parents.tolist()[1:], path_p[1:] if path_p else [1.0] * len(nodes)

@@ -4,7 +4,9 @@ Each source proposes a tree with an estimate of each node's chance to be accepte
 
 * recycling: the product of the measured per-rank acceptance along the node's path (``recycling.RankStats``);
 * suffix: the empirical continuation frequencies of the longest match (``suffix.best_first``);
-* prompt lookup (``NgramDrafter.lookup_tree``): ``NGRAM_PRIOR ** depth``, halved per earlier sibling.
+* prompt lookup (``NgramDrafter.lookup_tree``): ``NGRAM_PRIOR ** depth``, halved per earlier sibling;
+* a trained feature head (``eagle``, optional), run only where the copying sources expect little
+  (``HEAD_WHEN``): its draft path probabilities.
 
 Every source's estimates are rescaled by how well they predicted so far (accepted nodes + 2 over predicted
 mass + 2, counted over the nodes it contributed), so a source that over-promises loses its place. The trees
@@ -29,7 +31,11 @@ from decoding.drafters.suffix import SuffixDrafter
 from decoding.trees.trees import Tree
 
 NGRAM_PRIOR = 0.6  # prompt lookup's per-token acceptance before any is measured
-SOURCES = ("ngram", "suffix", "recycling")
+SOURCES = ("ngram", "suffix", "recycling", "eagle")
+# With a trained head (``decoding.drafters.eagle``) the hybrid drafts with it where copying offers little: when no
+# model-free source expects this many accepted tokens from its whole tree (scaled estimates summed; a 3-token prompt
+# lookup match expects 0.6 + 0.36 + 0.22 before calibration). Copying costs nothing; the head costs small forwards.
+HEAD_WHEN = 1.0
 
 
 def merge_trees(trees) -> list[tuple[int, int, float, set]]:
@@ -60,7 +66,6 @@ def merge_trees(trees) -> list[tuple[int, int, float, set]]:
 
 class HybridDrafter(Drafter):
     name = "hybrid"
-    model_free = True
 
     def __init__(
         self,
@@ -69,8 +74,12 @@ class HybridDrafter(Drafter):
         ngram: NgramDrafter | None = None,
         budget: int = 16,
         chooser=None,
+        head=None,
     ):
         self.recycling, self.suffix = recycling, suffix
+        self.head = head  # an EagleDrafter, or None
+        self.feature_layers = head.feature_layers if head is not None else ()
+        self.model_free = head is None  # with a head, proposing costs forwards: k=auto must count them
         self.ngram = ngram or NgramDrafter(3, 1)
         self.budget, self.chooser = budget, chooser
         self._nodes: list[int] = []
@@ -96,6 +105,8 @@ class HybridDrafter(Drafter):
     def start(self, state: DecodeState) -> None:
         self.recycling.start(state)
         self.suffix.start(state)
+        if self.head is not None:
+            self.head.start(state)
         if self.recycling.cold:
             self.calibration.update({s: [0.0, 0.0] for s in SOURCES})
 
@@ -143,6 +154,11 @@ class HybridDrafter(Drafter):
         for toks, pars, probs, src in raw:
             c = self.scale(src)
             scaled.append((toks, pars, [min(1.0, c * p) for p in probs], src))
+        if self.head is not None and max((sum(probs) for *_, probs, _ in scaled), default=0.0) < HEAD_WHEN:
+            toks, pars, probs = self.head.draft_tree(state, k)
+            if toks:
+                raw.append((toks, pars, probs, "eagle"))
+                scaled.append((toks, pars, [min(1.0, self.scale("eagle") * p) for p in probs], "eagle"))
         merged = merge_trees(scaled)
         raw_of = {}
         for toks, pars, probs, src in raw:  # the unscaled estimate of every (path, source), for calibration
@@ -171,6 +187,8 @@ class HybridDrafter(Drafter):
         return self.chooser.prefix(probs) if self.chooser is not None else min(len(probs), self.budget)
 
     def update(self, state: DecodeState, num_accepted: int) -> None:
+        if self.head is not None:
+            self.head.update(state, num_accepted)
         if state.last_logits is not None:
             self.recycling.observe(verified_nodes(state, num_accepted, self._nodes), state.last_logits[0])
         self._nodes = []

@@ -4,28 +4,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from decoding.builders import builds
+from decoding.drafters.artifacts import default_drafter, eagle_drafter
 from decoding.drafters.drafters import Drafter, NgramDrafter
 from decoding.drafters.hybrid import HybridDrafter
 from decoding.drafters.recycling import RecyclingDrafter
 from decoding.drafters.suffix import SuffixDrafter
 from decoding.errors import ConfigError
 from decoding.model.adapter import ModelAdapter
-from decoding.trees.hardware import TreeChooser, verify_costs
+from decoding.trees.hardware import chooser_for
 from decoding.trees.trees import Tree, parse_paths
 
 if TYPE_CHECKING:
     from decoding.config import SpecConfig
-
-
-def chooser_for(cfg: SpecConfig, target) -> TreeChooser | None:
-    """``tree_fit=measured``: a chooser over this host's verification cost curve (measured once, then cached)."""
-    if cfg.tree_fit != "measured":
-        return None
-    adapter = ModelAdapter(target.model)
-    return TreeChooser(verify_costs(adapter, cfg.model, cfg.dtype, torch.get_num_threads()))
 
 
 def build_model_free(cfg: SpecConfig, target, memory=None) -> Drafter:
@@ -52,7 +43,11 @@ def build_model_free(cfg: SpecConfig, target, memory=None) -> Drafter:
     )
     if cfg.method == "suffix":
         return suffix
-    return HybridDrafter(recycling, suffix, NgramDrafter(cfg.ngram_max, cfg.ngram_min), cfg.tree_budget, chooser)
+    head = None
+    if default_drafter(cfg, "eagle") is not None:  # the feature head where copying offers little
+        head = eagle_drafter(cfg.replace(tree="dyspec"), target)
+        head.chooser = None  # the hybrid sizes the merged tree
+    return HybridDrafter(recycling, suffix, NgramDrafter(cfg.ngram_max, cfg.ngram_min), cfg.tree_budget, chooser, head)
 
 
 @builds("recycling", "suffix", "hybrid")

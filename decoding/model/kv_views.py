@@ -265,10 +265,21 @@ class ViewAdapter:
             raise TypeError("this ViewAdapter was built without a cache factory")
         return self.make_cache(batch, max_len)
 
-    def forward(self, cache: SparseKVCache, start: int, input_ids=None, hidden=None, first=0, last=None, positions=None, tree_mask=None):
+    def forward(
+        self,
+        cache: SparseKVCache,
+        start: int,
+        input_ids=None,
+        hidden=None,
+        first=0,
+        last=None,
+        positions=None,
+        tree_mask=None,
+        captured=None,
+    ):
         x = input_ids if hidden is None else hidden
         bsz, t = x.shape[:2]
         if positions is None:
             positions = torch.arange(start, start + t, device=x.device).unsqueeze(0).expand(bsz, t)
         slots = cache.begin(start, t)
-        return self.base.forward(cache, slots, input_ids, hidden, first, last, positions, tree_mask)
+        return self.base.forward(cache, slots, input_ids, hidden, first, last, positions, tree_mask, captured)

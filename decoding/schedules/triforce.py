@@ -39,13 +39,13 @@ from __future__ import annotations
 import torch
 
 from decoding.builders import builds
+from decoding.drafters.artifacts import draft_adapter, shipped_artifact
 from decoding.drafters.drafters import (
     DecodeState,
     Drafter,
     DraftModelDrafter,
     NgramDrafter,
     Proposal,
-    draft_model_adapter,
     first_layers_adapter,
 )
 from decoding.errors import ConfigError
@@ -164,9 +164,11 @@ class TriForceDrafter(Drafter):
 def _triforce_drafter(cfg, target, device, memory) -> Drafter:
     bottom = None
     if cfg.triforce_bottom == "model":
-        if not cfg.draft_model:
-            raise ConfigError("draft_model", "triforce_bottom=model needs a draft_model (a local model directory)")
-        bottom = draft_model_adapter(cfg, target, device)
+        if cfg.draft_model in (None, "layers") and shipped_artifact(cfg.model, "distill") is None:
+            raise ConfigError(
+                "draft_model", "triforce_bottom=model needs a draft_model (a local model directory or a distilled-draft artifact)"
+            )
+        bottom = draft_adapter(cfg, target, device)
     elif cfg.triforce_bottom == "layers":
         bottom = first_layers_adapter(cfg, target)
     return TriForceDrafter(

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from decoding.model.adapter import ModelAdapter
 from decoding.paths import specray_home
 from decoding.trees.trees import Tree, expected_accepted, sequoia_tree
 
@@ -142,3 +143,12 @@ class TreeChooser:
         best = max((self.rate(acceptance, b, depth) + (b,) for b in self.budgets), key=lambda r: r[0])
         self.last = {"budget": best[2], "tokens_per_cost": best[0], "nodes": best[1].size - 1}
         return best[1]
+
+
+def chooser_for(cfg, target) -> TreeChooser | None:
+    """``tree_fit=measured``: a chooser over this host's verification cost curve for the config's target (measured
+    once, then cached); None for ``tree_fit=budget``. ``cfg`` a ``SpecConfig``, ``target`` a loaded model."""
+    if cfg.tree_fit != "measured":
+        return None
+    adapter = ModelAdapter(target.model)
+    return TreeChooser(verify_costs(adapter, cfg.model, cfg.dtype, torch.get_num_threads()))

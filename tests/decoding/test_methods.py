@@ -122,7 +122,11 @@ def test_the_table_builds_each_methods_drafter(tiny_model_dir):
         "suffix": SuffixDrafter,
         "hybrid": HybridDrafter,
     }
-    assert set(expected) | {"trained"} == set(METHODS)  # trained needs an artifact: tests/decoding/drafters/test_trained.py
+    # trained and eagle need an artifact: tests/decoding/drafters/test_trained.py, test_eagle.py (none ships for this model)
+    assert set(expected) | {"trained", "eagle"} == set(METHODS)
+    with pytest.raises(ConfigError, match="no eagle head ships") as e:
+        build_drafter(base.replace(method="eagle"), loaded)
+    assert e.value.field == "drafter"
     for name, kind in expected.items():
         assert isinstance(build_drafter(base.replace(method=name), loaded), kind), name
     with pytest.raises(ConfigError, match="exit_layer"):

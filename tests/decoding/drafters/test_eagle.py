@@ -128,3 +128,143 @@ def test_dynamic_trees_verify_the_prefix_the_cost_curve_pays_for(target):
         sizes[name] = drafter.last
     assert sizes["flat"]["verified"] == sizes["flat"]["drafted"] > 1
     assert sizes["steep"]["verified"] < sizes["steep"]["drafted"]
+
+
+# ---- through the engine: the methods that draft with trained parts ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def four_layer_dir(tmp_path_factory):
+    from tiny_models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny4"), layers=4, hidden=32, context=512, weight_std=0.5)
+
+
+@pytest.fixture(scope="module")
+def artifacts(four_layer_dir, tmp_path_factory):
+    """Random (perturbed) eagle, distilled-draft and Kangaroo artifacts for the 4-layer tiny model."""
+    from decoding.drafters.artifacts import save_artifact
+    from decoding.drafters.trained import get_recipe
+    from decoding.model.models import load_model
+
+    target = load_model(str(four_layer_dir), "float32").model
+    root = tmp_path_factory.mktemp("artifacts")
+    out = {}
+    for name, recipe, knobs in (
+        ("eagle", "eagle", {"draft_vocab": 64}),
+        ("distill", "distill", {"draft_layers": 1, "draft_vocab": 64}),
+        ("kangaroo-l2", "kangaroo", {"exit_layer": 2, "draft_vocab": 64}),
+    ):
+        r = get_recipe(recipe)
+        knobs = r.check(knobs, 4)
+        module = r.build(target, knobs)
+        r.prepare(module, torch.arange(259))
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        out[name] = str(save_artifact(root / name, recipe, knobs, module, target, "tiny4", training={}, weights_dtype=torch.bfloat16))
+    return out
+
+
+PROMPTS = ["Tell me about the sea.", "qzx vbn wrt plk"]  # the second offers nothing to copy
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"method": "eagle", "tree": "dyspec", "tree_budget": 10, "k": 4},
+        {"method": "eagle", "tree": "dyspec", "tree_budget": 10, "k": 4, "tree_fit": "budget"},
+        {"method": "eagle", "k": 4},
+        {"method": "hybrid", "k": 4},
+        {"method": "sps", "k": 3},
+        {"method": "early-exit", "exit_layer": 2, "k": 3},
+    ],
+    ids=lambda c: "-".join(str(v) for v in c.values()),
+)
+def test_trained_parts_through_the_engine_are_lossless(four_layer_dir, artifacts, changes):
+    from decoding.config import SpecConfig
+    from decoding.engine import SpecDecoder
+
+    base = SpecConfig(model=str(four_layer_dir), dtype="float32", max_new_tokens=24, threads=1)
+    named = {"eagle": "eagle", "hybrid": "eagle", "sps": None, "early-exit": "kangaroo-l2"}[changes["method"]]
+    cfg = base.replace(**changes, **({"drafter": artifacts[named]} if named else {"draft_model": artifacts["distill"]}))
+    dec, ar = SpecDecoder(cfg), SpecDecoder(base)
+    for text in PROMPTS:
+        ids = ar.encode(text, chat=True)
+        out = dec.generate_ids(ids)
+        assert out.token_ids == ar.generate_ids(ids).token_ids, (changes, text)
+        assert out.stats.target_forwards < len(out.token_ids) + 1
+    if changes["method"] == "hybrid":  # where nothing can be copied the head drafted
+        assert dec.drafter.head is not None and dec.drafter.feature_layers == dec.drafter.head.feature_layers
+    if changes["method"] == "early-exit":
+        from decoding.drafters.trained import KangarooDrafter
+
+        assert isinstance(dec.drafter, KangarooDrafter)
+
+
+def test_hybrid_runs_its_head_only_where_copying_offers_little(four_layer_dir, artifacts):
+    """The gate, on prepared states: a long repeated text (prompt lookup and suffix expect several tokens) leaves the
+    head idle; a text with nothing to copy makes it draft, and its nodes join the merged tree."""
+    from decoding.config import SpecConfig
+    from decoding.engine import SpecDecoder
+    from decoding.loop.loop import prefill
+
+    dec = SpecDecoder(SpecConfig(model=str(four_layer_dir), dtype="float32", method="hybrid", drafter=artifacts["eagle"], threads=1))
+    hybrid = dec.drafter
+    calls, draft_tree = [], hybrid.head.draft_tree
+
+    def counting(state, k, *args):
+        calls.append(k)
+        return draft_tree(state, k, *args)
+
+    hybrid.head.draft_tree = counting
+
+    def state_for(text):
+        ids = dec.encode(text, chat=False)
+        cache = dec.target.new_cache(1, 512)
+        captured = dict.fromkeys(hybrid.feature_layers)
+        first, h = prefill(dec.target, cache, ids[:, :-1], GREEDY, None, captured)
+        state = DecodeState(ids, dec.target, cache, GREEDY, None, 512, target_hidden=h, target_features=captured)
+        hybrid.start(state)
+        return state
+
+    repeated = state_for("the cat sat on the mat, " * 6 + "the cat sat on")
+    proposal = hybrid.propose(repeated, 4)
+    assert not calls and proposal.tokens.shape[1] >= 3 and "eagle" not in hybrid.last_choice["sources"]
+    hybrid.update(repeated, 0)
+    fresh = state_for("qzx vbn wrt plk")
+    proposal = hybrid.propose(fresh, 4)
+    assert calls == [4] and "eagle" in hybrid.last_choice["sources"]
+
+
+def test_wrong_artifacts_fail_in_one_line(four_layer_dir, artifacts):
+    from decoding.config import SpecConfig
+    from decoding.engine import SpecDecoder
+    from decoding.errors import ConfigError
+
+    base = SpecConfig(model=str(four_layer_dir), dtype="float32", threads=1)
+    with pytest.raises(ConfigError, match="not eagle") as e:
+        SpecDecoder(base.replace(method="eagle", drafter=artifacts["distill"]))
+    assert e.value.field == "drafter"
+    with pytest.raises(ConfigError, match="exit layer 2") as e:
+        SpecDecoder(base.replace(method="early-exit", exit_layer=1, drafter=artifacts["kangaroo-l2"]))
+    with pytest.raises(ConfigError, match="not distill"):
+        SpecDecoder(base.replace(method="sps", draft_model=artifacts["eagle"]))
+
+
+def test_shipped_artifacts_are_the_defaults(monkeypatch, tmp_path, artifacts):
+    import shutil
+
+    import decoding.drafters.artifacts as arts
+    from decoding.config import SpecConfig
+
+    monkeypatch.setattr(arts, "SHIPPED", tmp_path)
+    assert arts.shipped_artifact("tinyalias", "eagle") is None
+    shutil.copytree(artifacts["eagle"], tmp_path / "tinyalias" / "eagle")
+    assert arts.shipped_artifact("tinyalias", "eagle") == "tinyalias/eagle"
+    assert arts.resolve_artifact("tinyalias/eagle") == tmp_path / "tinyalias" / "eagle"
+    cfg = SpecConfig(model="tinyalias", method="hybrid")
+    assert arts.default_drafter(cfg, "eagle") == "tinyalias/eagle"
+    assert arts.default_drafter(cfg.replace(drafter="none"), "eagle") is None  # opting out
+    assert arts.default_drafter(cfg.replace(drafter="x/y"), "eagle") == "x/y"

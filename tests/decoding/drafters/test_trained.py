@@ -174,7 +174,10 @@ def test_chain_only_recipes_reject_trees(tiny_model, recipe):
     assert e.value.field == "tree" and "chains only" in str(e.value)
 
 
-@pytest.mark.parametrize("recipe,knobs", [("kangaroo", {"exit_layer": 1, "draft_vocab": 8}), ("distill", {"draft_layers": 1, "draft_vocab": 8})])
+TRIMMED = [("kangaroo", {"exit_layer": 1, "draft_vocab": 8}), ("distill", {"draft_layers": 1, "draft_vocab": 8})]
+
+
+@pytest.mark.parametrize("recipe,knobs", TRIMMED)
 def test_trained_trimmed_heads_stay_lossless(tiny_model, recipe, knobs, tmp_path):
     """A distilled draft or Kangaroo adapter with its own trained head over 8 tokens: saved, loaded, greedy equals
     AR, sampling follows the target, and its drafts stay inside its tokens."""
