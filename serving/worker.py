@@ -37,6 +37,7 @@ import kernels
 from actors.devices import placed
 from decoding.config import SpecConfig
 from decoding.errors import ConfigError
+from decoding.loop.loop import PREFILL_CHUNK
 from decoding.methods import METHOD_TABLE, runs_on_actors
 from serving.batching import EngineFailed, EngineLoop, run_alone
 from serving.protocol import prompt_surely_exceeds
@@ -63,6 +64,7 @@ class ModelWorker:
         max_batch_rows: int = 32,
         max_step_tokens: int | None = None,
         adaptive_k: bool = True,
+        max_prefill_tokens: int | None = PREFILL_CHUNK,
     ):
         if threads:
             import torch
@@ -70,6 +72,7 @@ class ModelWorker:
             torch.set_num_threads(threads)
         kernels.install()
         self.max_batch_rows, self.max_step_tokens, self.adaptive_k = max_batch_rows, max_step_tokens, adaptive_k
+        self.max_prefill_tokens = max_prefill_tokens
         self._engines: dict[tuple[str, str], EngineLoop] = {}
         self._engine_lock = threading.Lock()
         self.max_loaded = max_loaded_configs
@@ -139,7 +142,13 @@ class ModelWorker:
         with self._engine_lock:
             engine = self._engines.get(key)
             if engine is None or not engine.alive:
-                engine = EngineLoop(dec.target, f"{key[0]}/{key[1]}", max_rows=self.max_batch_rows, max_step_tokens=self.max_step_tokens)
+                engine = EngineLoop(
+                    dec.target,
+                    f"{key[0]}/{key[1]}",
+                    max_rows=self.max_batch_rows,
+                    max_step_tokens=self.max_step_tokens,
+                    prefill_budget=self.max_prefill_tokens,
+                )
                 self._engines[key] = engine
                 if self.adaptive_k:  # measured (or read from its cache file) beside the first requests, not before them
 
