@@ -35,6 +35,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from decoding.model.quant import GROUP
+
 LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer")
 NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm")
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
@@ -138,9 +140,19 @@ _DENSE: dict = {}
 
 
 def _linear(packed: dict, key: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T``, by the layer's packed linear ``key`` when it has one (``decoding.model.quant``)."""
+    """``x @ weight.T`` for a 2-D ``x``, by the layer's packed linear ``key`` when it has one (``decoding.model.quant``).
+
+    A narrow input in the kernel's dtype goes straight to torch's packed kernel (what ``PackedLinear.__call__``
+    does after reshaping, without the reshapes: the stack keeps its activations 2-D).
+    """
     linear = packed.get(key)
-    return linear(x) if linear is not None else F.linear(x, weight)
+    if linear is None:
+        return F.linear(x, weight)
+    if linear.repeat == 1 and x.shape[0] <= linear.max_rows and x.dtype == linear.scale_zero.dtype:
+        if linear.kind == "int4":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, linear.packed, GROUP, linear.scale_zero)
+        return torch.ops.aten._weight_int8pack_mm(x, linear.packed, linear.scale_zero)
+    return linear(x)
 
 
 class LayerStack:
@@ -157,6 +169,11 @@ class LayerStack:
         if self.fuse:
             for layer in layers:
                 fused_weights(layer)
+        # per layer: (cache index, attention scale, the two norms' epsilons), read once
+        self.meta = [
+            (a.layer_idx, a.scaling, layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon)
+            for layer, a in ((layer, layer.self_attn) for layer in layers)
+        ]
 
     @classmethod
     def of(cls, layers, config, dtype: torch.dtype, device: torch.device, quant=None) -> LayerStack | None:
@@ -170,47 +187,64 @@ class LayerStack:
 
         ``mask``: None (one query, or a causal block from slot 0) or bool [B|1, 1, T, S], True = may attend.
         ``captured``: a dict whose keys name layers l in (first, last); each gets the hidden state after l layers.
+        A cache whose class says ``plain`` (the adapter's ``KVCache``) with one write position for every row is
+        written here by slice; any other cache (ragged rows, sparse views) through its ``update``.
         """
-        bsz, t = hidden.shape[:2]
+        bsz, t, width = hidden.shape
+        n = bsz * t
         hd, nq, nkv = self.head_dim, self.heads * self.head_dim, self.kv_heads * self.head_dim
         cos, sin = cos_sin[0].unsqueeze(1), signed_sin(cos_sin[1]).unsqueeze(1)  # [B, 1, T, D]
         causal = mask is None and t > 1
         own = self.attend_own and t <= ATTEND_MAX and not causal
         hidden_slots = None if mask is None or not own else ~mask.unsqueeze(1)  # [B|1, 1, 1, T, S]
-        width = hidden.shape[-1]
+        plain = getattr(cache, "plain", False) and isinstance(cache.cursor, int)
+        if plain:
+            begin, end = cache.cursor, cache.cursor + t
+            if end > cache.max_len:
+                raise IndexError(f"KV cache full: writing positions {begin}..{end} of {cache.max_len}")
+        hidden = hidden.reshape(n, width)  # activations stay 2-D [B*T, hidden]: the linears take them as they are
         for index in range(first, last):
             layer = self.layers[index]
-            a, m = layer.self_attn, layer.mlp
+            cache_index, scale, eps_in, eps_post = self.meta[index]
             packed = self.quant.layers[index] if self.quant is not None else _DENSE
-            norm = layer.input_layernorm
-            x = F.rms_norm(hidden, (width,), None, norm.variance_epsilon) * norm.weight  # LlamaRMSNorm's rounding, bit for bit
+            x = F.rms_norm(hidden, (width,), None, eps_in) * layer.input_layernorm.weight  # LlamaRMSNorm's rounding, bit for bit
             if self.fuse:
                 qkv, gate_up = fused_weights(layer)
                 qk, v = _linear(packed, "qkv", x, qkv).split([nq + nkv, nkv], dim=-1)
                 # q and k rotate together: the same elementwise arithmetic as one by one, in half the operations
                 q, k = _rotate(qk.view(bsz, t, -1, hd).transpose(1, 2), cos, sin).split([self.heads, self.kv_heads], dim=1)
             else:
+                a = layer.self_attn
                 q, k, v = F.linear(x, a.q_proj.weight), F.linear(x, a.k_proj.weight), F.linear(x, a.v_proj.weight)
                 q = _rotate(q.view(bsz, t, -1, hd).transpose(1, 2), cos, sin)
                 k = _rotate(k.view(bsz, t, -1, hd).transpose(1, 2), cos, sin)
-            k, v = cache.update(k, v.view(bsz, t, -1, hd).transpose(1, 2), a.layer_idx)
+            v = v.view(bsz, t, -1, hd).transpose(1, 2)
+            if plain:
+                k_all, v_all = cache.k[cache_index], cache.v[cache_index]
+                k_all[:, :, begin:end] = k
+                v_all[:, :, begin:end] = v
+                k, v = k_all[:, :, :end], v_all[:, :, :end]
+            else:
+                k, v = cache.update(k, v, cache_index)
             if own:
-                out = _attend(q, k, v, a.scaling, hidden_slots)
+                out = _attend(q, k, v, scale, hidden_slots)
             elif t == 1 and mask is not None:  # one masked query: its heads grouped by kv head, as transformers does
                 grouped = q.reshape(bsz, self.kv_heads, -1, hd)
-                out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=a.scaling).reshape(bsz, -1, 1, hd)
+                out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale).reshape(bsz, -1, 1, hd)
             else:
                 if causal and k.shape[2] > t:  # a causal block from slot 0 reads only its own slots
                     k, v = k[:, :, :t], v[:, :, :t]
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scaling, is_causal=causal, enable_gqa=True)
-            hidden = hidden + _linear(packed, "o", out.transpose(1, 2).reshape(bsz, t, nq), a.o_proj.weight)
-            norm = layer.post_attention_layernorm
-            x = F.rms_norm(hidden, (width,), None, norm.variance_epsilon) * norm.weight
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal, enable_gqa=True)
+            o_weight = None if "o" in packed else layer.self_attn.o_proj.weight
+            hidden = hidden + _linear(packed, "o", out.transpose(1, 2).reshape(n, nq).contiguous(), o_weight)
+            x = F.rms_norm(hidden, (width,), None, eps_post) * layer.post_attention_layernorm.weight
             if self.fuse:
                 gate, up = _linear(packed, "gate_up", x, gate_up).chunk(2, dim=-1)
             else:
+                m = layer.mlp
                 gate, up = F.linear(x, m.gate_proj.weight), F.linear(x, m.up_proj.weight)
-            hidden = hidden + _linear(packed, "down", F.silu(gate) * up, m.down_proj.weight)
+            down_weight = None if "down" in packed else layer.mlp.down_proj.weight
+            hidden = hidden + _linear(packed, "down", F.silu(gate) * up, down_weight)
             if captured is not None and index + 1 in captured:
-                captured[index + 1] = hidden
-        return hidden
+                captured[index + 1] = hidden.view(bsz, t, width)
+        return hidden.view(bsz, t, width)
