@@ -10,11 +10,14 @@ COMMANDS = {
     "pipeline": "jobs.pipeline",
     "bench": "jobs.bench",
     "bench-serve": "jobs.bench_serve",
+    "bench-http": "jobs.bench_http",
     "registry": "jobs.registry",
     "serve": "jobs.serve",
+    "soak": "jobs.soak",
     "tune": "jobs.tune",
     "train-drafter": "jobs.train_drafter",
     "distill": "jobs.distill",
+    "ship-drafters": "jobs.ship_drafters",
 }
 
 

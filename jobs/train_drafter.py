@@ -27,7 +27,7 @@ from pathlib import Path
 
 from decoding.config import DEVICE_RE
 from evaluation.workloads import DEFAULT_PROMPTS, WorkloadError, load_prompts, select
-from jobs.common import Parser, fail, output_dir, path_name, run_cli
+from jobs.common import Parser, command, fail, output_dir, path_name
 
 RECIPE_NAMES = ("kangaroo", "medusa", "hydra", "feature", "distill", "eagle")
 LOSS_NAMES = ("kl", "tvdpp", "ce")
@@ -45,6 +45,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--max-sequences", type=int, help="with --data: train on the first N training sequences (data-size curves)")
     p.add_argument("--eval-sequences", type=int, default=64, help="with --data: held-out sequences to evaluate on (default 64)")
     p.add_argument("--features-quant", default="auto", help="with --data: the target's weights when it computes features (default auto)")
+    p.add_argument("--eval-every", type=int, default=0, help="held-out agreement every N steps (the learning curve; default: at the end)")
     p.add_argument("--prompts", help=f"Spec-Bench style JSONL (default {DEFAULT_PROMPTS})")
     p.add_argument("--categories", help="comma list of categories (default all)")
     p.add_argument("--limit", type=int, help="at most N prompts per category")
@@ -219,84 +220,49 @@ def main_with_args(args) -> int:
 
 def train_from_data(args, knobs: dict) -> int:
     """--data: self-distillation token ids, features computed on the fly (locally or under Ray Train)."""
-    import torch
-
-    from decoding.drafters.trained import get_recipe
-    from decoding.model.models import load_model
     from decoding.paths import specray_home
-    from training.features import TargetFeatures, distill_training_set
-    from training.trainer import TrainSpec
+    from training.runs import DataRun, train_on_data
 
-    target = load_model(args.model, "float32", args.device).model  # the drafter's shared parts train in float32
-    depth = target.config.num_hidden_layers
-    recipe = get_recipe(args.recipe)
-    knobs = recipe.check(knobs, depth)
-    layers = recipe.data_layers(knobs, depth)
-    train_set, eval_set = distill_training_set(args.data, args.max_sequences, args.eval_sequences)
-    if len(train_set) < 2 or not eval_set:
-        fail(f"--data: {args.data} has {len(train_set)} training and {len(eval_set)} held-out sequences; need 2 and 1")
     name = args.name or f"{args.recipe}-{Path(args.model).name}" + "".join(f"-{k}{v}" for k, v in sorted(knobs.items()))
     out = Path(args.out) if args.out else specray_home() / "drafters" / name
-    spec = TrainSpec(
-        args.recipe, knobs, args.loss, args.steps, args.batch, args.lr, args.seed, args.window, train_vocab=args.train_vocab, autocast=True
+    run = DataRun(
+        args.recipe,
+        knobs,
+        args.steps,
+        args.batch,
+        args.lr,
+        args.window,
+        args.loss,
+        args.seed,
+        args.max_sequences,
+        args.eval_sequences,
+        args.eval_every,
     )
-    extra = {"data": str(args.data), "train_sequences": len(train_set), "train_tokens": sum(int(e["tokens"].shape[0]) for e in train_set)}
-    t1 = time.perf_counter()
-    if args.on_cluster or os.environ.get("RAY_ADDRESS"):
-        from training.ray_train import train_on_cluster
-
-        training = train_on_cluster(
-            spec,
-            args.model,
-            Path(args.data),
-            layers,
-            out,
-            workers=args.workers,
-            strategy=args.strategy,
-            extra=extra,
-            distill={"max_sequences": args.max_sequences, "eval_sequences": args.eval_sequences, "quant": args.features_quant},
-        )
-    else:
-        from training.trainer import train
-
-        features = TargetFeatures(load_model(args.model, "bfloat16", args.device, args.features_quant).model, layers)
-        deadline = None if args.max_minutes is None else time.time() + 60 * args.max_minutes
-        training = train(
-            spec,
-            target,
-            train_set,
-            out,
-            args.model,
-            progress=not args.no_progress,
-            extra_training=extra,
-            deadline=deadline,
-            features=features,
-            eval_examples=eval_set,
-            weights_dtype=torch.bfloat16,
-        )
-    result = {
-        "artifact": str(out),
-        "recipe": args.recipe,
-        "knobs": knobs,
-        "train_sequences": len(train_set),
-        "train_seconds": round(time.perf_counter() - t1, 1),
-        "steps": training.get("steps"),
-        "loss_first": training.get("loss_first"),
-        "loss_last": training.get("loss_last"),
-        "agreement_before": training.get("eval_agreement_before"),
-        "agreement_after": training.get("eval_agreement"),
-    }
+    deadline = None if args.max_minutes is None else time.time() + 60 * args.max_minutes
+    on_cluster = bool(args.on_cluster or os.environ.get("RAY_ADDRESS"))
+    result = train_on_data(
+        run,
+        Path(args.data),
+        out,
+        args.model,
+        args.device,
+        args.features_quant,
+        on_cluster,
+        args.workers,
+        args.strategy,
+        not args.no_progress,
+        deadline,
+    )
     if args.json:
         print(json.dumps(result))
     else:
         fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs or [])  # noqa: E731
-        print(f"{args.recipe} {knobs}: artifact {out} ({len(train_set)} sequences, {result['train_seconds']}s, {result['steps']} steps)")
+        print(f"{args.recipe} {result['knobs']}: artifact {out} ({result['train_sequences']} sequences, {result['train_seconds']}s)")
         print(f"  held-out top-1 agreement per step: before [{fmt(result['agreement_before'])}] after [{fmt(result['agreement_after'])}]")
     return 0
 
 
-def main(argv=None) -> int:
-    return run_cli(build_parser(), main_with_args, argv)
+main = command(build_parser, main_with_args)
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ class Catalog:
         self.refresh()
         if watch:
             try:
-                self._watcher = self.registry.watch(self._on_update)
+                self._watcher = self.registry.watch(self._on_update, on_resync=self.refresh)
             except RegistryError as e:
                 log.warning(
                     "specray: cannot watch the registry at %s (%s); re-reading it every %.0fs", self.registry.location, e, refresh_s

@@ -43,6 +43,7 @@ class TrainSpec:
     checkpoint_every: int = 25
     train_vocab: int = 0  # > 0: losses over the data's most frequent tokens only (the LM head dominates CPU training cost)
     autocast: bool = False  # bfloat16 autocast for the drafter's forward and backward (about 2x on this kind of CPU)
+    eval_every: int = 0  # > 0: held-out agreement every this many steps (the learning curve against data seen)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -95,6 +96,17 @@ def evaluate(recipe, module, shared, examples, knobs, window, device: torch.devi
         sums = agree if sums is None else [a + b for a, b in zip(sums, agree, strict=False)]
         rows = n if rows is None else [a + b for a, b in zip(rows, n, strict=False)]
     return [s / r if r else 0.0 for s, r in zip(sums, rows, strict=True)] if sums else []
+
+
+def draws(spec: TrainSpec, size: int, step: int) -> tuple[torch.Generator, list[int]]:
+    """Step ``step``'s generator and the training sequences it draws (a function of (seed, step): a resumed run draws
+    what the uninterrupted one would have); the generator goes on to pick the windows.
+
+    >>> draws(TrainSpec("eagle", batch=2), 10, 3)[1] == draws(TrainSpec("eagle", batch=2), 10, 3)[1]
+    True
+    """
+    g = torch.Generator().manual_seed(spec.seed * 1_000_003 + step)
+    return g, torch.randperm(size, generator=g)[: spec.batch].tolist()
 
 
 def lr_at(spec: TrainSpec, step: int) -> float:
@@ -232,13 +244,13 @@ def train(
         before = evaluate(recipe, module, shared, eval_set, knobs, spec.window, device, prepare)
     model, backward, opt_step = wrap(module, opt) if wrap else (module, lambda loss: loss.backward(), opt.step)
     bar = _Progress(spec.steps, step, progress and chief)
+    seen = {i for done in range(step) for i in draws(spec, len(train_set), done)[1]}  # distinct sequences drawn so far
     t0 = time.perf_counter()
     try:
         while step < spec.steps:
             for group in opt.param_groups:
                 group["lr"] = lr_at(spec, step)
-            g = torch.Generator().manual_seed(spec.seed * 1_000_003 + step)
-            idx = torch.randperm(len(train_set), generator=g)[: spec.batch].tolist()
+            g, idx = draws(spec, len(train_set), step)
             opt.zero_grad(set_to_none=True)
             total, agree = 0.0, 0.0
             for i in idx:
@@ -251,7 +263,12 @@ def train(
             torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
             opt_step()
             step += 1
-            row = {"step": step, "loss": total, "agree": agree, "lr": lr_at(spec, step - 1)}
+            seen.update(idx)
+            row = {"step": step, "loss": total, "agree": agree, "lr": lr_at(spec, step - 1), "sequences_seen": len(seen)}
+            if spec.eval_every and step % spec.eval_every == 0 and chief:
+                module.eval()
+                row["eval_agreement"] = evaluate(recipe, module, shared, eval_set, knobs, spec.window, device, prepare)
+                module.train()
             history.append(row)
             bar.update(step, total, agree)
             if step % spec.checkpoint_every == 0 or step == spec.steps:

@@ -66,9 +66,26 @@ def shipped_artifact(model: str, name: str) -> str | None:
     >>> shipped_artifact("/some/model/dir", "eagle") is None
     True
     """
-    if not model or "/" in model or model.startswith("."):
+    if not _is_alias(model):
         return None
     return f"{model}/{name}" if (SHIPPED / model / name / DESCRIPTION).is_file() else None
+
+
+def _is_alias(model: str) -> bool:
+    """A model alias (``smollm2-135m``), not a path: only aliases have shipped drafters."""
+    return bool(model) and "/" not in model and not model.startswith(".")
+
+
+def shipped_exit_layers(model: str) -> list[int]:
+    """The exit layers of the Kangaroo adapters shipped for ``model`` (``kangaroo-l<L>``), ascending."""
+    if not _is_alias(model):
+        return []
+    layers = []
+    for folder in (SHIPPED / model).glob("kangaroo-l*"):
+        layer = folder.name.removeprefix("kangaroo-l")
+        if layer.isdigit() and (folder / DESCRIPTION).is_file():
+            layers.append(int(layer))
+    return sorted(layers)
 
 
 def default_drafter(cfg, name: str) -> str | None:

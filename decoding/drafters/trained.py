@@ -104,7 +104,7 @@ class DraftNet(nn.Module):
         for name, part in (("embed_tokens", shared.embed), ("norm", shared.norm), ("rotary_emb", shared.rotary)):
             object.__setattr__(self.model, name, part)
         if draft_vocab:  # a trainable head over the data's draft_vocab most frequent tokens (VocabTrim, trained)
-            self.lm_head = VocabHead(shared.lm_head, torch.arange(draft_vocab))
+            self.lm_head = VocabHead(shared.lm_head, torch.arange(min(draft_vocab, shared.lm_head.out_features)))
         else:
             object.__setattr__(self, "lm_head", shared.lm_head)
         object.__setattr__(self, "shared", shared)
@@ -495,28 +495,28 @@ class FeatureRecipe(Recipe):
         return FeatureDrafter(module, confidence_threshold)
 
 
-class MedusaRecipe(Recipe):
-    name = "medusa"
+class HeadsRecipe(Recipe):
+    """``num_heads`` heads on the last hidden state, the i-th predicting token t+i+1: Medusa's (independent) or Hydra's
+    (each head also reads the tokens drafted before it); they draft trees."""
+
     drafts_trees = True
     knobs = {"num_heads": 4}
+    heads: type[torch.nn.Module]
+    drafter_class: type[Drafter]
 
     def build(self, hf_model, knobs):
-        return MedusaHeads(hf_model.config.hidden_size, knobs["num_heads"], hf_model.lm_head.weight.dtype)
+        return self.heads(hf_model.config.hidden_size, knobs["num_heads"], hf_model.lm_head.weight.dtype)
 
     def drafter(self, module, knobs, confidence_threshold, tree=None):
-        return MedusaDrafter(module, confidence_threshold, tree)
+        return self.drafter_class(module, confidence_threshold, tree)
 
 
-class HydraRecipe(Recipe):
-    name = "hydra"
-    drafts_trees = True
-    knobs = {"num_heads": 4}
+class MedusaRecipe(HeadsRecipe):
+    name, heads, drafter_class = "medusa", MedusaHeads, MedusaDrafter
 
-    def build(self, hf_model, knobs):
-        return HydraHeads(hf_model.config.hidden_size, knobs["num_heads"], hf_model.lm_head.weight.dtype)
 
-    def drafter(self, module, knobs, confidence_threshold, tree=None):
-        return HydraDrafter(module, confidence_threshold, tree)
+class HydraRecipe(HeadsRecipe):
+    name, heads, drafter_class = "hydra", HydraHeads, HydraDrafter
 
 
 class EagleRecipe(Recipe):
@@ -546,7 +546,7 @@ class EagleRecipe(Recipe):
     def build(self, hf_model, knobs):
         knobs = {**self.defaults(hf_model.config.num_hidden_layers), **knobs}
         layers = self.data_layers(knobs, hf_model.config.num_hidden_layers)
-        return EagleNet(hf_model, tuple(layers), torch.arange(min(knobs["draft_vocab"], hf_model.config.vocab_size)))
+        return EagleNet(hf_model, tuple(layers), torch.arange(min(knobs["draft_vocab"], hf_model.lm_head.out_features)))
 
     def drafter(self, module, knobs, confidence_threshold, tree=None):
         return EagleDrafter(module, confidence_threshold, tree)

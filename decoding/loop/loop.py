@@ -729,6 +729,8 @@ def generate(
     batch = Batch(target, max_rows=1, cost=cost)
     batch.add(seq)
     batch.run()
+    if seq.error is not None:  # its drafter failed to start
+        raise seq.error
     return seq.result()
 
 

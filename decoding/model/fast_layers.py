@@ -35,8 +35,6 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from decoding.model.quant import GROUP
-
 LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer")
 NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm")
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
@@ -150,7 +148,7 @@ def _linear(packed: dict, key: str, x: torch.Tensor, weight: torch.Tensor) -> to
         return F.linear(x, weight)
     if linear.repeat == 1 and x.shape[0] <= linear.max_rows and x.dtype == linear.scale_zero.dtype:
         if linear.kind == "int4":
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, linear.packed, GROUP, linear.scale_zero)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, linear.packed, linear.group, linear.scale_zero)
         return torch.ops.aten._weight_int8pack_mm(x, linear.packed, linear.scale_zero)
     return linear(x)
 

@@ -323,6 +323,48 @@ def test_redis_keys_namespaced_and_messages_on_the_channel(redis_url):
     reg.close()
 
 
+@pytest.mark.cluster
+def test_a_watcher_follows_redis_through_a_restart():
+    """Redis restarts (same port, its append-only file kept): the watcher subscribes again and later updates reach it,
+    and a serving catalog that watches serves the new version without re-reading on its own. (The watcher's thread
+    used to end at the first connection error, silently: nothing was pushed after a restart.)"""
+    from evaluation.soak import RedisServer
+    from serving.catalog import Catalog
+
+    srv = RedisServer()
+    srv.start()
+    reg = open_registry(srv.url)
+    seen = []
+    watcher = reg.watch(seen.append)
+    catalog = Catalog(srv.url, base_model="m", refresh_s=3600)  # re-reads only when told: updates must be pushed
+    try:
+        reg.put(entry(name="w/x"))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not (seen and catalog.lookup("w/x")):
+            time.sleep(0.05)
+        assert seen == [Update("w/x", 1, "put")] and catalog.lookup("w/x").version == 1
+        t_down = time.monotonic()
+        srv.restart(down_s=1.0)
+        version = 1
+        while time.monotonic() - t_down < 15 and not any(u.version > 1 for u in seen):  # publish until one is pushed
+            version = reg.put(entry(name="w/x", k=5))
+            time.sleep(0.5)
+        print(f"\nafter the restart: {seen[1:]} within {time.monotonic() - t_down:.1f}s of the stop")
+        assert version >= 2  # the entry's counter survived the restart
+        assert any(u.version > 1 for u in seen), f"no update reached the watcher after Redis restarted: {seen}"
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and catalog.lookup("w/x").version < version:
+            time.sleep(0.05)
+        assert catalog.lookup("w/x").version == version and catalog.lookup("w/x").config.k == 5
+    finally:
+        try:
+            catalog.close()
+            watcher.stop()
+        finally:
+            reg.close()
+            srv.close()
+
+
 # ---- Redis unreachable --------------------------------------------------------
 def test_redis_unreachable_raises_clear_error():
     url = f"redis://127.0.0.1:{closed_port()}/0"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 
@@ -151,6 +152,46 @@ def test_specray_serve_refuses_such_an_entry_in_one_line_before_serve_starts(ser
     err = own_stderr_lines(capsys.readouterr().err)
     assert len(err) == 1 and "'big/pearl'" in err[0] and "the cluster has 5 node(s)" in err[0], err
     assert httpx.get(served["url"] + "/health", timeout=30).status_code == 200  # the running app was left alone
+
+
+def wait_gone(pid: int, limit_s: float) -> float | None:
+    """Seconds until process ``pid`` is gone (None: still there after ``limit_s``)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        if not os.path.exists(f"/proc/{pid}"):
+            return time.monotonic() - t0
+        time.sleep(0.1)
+    return None
+
+
+def test_a_killed_model_worker_answers_503_until_serve_replaces_the_replica(served, ar_text):
+    """Between a worker's death and the replica's replacement, a plain completion reaches the old replica: it must
+    answer a clean 503 (the replica used to ask the dead target worker to encode the prompt, and answered 500), and
+    the replica exits so that Serve replaces it at once."""
+    url = served["url"]
+    body = {"model": ENTRY, "prompt": PROMPT, "max_tokens": NEW, "temperature": 0}
+    where = oai(url).completions.create(**body).model_extra["specray"]["placement"]["where"]
+    os.kill(where["target"]["pid"], signal.SIGKILL)
+    t_kill = time.monotonic()
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    print(f"\nright after the target worker was killed: {r.status_code} {r.text[:200]}")
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["type"] == "service_unavailable"
+    # the replica, useless without its worker, exits at once (Serve replaces it now, not after 3 failed health checks 5 s apart)
+    gone = wait_gone(where["replica"]["pid"], 5.0)
+    print(f"the replica's process exited {gone:.1f}s after the 503" if gone is not None else "the replica still runs 5s after the 503")
+    assert gone is not None
+    deadline, attempt = time.monotonic() + 120, None
+    while time.monotonic() < deadline:
+        attempt = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        if attempt.status_code == 200:
+            break
+        assert attempt.status_code == 503, attempt.text  # clean while the replica is replaced, never a 500
+        time.sleep(1)
+    assert attempt is not None and attempt.status_code == 200, attempt.text if attempt is not None else None
+    print(f"a request succeeded {time.monotonic() - t_kill:.1f}s after the kill")
+    assert attempt.json()["choices"][0]["text"] == ar_text
+    assert attempt.json()["specray"]["placement"]["where"]["target"]["pid"] != where["target"]["pid"]
 
 
 def test_losing_the_replicas_node_fails_in_flight_requests_cleanly_and_serve_replaces_it(served, ar_text):

@@ -30,7 +30,7 @@ def test_train_then_bench_as_a_method(trained, capsys, monkeypatch):
     result = json.loads(capsys.readouterr().out)
     assert result["artifact"] == str(root / "kangaroo") and len(result["agreement_after"]) == 1
     desc = json.loads((root / "kangaroo" / "drafter.json").read_text())
-    assert desc["recipe"] == "kangaroo" and desc["knobs"] == {"exit_layer": 1} and desc["training"]["steps"] == 6
+    assert desc["recipe"] == "kangaroo" and desc["knobs"] == {"exit_layer": 1, "draft_vocab": 0} and desc["training"]["steps"] == 6
     assert (root / "data" / "meta.json").exists() and (root / "kangaroo" / "loss.png").exists()
 
     (root / "home" / "drafters").mkdir(parents=True)

@@ -1,0 +1,110 @@
+"""`specray ship-drafters` / `python -m jobs.ship_drafters`: retrain the drafters specray ships for the bundled model.
+
+    specray ship-drafters                                   # every shipped drafter, from the committed data
+    specray ship-drafters --only eagle --on-cluster         # one of them, under Ray Train
+
+Each drafter of ``training.runs.SHIPPED_RECIPES`` (the feature head ``eagle``, the distilled draft ``distill``,
+Kangaroo adapters ``kangaroo-l<exit layer>``) trains on the self-distillation data committed in
+``data/distill/<model>`` (``specray distill`` made it) with the settings recorded there. Checkpoints live in
+``$SPECRAY_HOME/ship/<model>/<name>`` (rerunning resumes); the finished artifact is copied into
+``decoding/drafters/shipped/<model>/<name>`` (the methods' defaults) and the learning curves into ``--docs``. Bad
+input prints one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from jobs.common import Parser, command, fail
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = parser or Parser(prog="specray ship-drafters", description="Retrain the drafters shipped for the bundled model.")
+    p.add_argument("--model", default="smollm2-135m", help="the target (default smollm2-135m, the bundled model)")
+    p.add_argument("--data", help="self-distillation data (default data/distill/<model> in this repository)")
+    p.add_argument("--only", help="comma list of shipped drafters to train (default all)")
+    p.add_argument("--shipped", help="where finished artifacts go (default decoding/drafters/shipped/<model>)")
+    p.add_argument("--docs", default=str(ROOT / "docs" / "drafters"), help="where the learning curves go (default docs/drafters)")
+    p.add_argument("--max-sequences", type=int, help="train on the first N training sequences only")
+    p.add_argument("--steps-scale", type=float, default=1.0, help="multiply every drafter's steps (e.g. 0.1 for a quick run)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--on-cluster", action="store_true", help="train with Ray Train (RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--workers", type=int, help="with --on-cluster: training workers")
+    p.add_argument("--strategy", default="ddp", help="with --on-cluster: ddp (default) or deepspeed (GPUs)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the summaries as JSON")
+    return p
+
+
+def main_with_args(args) -> int:
+    import dataclasses
+
+    from decoding.model.models import set_threads
+    from decoding.paths import specray_home
+    from training.runs import SHIPPED_RECIPES, learning_curves, publish, read_history, train_on_data
+
+    names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else list(SHIPPED_RECIPES)
+    unknown = sorted(set(names) - set(SHIPPED_RECIPES))
+    if unknown:
+        fail(f"--only: unknown shipped drafter {unknown[0]!r}; choose from {', '.join(SHIPPED_RECIPES)}")
+    if args.steps_scale <= 0 or (args.max_sequences is not None and args.max_sequences < 2):
+        fail("--steps-scale must be > 0 and --max-sequences >= 2")
+    data = Path(args.data) if args.data else ROOT / "data" / "distill" / args.model
+    if not (data / "manifest.json").is_file():
+        fail(f"--data: {data} is not a `specray distill` data directory (no manifest.json)")
+    shipped = Path(args.shipped) if args.shipped else ROOT / "decoding" / "drafters" / "shipped" / args.model
+    set_threads(args.threads)
+    results, histories = {}, {}
+    for name in names:
+        run = SHIPPED_RECIPES[name]
+        run = dataclasses.replace(run, steps=max(1, round(run.steps * args.steps_scale)), max_sequences=args.max_sequences)
+        work = specray_home() / "ship" / args.model / name
+        print(f"{name}: {run.recipe} {run.knobs}, {run.steps} steps of {run.batch} sequences", file=sys.stderr)
+        results[name] = train_on_data(
+            run,
+            data,
+            work,
+            args.model,
+            args.device,
+            on_cluster=args.on_cluster,
+            workers=args.workers,
+            strategy=args.strategy,
+            progress=not args.no_progress,
+        )
+        results[name]["shipped"] = str(publish(work, shipped / name))
+    # the record and the curves cover every shipped drafter trained so far, not only this run's (runs of a few
+    # drafters each, e.g. in parallel, add up)
+    record = Path(args.docs) / "training.json"
+    Path(args.docs).mkdir(parents=True, exist_ok=True)
+    merged = {**_read_json(record), **results}
+    record.write_text(json.dumps(merged, indent=1, sort_keys=True))
+    for name in merged:
+        histories[name] = read_history(specray_home() / "ship" / args.model / name)
+    learning_curves({n: h for n, h in histories.items() if h}, Path(args.docs) / "learning_curves.png")
+    if args.json:
+        print(json.dumps(results))
+        return 0
+    for name, r in results.items():
+        after = ", ".join(f"{a:.3f}" for a in r["agreement_after"] or [])
+        print(f"{name}: {r['train_sequences']} sequences, {r['train_seconds']}s; held-out top-1 agreement [{after}] -> {r['shipped']}")
+    return 0
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+main = command(build_parser, main_with_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

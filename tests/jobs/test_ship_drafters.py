@@ -1,0 +1,61 @@
+"""`specray ship-drafters`: retrains shipped drafters from distill data, publishes the artifacts and the curves."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tests_support import assert_one_line_error
+from tiny_models import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """A 6-layer tiny model (the shipped distilled draft has 4 layers) and a small distill data set it wrote (one shard,
+    a held-out prompt forced in)."""
+    from decoding.config import SpecConfig
+    from decoding.engine import SpecDecoder
+    from training import corpus
+    from training.distill import DistillSpec, _write_manifest, run_shard, shard_path, write_shard
+
+    root = tmp_path_factory.mktemp("ship")
+    model = build_tiny_model(root / "model", layers=6, hidden=32, context=512, weight_std=0.5)
+    spec = DistillSpec(model=str(model), dtype="float32", max_new_tokens={"1": 24, "2": 24, "3": 24}, rows=4)
+    dec = SpecDecoder(SpecConfig(model=str(model), dtype="float32", threads=1))
+    prompts = corpus.first_turn_prompts(seed=0, per_kind=2)[:10]
+    prompts[-1]["split"] = "heldout"
+    data = root / "data"
+    write_shard(shard_path(data, 2, 0), run_shard(dec, prompts, 2, spec))
+    _write_manifest(data, {"spec": spec.to_dict(), "shards": {}, "phases": {}})
+    return model, data, root
+
+
+def test_ship_drafters_trains_publishes_and_plots(tiny_data, capsys):
+    from decoding.drafters.artifacts import load_artifact
+    from decoding.model.models import load_model
+    from jobs.ship_drafters import main
+
+    model, data, root = tiny_data
+    argv = ["--model", str(model), "--data", str(data), "--only", "eagle,distill", "--steps-scale", "0.004"]
+    argv += ["--shipped", str(root / "shipped"), "--docs", str(root / "docs"), "--no-progress", "--json", "--threads", "1"]
+    assert main(argv) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert set(results) == {"eagle", "distill"}
+    target = load_model(str(model), "float32").model
+    for name in results:
+        art = load_artifact(str(root / "shipped" / name), target)  # published, loadable, fingerprinted to the model
+        assert art.recipe.name == name and not (root / "shipped" / name / "checkpoint.pt").exists()
+    assert (root / "docs" / "learning_curves.png").stat().st_size > 0
+    assert json.loads((root / "docs" / "training.json").read_text())["eagle"]["steps"] == 12
+
+
+def test_bad_input_fails_in_one_line(tiny_data, tmp_path, capsys):
+    from jobs.ship_drafters import main
+
+    model, data, _ = tiny_data
+    for argv, needle in (
+        (["--only", "eagle,nope", "--data", str(data)], "nope"),
+        (["--data", str(tmp_path)], "manifest.json"),
+        (["--data", str(data), "--steps-scale", "0"], "steps-scale"),
+    ):
+        assert_one_line_error(main(argv), capsys.readouterr().err, needle)
