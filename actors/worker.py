@@ -67,7 +67,10 @@ class ModelActor:
         loaded = load_model(cfg.draft_model if own_model else cfg.model, cfg.dtype, self.device, cfg.quant)
         self.tokenizer = loaded.tokenizer
         self.eos = loaded.eos_token_ids
-        self.adapter = draft_adapter(cfg, loaded, self.device) if draft and not own_model else ModelAdapter(loaded.model)
+        if draft and not own_model:
+            self.adapter = draft_adapter(cfg, loaded, self.device)
+        else:
+            self.adapter = ModelAdapter(loaded.model, compile=cfg.compile)
         sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
         if role == "target":
             self.side = VerifySide(self.adapter, sampling)

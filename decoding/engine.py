@@ -100,7 +100,7 @@ class SpecDecoder(DecoderBase):
         self.loaded = load_model(cfg.model, cfg.dtype, cfg.device, cfg.quant)
         self.device = self.loaded.device  # prompts, generators and caches are made here
         self.tokenizer = self.loaded.tokenizer
-        self.target = ModelAdapter(self.loaded.model)
+        self.target = ModelAdapter(self.loaded.model, compile=cfg.compile)
         from decoding.drafters.draft_memory import DraftMemory
 
         self.memory = DraftMemory()  # model-free drafters' state across requests (and forks)
@@ -119,7 +119,7 @@ class SpecDecoder(DecoderBase):
         so concurrent generations each need their own fork.
         """
         cfg = self.cfg.replace(**changes)
-        for name in ("model", "dtype", "quant", "device", "draft_model", "drafter"):
+        for name in ("model", "dtype", "quant", "compile", "device", "draft_model", "drafter"):
             if getattr(cfg, name) != getattr(self.cfg, name):
                 raise ConfigError(name, "cannot change in a fork; build a new SpecDecoder")
         twin = copy.copy(self)
@@ -168,6 +168,8 @@ class SpecDecoder(DecoderBase):
         except ContextTooLong as e:
             raise context_error(e) from None
         batch.run()
+        if seq.error is not None:  # its drafter failed to start
+            raise seq.error
         return seq.result()
 
     def generate_ids(

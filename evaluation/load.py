@@ -6,7 +6,9 @@ once with the ``openai`` client (Spec-Bench prompts taken a category at a time, 
 categories; greedy), in back-to-back waves until the level has ``min_requests``; in Poisson mode it sends
 ``requests`` requests with exponential gaps of mean ``1/rate`` instead. Per (method, level): aggregate tokens/s,
 requests/s, time to first token and inter-token latency p50/p99, goodput (tokens/s of the requests that met the
-TTFT and ITL objectives) and the speedup over batched AR at the same level. Beside it, in process: specray's
+TTFT and ITL objectives) and the speedup over batched AR at the same level. Any OpenAI-compatible server (llama.cpp's,
+vLLM, another specray) runs the same prompts as a peer, after specray and with the same client
+(:func:`peer_base_url`, :func:`peer_model`). Beside it, in process: specray's
 batched AR and transformers' ``generate()`` on a left-padded batch of the same prompts
 (:func:`evaluation.hf_peer.padded_batch_tokens_per_s`), and each prompt's own greedy output (the reference a
 stream is checked against).
@@ -147,11 +149,15 @@ class LoadPlan:
 
 
 def stream_chat(client, model: str, prompt: str, max_tokens: int, start_at: float | None = None) -> dict:
-    """One streaming chat completion: text, tokens, TTFT and the gaps between content chunks."""
+    """One streaming chat completion: text, tokens, TTFT and the gaps between content chunks.
+
+    ``tokens`` is the server's ``usage.completion_tokens`` (asked for with ``stream_options.include_usage``); a
+    server that does not report it (``usage`` False) is counted by its content chunks, one token each as
+    llama.cpp's and vLLM's servers stream them."""
     if start_at is not None:
         time.sleep(max(0.0, start_at - time.perf_counter()))
     t0 = time.perf_counter()
-    parts, ttft, last, itl, tokens = [], None, None, [], 0
+    parts, ttft, last, itl, tokens, usage = [], None, None, [], 0, False
     try:
         stream = client.chat.completions.create(
             model=model,
@@ -164,7 +170,7 @@ def stream_chat(client, model: str, prompt: str, max_tokens: int, start_at: floa
         for chunk in stream:
             now = time.perf_counter()
             if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
+                tokens, usage = chunk.usage.completion_tokens, True
             if chunk.choices and chunk.choices[0].delta.content:
                 parts.append(chunk.choices[0].delta.content)
                 if ttft is None:
@@ -172,7 +178,8 @@ def stream_chat(client, model: str, prompt: str, max_tokens: int, start_at: floa
                 elif last is not None:
                     itl.append(now - last)
                 last = now
-        return {"ok": True, "text": "".join(parts), "tokens": tokens, "ttft_s": ttft, "itl_s": itl, "e2e_s": time.perf_counter() - t0}
+        e2e, tokens = time.perf_counter() - t0, tokens if usage else len(parts)
+        return {"ok": True, "text": "".join(parts), "tokens": tokens, "usage": usage, "ttft_s": ttft, "itl_s": itl, "e2e_s": e2e}
     except Exception as e:  # counted, never hidden
         return {"ok": False, "text": "", "tokens": 0, "ttft_s": None, "itl_s": [], "e2e_s": time.perf_counter() - t0, "error": str(e)[:200]}
 
@@ -231,6 +238,33 @@ def _progress(method: str, c: int, fig: dict) -> str:
     )
 
 
+# ---- any OpenAI-compatible server as a peer --------------------------------------------------------------------------
+def peer_base_url(url: str) -> str:
+    """The ``/v1`` base of a peer server given by its root or its ``/v1`` URL; ConfigError unless http(s).
+
+    >>> peer_base_url("http://127.0.0.1:8080"), peer_base_url("https://h:1/v1/")
+    ('http://127.0.0.1:8080/v1', 'https://h:1/v1')
+    """
+    base = url.strip().rstrip("/")
+    if not base.startswith(("http://", "https://")) or len(base.split("://", 1)[1]) == 0:
+        raise ConfigError("peer_url", f"expected an http(s) URL of an OpenAI-compatible server, got {url!r}")
+    return base if base.endswith("/v1") else base + "/v1"
+
+
+def peer_model(client, name: str | None = None) -> str:
+    """The model to ask the peer for: ``name`` when given, else the first its ``GET /v1/models`` lists (llama.cpp's
+    server lists the one GGUF it runs). ConfigError when the server cannot be reached or lists nothing."""
+    try:
+        listed = [m.id for m in client.models.list()]
+    except Exception as e:  # noqa: BLE001 - any failure to reach it is the user's URL
+        raise ConfigError("peer_url", f"cannot list the peer's models at {client.base_url} ({type(e).__name__}: {e})") from None
+    if name:
+        return name
+    if not listed:
+        raise ConfigError("peer_model", f"the peer at {client.base_url} lists no model; name one with --peer-model")
+    return listed[0]
+
+
 # ---- in process -------------------------------------------------------------------------------------------------------
 def references(dec, chats: list, max_tokens: int) -> dict[int, str]:
     """Each prompt alone, in process, greedy: what every stream of it must say."""
@@ -281,6 +315,9 @@ def results_table(summary: dict) -> str:
     inproc = summary.get("in_process", {})
     head = ["streams"] + [f"{m} tok/s" for m in methods] + [f"{m} / AR" for m in methods if m != "ar"]
     head += ["AR vs 1 stream", "AR TTFT p99 s", "AR ITL p99 ms"]
+    peer = (summary.get("peer") or {}).get("label")
+    if peer:
+        head += [f"{peer} TTFT p99 s", f"{peer} ITL p99 ms"]
     if "hf_padded_generate" in inproc:
         head += ["in-process batched AR / HF padded"]
     lines = []
@@ -289,6 +326,9 @@ def results_table(summary: dict) -> str:
         cells = [str(c)] + [f"{by[(m, c)]['tokens_per_s']:.1f}" if (m, c) in by else "" for m in methods]
         cells += [f"{by[(m, c)]['speedup_vs_batched_ar']:.2f}x" if (m, c) in by else "" for m in methods if m != "ar"]
         cells += [f"{ar.get('vs_one_stream_ar') or 0:.2f}x", f"{ar.get('ttft_p99_s') or 0:.2f}", f"{1000 * (ar.get('itl_p99_s') or 0):.0f}"]
+        if peer:
+            other = by.get((peer, c), {})
+            cells += [f"{other.get('ttft_p99_s') or 0:.2f}", f"{1000 * (other.get('itl_p99_s') or 0):.0f}"]
         if "hf_padded_generate" in inproc:
             spec, hf = inproc["specray_inprocess_ar"].get(str(c)), inproc["hf_padded_generate"].get(str(c))
             cells.append(f"{spec / hf:.2f}x" if spec and hf else "")
@@ -299,9 +339,11 @@ def results_table(summary: dict) -> str:
 def update_readme(readme: Path, summary: dict, plot_path: Path) -> None:
     """Rewrite the ``<!-- load-results -->`` block of ``readme``; ValueError when it has none."""
     knobs = "; ".join(f"{m}: k={c['k']}, adaptive_k={c['adaptive_k']}" for m, c in summary["entries"].items()) or "ar only"
+    peer = summary.get("peer")
+    beside = f"; {peer['label']}: `{peer['model']}` through its own OpenAI endpoint, tokens counted by {peer['counted_by']}" if peer else ""
     caption = (
         f"{summary['model']} {summary['dtype']}, {summary['threads']} threads, {summary['max_tokens']} tokens per request "
-        f"({knobs}); plot: `{plot_path}`."
+        f"({knobs}{beside}); plot: `{plot_path}`."
     )
     replace_block(readme, "load-results", f"{results_table(summary)}\n\n{caption}")
 

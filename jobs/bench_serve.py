@@ -2,14 +2,18 @@
 
     specray bench-serve --methods ar,ngram --concurrency 1,2,4,8,16,32 --max-tokens 64 --peer hf
     specray bench-serve --methods ar,ngram --rate 2 --requests 32          # Poisson arrivals at 2 req/s
+    specray bench-serve --methods ar --peer-url http://127.0.0.1:8080 --peer-label llama.cpp   # any OpenAI server beside
 
 Starts an embedded Ray with the app on a free loopback port (``--address`` / ``RAY_ADDRESS`` joins a cluster
 instead) and a temporary registry with one entry per method (``ar`` is the plain model id: batched AR, the
 denominator), then runs the load of ``evaluation.load`` against it. ``--check`` compares each stream's text with
 its own in-process greedy output (float32 makes it exact; in bfloat16 near-ties may differ and are counted, not
 hidden). ``--peer hf`` runs transformers' ``generate()`` on a left-padded batch of the same prompts next to
-specray's in-process batched AR. Writes ``load.parquet``, ``requests.parquet``, ``summary.json`` and ``load.png``
-under ``--out``; ``--readme`` rewrites the README's ``<!-- load-results -->`` block.
+specray's in-process batched AR. ``--peer-url`` runs the same prompts, levels and client against any
+OpenAI-compatible server (llama.cpp's, vLLM, another specray; ``--peer-model``, else the first model it lists) after
+specray's server has stopped, as one more method named ``--peer-label`` (``--check`` counts its mismatches too).
+Writes ``load.parquet``, ``requests.parquet``, ``summary.json`` and ``load.png`` under ``--out``; ``--readme``
+rewrites the README's ``<!-- load-results -->`` block.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-itl-s", type=float, default=0.5)
     p.add_argument("--check", action="store_true", help="compare every stream with its in-process greedy output")
     p.add_argument("--peer", choices=["hf"], help="also run transformers generate() on a padded batch")
+    p.add_argument("--peer-url", metavar="URL", help="also measure this OpenAI-compatible server (its root or /v1 URL) on the same prompts")
+    p.add_argument("--peer-model", metavar="NAME", help="the model to ask the peer for (default: the first its /v1/models lists)")
+    p.add_argument("--peer-label", default="peer", help="the peer's name in the rows and the table, e.g. llama.cpp (default peer)")
+    p.add_argument("--peer-api-key", default="unused", help="the peer's API key, if it wants one")
     p.add_argument("--out", default="runs/load", help="output folder")
     p.add_argument("--readme", metavar="README.md", help="also rewrite the load table between its <!-- load-results --> markers")
     p.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local Ray)")
@@ -64,6 +72,10 @@ def plan_from_args(args):
         args.slo_itl_s,
     )
     methods = list(dict.fromkeys(["ar"] + [m.strip() for m in args.methods.split(",") if m.strip()]))
+    if (args.peer_model or args.peer_label != "peer") and not args.peer_url:
+        fail("--peer-model and --peer-label need --peer-url")
+    if args.peer_url and (args.peer_label in methods or not args.peer_label.strip()):
+        fail(f"--peer-label {args.peer_label!r} must be a name of its own (not one of --methods)")
     base = SpecConfig(model=args.model, dtype=args.dtype, max_new_tokens=args.max_tokens, threads=args.threads)
     entries = {m: base.for_method(m).with_overrides(args.set or ["k=auto"]) for m in methods if m != "ar"}
     return plan, methods, entries, base
@@ -96,6 +108,19 @@ def serve_entries(args, entries: dict, wave: int) -> str:
     return start(settings, port=free_port(), name="specray-load")
 
 
+def open_peer(args):
+    """The peer's client and the model it is asked for (None, None without --peer-url); fails before any work when
+    the peer cannot be reached."""
+    if not args.peer_url:
+        return None, None
+    import openai
+
+    from evaluation import load
+
+    client = openai.OpenAI(base_url=load.peer_base_url(args.peer_url), api_key=args.peer_api_key, timeout=1800, max_retries=0)
+    return client, load.peer_model(client, args.peer_model)
+
+
 def run(args) -> dict:
     import openai
     import ray
@@ -107,6 +132,7 @@ def run(args) -> dict:
     from evaluation.workloads import WorkloadError, load_prompts
 
     plan, methods, entries, base = plan_from_args(args)
+    peer_client, peer_model = open_peer(args)
     try:
         texts = load.interleave_categories(load_prompts(args.prompts))
     except WorkloadError as e:
@@ -129,6 +155,12 @@ def run(args) -> dict:
         serve.shutdown()
         ray.shutdown()
     about = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "max_tokens": args.max_tokens}
+    if peer_client is not None:  # after specray's server has stopped: the peer has the machine to itself
+        peer_rows, peer_requests = load.run_load(peer_client, {args.peer_label: peer_model}, prompts, plan, reference)
+        rows, request_rows = rows + peer_rows, request_rows + peer_requests
+        counted = {"usage" if r.get("usage") else "content chunks" for r in peer_requests if r["ok"]}
+        counted_by = " and ".join(sorted(counted)) or "nothing (no request completed)"
+        about["peer"] = {"label": args.peer_label, "url": args.peer_url, "model": peer_model, "counted_by": counted_by}
     about |= {"max_batch_rows": args.max_batch_rows, "entries": {m: cfg.to_dict() for m, cfg in entries.items()}}
     summary = load.summarize(rows, peers, about)
     load.write_outputs(out, summary, request_rows)

@@ -122,12 +122,18 @@ def add_config_args(p: argparse.ArgumentParser, method: bool = True) -> None:
         "--quant",
         help="the target's weights: auto (default: the GGUF's own 4-bit blocks in bfloat16 on a CPU), none, q4, int8",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        default=None,
+        help="run the target's layers compiled by torch.compile (one row; minutes the first time)",
+    )
     p.add_argument("--threads", type=int, help="torch threads (default: SPECRAY_THREADS, OMP_NUM_THREADS or torch's choice)")
     p.add_argument("--config", help="a SpecConfig JSON file; flags override it")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config field, e.g. --set k=6")
 
 
-_FLAG_FIELDS = ("method", "model", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "dtype", "quant", "threads")
+_FLAG_FIELDS = ("method", "model", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "dtype", "quant", "compile", "threads")
 
 
 def config_from_args(args) -> SpecConfig:

@@ -85,6 +85,7 @@ def build_app(settings: ServeSettings | dict | None = None) -> Application:
         request_log_size=settings.request_log_size,
         max_batch_rows=settings.max_batch_rows,
         max_step_tokens=settings.max_step_tokens,
+        max_prefill_tokens=settings.max_prefill_tokens,
         adaptive_k=settings.adaptive_k,
     )
     placed = placed_deployments(settings)

@@ -3,11 +3,13 @@
 :class:`EngineLoop` owns a ``decoding.loop.loop.Batch`` over one target model (one
 model and dtype). Handlers :meth:`~EngineLoop.submit` a ``Sequence`` and a
 ``done`` callback; the loop thread admits waiting sequences between steps
-(prefilling each; up to ``max_rows`` decode at once, the rest wait in order),
-runs a step for every row, and calls ``done(seq, error)`` when a sequence
-finishes (EOS, length, a stop sequence or a cancellation reported by its
-``on_step``), fails alone (its prompt does not fit, its drafter fails to start)
-or is failed with the batch. An exception inside a step fails every in-flight
+(up to ``max_rows`` in the batch at once, the rest wait in order), runs a
+step (chunks of the joining prompts within ``prefill_budget`` tokens, then
+one decoding step of every row: a long prompt never stalls the others for
+its whole prefill), and calls ``done(seq, error)`` when a sequence finishes
+(EOS, length, a stop sequence or a cancellation reported by its
+``on_step``), fails alone (its prompt does not fit, its drafter fails to
+start) or is failed with the batch. An exception inside a step fails every in-flight
 sequence with :class:`EngineFailed` (the handlers answer 503) and the loop
 starts over with an empty batch: no request hangs and the replica is not left
 wedged.
@@ -21,7 +23,7 @@ import threading
 from collections.abc import Callable
 
 from decoding.decoder import GenerationLost
-from decoding.loop.loop import Batch, Sequence
+from decoding.loop.loop import PREFILL_CHUNK, Batch, Sequence
 
 log = logging.getLogger("ray.serve")
 
@@ -33,9 +35,19 @@ class EngineFailed(GenerationLost):
 
 
 class EngineLoop:
-    def __init__(self, target, name: str, *, max_rows: int = 32, max_step_tokens: int | None = None, cost=None):
+    def __init__(
+        self,
+        target,
+        name: str,
+        *,
+        max_rows: int = 32,
+        max_step_tokens: int | None = None,
+        cost=None,
+        prefill_budget: int | None = PREFILL_CHUNK,
+    ):
         self.target, self.name = target, name
         self.max_rows, self.max_step_tokens, self.cost = max_rows, max_step_tokens, cost
+        self.prefill_budget = prefill_budget
         self.batch = self._new_batch()
         self._waiting: collections.deque[tuple[Sequence, DoneCallback]] = collections.deque()
         self._done: dict[int, DoneCallback] = {}
@@ -48,7 +60,9 @@ class EngineLoop:
         self._thread.start()
 
     def _new_batch(self) -> Batch:
-        return Batch(self.target, max_rows=self.max_rows, max_step_tokens=self.max_step_tokens, cost=self.cost)
+        return Batch(
+            self.target, max_rows=self.max_rows, max_step_tokens=self.max_step_tokens, cost=self.cost, prefill_budget=self.prefill_budget
+        )
 
     # ---- what handlers call ---------------------------------------------------------
     def submit(self, seq: Sequence, done: DoneCallback) -> None:
@@ -68,7 +82,8 @@ class EngineLoop:
         with self._cond:
             waiting = len(self._waiting)
         return {
-            "rows": len(self.batch),
+            "rows": len(self.batch.rows),
+            "joining": len(self.batch.joining),
             "waiting": waiting,
             "steps": self.steps,
             "restarts": self.restarts,
@@ -90,10 +105,10 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._waiting and not self.batch.rows:
+                while not self._closed and not self._waiting and not len(self.batch):
                     self._cond.wait()
                 if self._closed:
-                    pending = list(self._waiting) + [(s, self._done.pop(id(s))) for s in self.batch.rows]
+                    pending = list(self._waiting) + [(s, self._done.pop(id(s))) for s in self.batch.rows + self.batch.joining]
                     self._waiting.clear()
                     break
                 admit = []
@@ -102,16 +117,16 @@ class EngineLoop:
             try:
                 for seq, done in admit:
                     self._admit(seq, done)
-                if self.batch.rows:
+                if len(self.batch):
                     finished = self.batch.step()
                     self.steps += 1
                     for seq in finished:
-                        self._finish(seq, None)
+                        self._finish(seq, seq.error)  # error: its drafter failed to start (it failed alone)
             except Exception as e:  # a bug or a resource error inside a step: fail the batch, start over
                 log.exception("specray: the %s engine failed a step; failing its %d sequences and restarting", self.name, len(self.batch))
                 self.last_error = f"{type(e).__name__}: {e}"
                 self.restarts += 1
-                failed = list(self.batch.rows)
+                failed = self.batch.rows + self.batch.joining
                 self.batch = self._new_batch()
                 for seq in failed:
                     seq.cancel("error")
@@ -120,18 +135,15 @@ class EngineLoop:
             done(seq, EngineFailed(f"the {self.name} engine shut down"))
 
     def _admit(self, seq: Sequence, done: DoneCallback) -> None:
-        """Prefill one sequence into the batch; a sequence that cannot start fails alone."""
+        """Queue one sequence in the batch (the steps prefill it); a sequence that cannot join fails alone."""
         try:
             self.batch.add(seq)
-        except Exception as e:  # its prompt does not fit, its drafter fails to start, ...
+        except Exception as e:  # its prompt does not fit, its drafter runs alone, ...
             if not isinstance(e, ValueError):
-                log.exception("specray: a sequence failed to start in the %s engine", self.name)
+                log.exception("specray: a sequence failed to join the %s engine", self.name)
             done(seq, e)
             return
-        if seq.finished:  # EOS as the first token, or one token asked for
-            done(seq, None)
-        else:
-            self._done[id(seq)] = done
+        self._done[id(seq)] = done
 
     def _finish(self, seq: Sequence, error: Exception | None) -> None:
         done = self._done.pop(id(seq), None)

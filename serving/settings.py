@@ -45,6 +45,11 @@ class ServeSettings:
         batching: they join and leave between steps).
     max_step_tokens: the most tokens one step feeds the target (rows x tokens per
         row) when k=auto widens the step; ``None``: no cap.
+    max_prefill_tokens: prompt tokens of joining requests prefilled per step, in
+        whole chunks of 256 (at least one chunk per step), between the decoding
+        rows' steps (chunked prefill: a long prompt delays the others by about one
+        chunk per step instead of its whole prefill); ``None``: every waiting
+        prompt at once.
     adaptive_k: served entries draft k=auto (per step and per request, 0 to the
         entry's k, by expected committed tokens per second from the request's
         acceptance and the measured cost of a forward by rows and tokens), so
@@ -91,6 +96,7 @@ class ServeSettings:
     max_ongoing_requests: int = 64
     max_batch_rows: int = 32
     max_step_tokens: int | None = 512
+    max_prefill_tokens: int | None = 256
     adaptive_k: bool = True
     num_replicas: int | None = None
     autoscaling: dict = field(default_factory=_default_autoscaling)
@@ -141,6 +147,8 @@ class ServeSettings:
             raise ConfigError("num_replicas", f"must be >= 1, got {self.num_replicas}")
         if self.max_step_tokens is not None and self.max_step_tokens < 1:
             raise ConfigError("max_step_tokens", f"must be >= 1, got {self.max_step_tokens}")
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
+            raise ConfigError("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError("threads", f"must be >= 1, got {self.threads}")
         if self.max_body_bytes < 1024:

@@ -36,6 +36,7 @@ from cluster.decoders import open_decoder
 from decoding.config import SpecConfig
 from decoding.decoder import GenerationLost
 from decoding.errors import ConfigError
+from decoding.loop.loop import PREFILL_CHUNK
 from decoding.methods import METHOD_TABLE
 from serving.batching import EngineLoop
 from serving.protocol import prompt_surely_exceeds
@@ -297,6 +298,16 @@ class _Run:
             return
 
 
+def _engine_name(cfg: SpecConfig) -> str:
+    """Which batch a configuration's sequences join: one per target as run (model, dtype, weights, compiled or not).
+
+    >>> _engine_name(SpecConfig(model="m", dtype="float32")), _engine_name(SpecConfig(model="m", quant="q4", compile=True))
+    ('m/float32', 'm/bfloat16/q4/compiled')
+    """
+    extra = ([] if cfg.quant == "auto" else [cfg.quant]) + (["compiled"] if cfg.compile else [])
+    return "/".join([cfg.model, cfg.dtype, *extra])
+
+
 class ModelWorker(Worker):
     """The model replica: decoders in process per configuration (an LRU), one batch engine per model and dtype."""
 
@@ -310,6 +321,7 @@ class ModelWorker(Worker):
         max_batch_rows: int = 32,
         max_step_tokens: int | None = None,
         adaptive_k: bool = True,
+        max_prefill_tokens: int | None = PREFILL_CHUNK,
     ):
         if threads:
             import torch
@@ -318,7 +330,8 @@ class ModelWorker(Worker):
         kernels.install()
         super().__init__(alone_threads=max_ongoing_requests, request_log_size=request_log_size)
         self.max_batch_rows, self.max_step_tokens, self.adaptive_k = max_batch_rows, max_step_tokens, adaptive_k
-        self._engines: dict[tuple[str, str], EngineLoop] = {}
+        self.max_prefill_tokens = max_prefill_tokens
+        self._engines: dict[str, EngineLoop] = {}
         self._engine_lock = threading.Lock()
         self.max_loaded = max_loaded_configs
         self._decoders: OrderedDict[str, object] = OrderedDict()
@@ -355,17 +368,23 @@ class ModelWorker(Worker):
     def stats(self) -> dict:
         with self._lock:
             out = {"active_generations": self.active, "totals": dict(self.totals), "loaded": self.loaded_configs()}
-        out["engines"] = {f"{m}/{d}": e.stats() for (m, d), e in list(self._engines.items())}
+        out["engines"] = {name: e.stats() for name, e in list(self._engines.items())}
         return out
 
     # ---- generation -------------------------------------------------------
     def _engine(self, dec) -> EngineLoop:
         """The batch of this decoder's model and dtype (started on first use; k=auto needs its cost model)."""
-        key = (dec.cfg.model, dec.cfg.dtype)
+        key = _engine_name(dec.cfg)
         with self._engine_lock:
             engine = self._engines.get(key)
             if engine is None or not engine.alive:
-                engine = EngineLoop(dec.target, f"{key[0]}/{key[1]}", max_rows=self.max_batch_rows, max_step_tokens=self.max_step_tokens)
+                engine = EngineLoop(
+                    dec.target,
+                    key,
+                    max_rows=self.max_batch_rows,
+                    max_step_tokens=self.max_step_tokens,
+                    prefill_budget=self.max_prefill_tokens,
+                )
                 self._engines[key] = engine
                 if self.adaptive_k:  # measured (or read from its cache file) beside the first requests, not before them
 
@@ -404,4 +423,4 @@ class ModelWorker(Worker):
             raise RuntimeError("generation pool is shut down") from None
         for key, engine in list(self._engines.items()):
             if not engine.alive:
-                raise RuntimeError(f"the batch engine of {key[0]}/{key[1]} stopped")
+                raise RuntimeError(f"the batch engine of {key} stopped")

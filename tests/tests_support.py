@@ -74,3 +74,89 @@ def multinode_cluster(worker_cpus: list[int], head_resources: dict | None = None
         ray.shutdown()
         runtime._STARTED_HERE = False
         c.shutdown()
+
+
+@contextlib.contextmanager
+def tiny_openai_server(model_dir, name: str = "tiny-peer", usage: bool = True):
+    """A minimal OpenAI-compatible HTTP server on a free loopback port, yielding its root URL: ``GET /v1/models`` (one
+    model, ``name``) and ``POST /v1/chat/completions`` (plain or streamed as server-sent events, one chunk per decoded
+    step). It generates with the model at ``model_dir`` in process (float32 greedy AR, one request at a time, like
+    llama.cpp's server with one slot): a real peer for ``specray bench-serve --peer-url``, without Ray. ``usage``
+    False leaves ``usage`` out of the streams (as servers that ignore ``stream_options`` do)."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from decoding.config import SpecConfig
+    from decoding.engine import SpecDecoder
+
+    dec = SpecDecoder(SpecConfig(model=str(model_dir), dtype="float32", threads=1))
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):  # quiet
+            pass
+
+        def _json(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path.rstrip("/") != "/v1/models":
+                return self._json(404, {"error": {"message": "not found"}})
+            self._json(200, {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "tests"}]})
+
+        def do_POST(self):
+            if self.path != "/v1/chat/completions":
+                return self._json(404, {"error": {"message": "not found"}})
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            ids = dec.encode(req["messages"])
+            base = {"id": "chatcmpl-tiny", "created": int(time.time()), "model": name}
+            if not req.get("stream"):
+                with lock:
+                    gen = dec.generate_ids(ids, max_new_tokens=req.get("max_tokens") or 16)
+                message = {"role": "assistant", "content": dec.decode(gen.token_ids)}
+                n = len(gen.token_ids)
+                usage_body = {"prompt_tokens": ids.shape[-1], "completion_tokens": n, "total_tokens": ids.shape[-1] + n}
+                choice = {"index": 0, "message": message, "finish_reason": gen.finish_reason}
+                return self._json(200, {**base, "object": "chat.completion", "choices": [choice], "usage": usage_body})
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            said, tokens = "", []
+
+            def send(body: dict) -> None:
+                self.wfile.write(f"data: {json.dumps({**base, 'object': 'chat.completion.chunk', **body})}\n\n".encode())
+                self.wfile.flush()
+
+            def on_step(new, final=False):
+                nonlocal said
+                tokens.extend(new)
+                text = dec.decode(tokens)
+                if text != said and text.startswith(said) and (final or not text.endswith("\ufffd")):  # whole characters
+                    send({"choices": [{"index": 0, "delta": {"content": text[len(said) :]}, "finish_reason": None}]})
+                    said = text
+
+            with lock:
+                gen = dec.generate_ids(ids, max_new_tokens=req.get("max_tokens") or 16, on_step=on_step)
+            on_step([], final=True)
+            send({"choices": [{"index": 0, "delta": {}, "finish_reason": gen.finish_reason}]})
+            if usage and (req.get("stream_options") or {}).get("include_usage"):
+                n = len(gen.token_ids)
+                send({"choices": [], "usage": {"prompt_tokens": ids.shape[-1], "completion_tokens": n, "total_tokens": ids.shape[-1] + n}})
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)

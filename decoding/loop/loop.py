@@ -8,8 +8,9 @@ loop with a drafter that proposes nothing.
 
 The loop runs a batch of sequences (:class:`Batch`): each its own prompt
 length, position, cache row, drafter, sampling, generator and finish; they
-join (:meth:`Batch.add`, which prefills the prompt) and leave (finished,
-stopped or cancelled) between steps, which is continuous batching. One step
+join (:meth:`Batch.add`; their prompts are prefilled in fixed chunks between
+the other rows' steps, :class:`Prefill`) and leave (finished, stopped or
+cancelled) between steps, which is continuous batching. One step
 (:func:`verify_step`) runs a single target forward over every row's
 ``[pending, drafts]``, padded to the widest row, with each row reading only
 its own cache slots, then verifies and commits row by row with the row's own
@@ -96,12 +97,66 @@ def check_context(prompt_len: int, max_new_tokens: int, max_context: int) -> Non
         )
 
 
+PREFILL_CHUNK = 256  # prompt tokens per prefill forward (see Prefill)
+
+
+class Prefill:
+    """A prompt run into a cache in chunks of ``PREFILL_CHUNK`` tokens, one forward per chunk.
+
+    The chunks are the same whoever runs them (one sequence alone, a batch that interleaves them with other
+    rows' decoding steps, the two-sided runtime): chunk c is always positions [c * PREFILL_CHUNK, (c + 1) *
+    PREFILL_CHUNK) over the chunks before it, so the cache's bits and the first token never depend on what else
+    ran. ``features``: the layers whose hidden states to keep (``ModelAdapter.forward``'s ``captured``).
+
+    >>> # p = Prefill(prompt, ()); while p.remaining: p.run_chunk(target, cache)
+    >>> # hidden, features = p.result()     # [1, T, H], None
+    """
+
+    def __init__(self, prompt: torch.Tensor, features=()):  # prompt [1, T]
+        self.prompt = prompt
+        self.done = 0
+        self.hidden: list[torch.Tensor] = []
+        self.features: dict[int, list[torch.Tensor]] = {layer: [] for layer in features}
+
+    @property
+    def remaining(self) -> int:
+        return self.prompt.shape[1] - self.done
+
+    def next_chunk(self) -> int:
+        """Tokens the next :meth:`run_chunk` feeds."""
+        return min(PREFILL_CHUNK, self.remaining)
+
+    def run_chunk(self, model: ModelAdapter, cache: KVCache) -> None:
+        """Feed the next chunk; the cache then holds the prompt up to its end."""
+        begin, end = self.done, self.done + self.next_chunk()
+        captured = dict.fromkeys(self.features) if self.features else None
+        self.hidden.append(model.forward(cache, begin, input_ids=self.prompt[:, begin:end], captured=captured))
+        for layer, parts in self.features.items():
+            parts.append(captured[layer])
+        self.done = end
+        cache.rollback(end)
+
+    def result(self) -> tuple[torch.Tensor, dict | None]:
+        """The prompt's hidden states [1, T, H] and, per feature layer, its hidden states after that layer."""
+        cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)  # noqa: E731
+        return cat(self.hidden), ({layer: cat(parts) for layer, parts in self.features.items()} or None)
+
+
 def fill(model: ModelAdapter, cache: KVCache, prompt: torch.Tensor, captured: dict | None = None) -> torch.Tensor:
-    """Run the prompt [1, T] into an empty ``cache``, which then holds exactly the prompt; returns the hidden states [1, T, H]
-    (and fills ``captured``, see ``ModelAdapter.forward``)."""
-    h = model.forward(cache, 0, input_ids=prompt, captured=captured)
-    cache.rollback(prompt.shape[1])
+    """Run the prompt [1, T] into an empty ``cache`` (in :class:`Prefill`'s chunks), which then holds exactly the prompt;
+    returns the hidden states [1, T, H] (and fills ``captured``, see ``ModelAdapter.forward``)."""
+    run = Prefill(prompt, tuple(captured) if captured else ())
+    while run.remaining:
+        run.run_chunk(model, cache)
+    h, features = run.result()
+    if captured is not None:
+        captured.update(features or {})
     return h
+
+
+def first_token(target: ModelAdapter, hidden: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
+    """The first new token [1, 1] after a prompt whose last hidden state is ``hidden`` [1, 1, H], by the loop's rule."""
+    return verify(Proposal.empty(1, hidden.device), target.logits(hidden), sampling, generator).tokens[:, :1]
 
 
 def prefill(
@@ -113,8 +168,7 @@ def prefill(
     and the first token is pending: the loop's invariant. ``captured``: see ``ModelAdapter.forward``.
     """
     h = fill(target, cache, prompt, captured)
-    first = verify(Proposal.empty(1, prompt.device), target.logits(h[:, -1:]), sampling, generator)
-    return first.tokens[:, :1], h
+    return first_token(target, h[:, -1:], sampling, generator), h
 
 
 def committed_by(verdict: Verdict) -> tuple[int, list[int]]:
@@ -360,6 +414,8 @@ class Sequence(Output):
         self.tag = tag
         self.state: DecodeState | None = None
         self.acceptance = Acceptance()
+        self.fill: Prefill | None = None  # its prompt's prefill while it joins a batch
+        self.error: Exception | None = None  # why it could not start (its drafter failed to), if so
 
     @property
     def prompt_len(self) -> int:
@@ -382,64 +438,120 @@ class Batch:
     own row through a one-row view with its own length. A leaving row's place is taken by the last row (its KV
     is copied once); the cache grows (rows or slots) when a joining sequence needs more.
 
-    ``max_rows`` caps the batch (:meth:`add` refuses beyond it: the caller queues); ``max_step_tokens`` caps
-    rows x width of one step for adaptive rows; ``cost`` is the forward-cost model adaptive rows need
-    (``CostModel.measure(target)``); without one, adaptive rows draft their full k.
+    Joining is chunked prefill (as in Sarathi-Serve and vLLM): :meth:`add` queues a sequence, and each
+    :meth:`step` first runs chunks of the queued prompts (:class:`Prefill`'s fixed chunks, in arrival order,
+    whole chunks while they fit in ``prefill_budget`` prompt tokens, at least one), then one decoding step of
+    every row. A sequence whose prompt is filled commits its first token and decodes from that same step, so a
+    long prompt costs the other rows a bounded delay per step instead of its whole prefill at once; its own
+    output is what it would be alone (the chunks do not depend on the batch). The prompt being filled holds the
+    cache row after the decoding rows.
+
+    ``max_rows`` caps the batch, joining sequences included (:meth:`add` refuses beyond it: the caller queues);
+    ``max_step_tokens`` caps rows x width of one step for adaptive rows; ``cost`` is the forward-cost model
+    adaptive rows need (``CostModel.measure(target)``); without one, adaptive rows draft their full k.
+    ``prefill_budget``: prompt tokens prefilled per step (None: every queued prompt at once).
 
     >>> # batch = Batch(target, max_rows=16, cost=CostModel.measure(target))
     >>> # batch.add(Sequence(ids, drafter=NgramDrafter(), k=8, adaptive=True)); batch.add(...)
-    >>> # while batch.rows: done = batch.step()    # finished sequences leave; .result() has tokens and stats
+    >>> # while len(batch): done = batch.step()    # finished sequences leave; .result() has tokens and stats
     """
 
-    def __init__(self, target: ModelAdapter, *, max_rows: int = 16, max_step_tokens: int | None = None, cost: CostModel | None = None):
+    def __init__(
+        self,
+        target: ModelAdapter,
+        *,
+        max_rows: int = 16,
+        max_step_tokens: int | None = None,
+        cost: CostModel | None = None,
+        prefill_budget: int | None = PREFILL_CHUNK,
+    ):
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        if prefill_budget is not None and prefill_budget < 1:
+            raise ValueError(f"prefill_budget must be >= 1 or None, got {prefill_budget}")
         self.target = target
         self.max_rows, self.max_step_tokens, self.cost = max_rows, max_step_tokens, cost
-        self.rows: list[Sequence] = []
+        self.prefill_budget = prefill_budget
+        self.rows: list[Sequence] = []  # decoding, in cache rows 0..R-1
+        self.joining: list[Sequence] = []  # queued or being prefilled (only the first may have begun), in order
         self.cache: KVCache | None = None
         self._view: tuple[int, KVCache] | None = None  # (rows, view of rows 0..rows-1)
 
     def __len__(self) -> int:
-        return len(self.rows)
+        """Sequences in the batch: decoding and joining."""
+        return len(self.rows) + len(self.joining)
 
     @property
     def full(self) -> bool:
-        return len(self.rows) >= self.max_rows
+        return len(self) >= self.max_rows
 
     # ---- joining and leaving ----------------------------------------------------------
     def check(self, seq: Sequence) -> None:
         """Raise ``ContextTooLong`` / ``NotBatchable`` for a sequence this batch cannot take (before any work)."""
         check_context(seq.prompt_len, seq.max_new_tokens, self.target.max_context)
-        if not getattr(seq.drafter, "batchable", True) and (self.rows or self.max_rows > 1):
+        if not getattr(seq.drafter, "batchable", True) and (len(self) or self.max_rows > 1):
             raise NotBatchable(f"{seq.drafter.name} decodes one sequence at a time; run it in a batch of max_rows=1")
 
     def add(self, seq: Sequence) -> Sequence:
-        """Prefill ``seq``'s prompt in a free row and commit its first token; it decodes from the next step.
+        """Queue ``seq``: the next steps prefill its prompt (see the class docstring), commit its first token and decode it.
 
-        A sequence that ends at once (EOS first, max_new_tokens 1) is returned finished and takes no row.
+        A sequence that ends at its first token (EOS, max_new_tokens 1), or whose drafter fails to start (its
+        ``error``), comes back finished from the step that filled it and takes no row.
         """
         if self.full:
             raise RuntimeError(f"the batch is full ({self.max_rows} rows)")
         self.check(seq)
         seq.t_start = time.perf_counter()
-        index = len(self.rows)
-        self._reserve(index + 1, seq.max_len)
-        view = self.cache.row(index)
-        target = self.target
-        prompt = seq.prompt_ids.to(target.device)
-        captured = dict.fromkeys(seq.drafter.feature_layers) if seq.drafter.feature_layers else None
-        first, h = prefill(target, view, prompt, seq.sampling, seq.generator, captured)
-        tokens = torch.cat([prompt, first], dim=1)
-        seq.state = DecodeState(tokens, target, view, seq.sampling, seq.generator, seq.max_len, target_hidden=h, target_features=captured)
+        self.joining.append(seq)
+        return seq
+
+    def _prefill(self) -> list[Sequence]:
+        """Run whole prefill chunks of the joining sequences, in order, within the budget (at least one chunk);
+        a sequence whose prompt is filled starts decoding. Returns those that ended at once."""
+        ended, used = [], 0
+        while self.joining:
+            seq = self.joining[0]
+            if seq.fill is None:
+                self._reserve(len(self.rows) + 1, seq.max_len)
+                seq.fill = Prefill(seq.prompt_ids.to(self.target.device), seq.drafter.feature_layers)
+            n = seq.fill.next_chunk()
+            if used and self.prefill_budget is not None and used + n > self.prefill_budget:
+                break
+            seq.fill.run_chunk(self.target, self.cache.row(len(self.rows)))
+            used += n
+            if seq.fill.remaining == 0:
+                self.joining.pop(0)
+                if self._start(seq):
+                    self.rows.append(seq)
+                else:
+                    ended.append(seq)
+        return ended
+
+    def _start(self, seq: Sequence) -> bool:
+        """A filled prompt: draw its first token and start its drafter; False when it ended there."""
+        target, view = self.target, self.cache.row(len(self.rows))
+        h, features = seq.fill.result()
+        view.rollback(seq.prompt_len)
+        first = first_token(target, h[:, -1:], seq.sampling, seq.generator)
+        tokens = torch.cat([seq.fill.prompt, first], dim=1)
+        seq.fill = None
+        seq.state = DecodeState(tokens, target, view, seq.sampling, seq.generator, seq.max_len, target_hidden=h, target_features=features)
         seq.prefill_s = time.perf_counter() - seq.t_start
         seq.commit([int(first[0, 0])])
+        if not seq.finished:
+            try:
+                seq.drafter.start(seq.state)
+            except Exception as e:  # noqa: BLE001 - it fails alone, the caller reports its error
+                seq.error = e
+                seq.cancel("error")
         if seq.finished:
             seq.wall_s = time.perf_counter() - seq.t_start
-            return seq
-        seq.drafter.start(seq.state)
-        self.rows.append(seq)
-        return seq
+            return False
+        return True
+
+    def _filling(self) -> Sequence | None:
+        """The joining sequence whose prompt is partly in the cache (in the row after the decoding rows), if any."""
+        return self.joining[0] if self.joining and self.joining[0].fill is not None else None
 
     def _reserve(self, rows: int, slots: int) -> None:
         """Make the cache hold ``rows`` rows of ``slots`` positions (grown, with the rows in use copied over)."""
@@ -452,8 +564,10 @@ class Batch:
             new_rows = cache.batch if cache.batch >= rows else min(self.max_rows, max(rows, 2 * cache.batch))
             new_len = cache.max_len if cache.max_len >= slots else max(slots, cache.max_len + cache.max_len // 2)
         grown = self.target.new_cache(new_rows, new_len)
-        if cache is not None and self.rows:
-            used, top = len(self.rows), max(s.state.target_cache.length for s in self.rows)
+        filling = self._filling()
+        used = len(self.rows) + (filling is not None)
+        if cache is not None and used:
+            top = max([s.state.target_cache.length for s in self.rows] + ([filling.fill.done] if filling else []))
             for dst, src in zip(grown.k + grown.v, cache.k + cache.v, strict=True):
                 dst[:used, :, :top] = src[:used, :, :top]
             for i, seq in enumerate(self.rows):
@@ -463,17 +577,26 @@ class Batch:
         self.cache, self._view = grown, None
 
     def _leave(self, seq: Sequence) -> None:
+        seq.wall_s = time.perf_counter() - seq.t_start
+        if seq in self.joining:  # not decoding yet: a prompt being filled only leaves its row free (the last one in use)
+            self.joining.remove(seq)
+            seq.fill = None
+            return
         i = self.rows.index(seq)
         last = self.rows.pop()
         if last is not seq:  # the last row moves into the freed row
-            length = last.state.target_cache.length
-            for buf in self.cache.k + self.cache.v:
-                buf[i, :, :length] = buf[len(self.rows), :, :length]
+            self._move(len(self.rows), i, last.state.target_cache.length)
             view = self.cache.row(i)
-            view.length = length
+            view.length = last.state.target_cache.length
             last.state.target_cache = view
             self.rows[i] = last
-        seq.wall_s = time.perf_counter() - seq.t_start
+        filling = self._filling()
+        if filling is not None:  # the prompt being filled follows the decoding rows down
+            self._move(len(self.rows) + 1, len(self.rows), filling.fill.done)
+
+    def _move(self, src: int, dst: int, length: int) -> None:
+        for buf in self.cache.k + self.cache.v:
+            buf[dst, :, :length] = buf[src, :, :length]
 
     def _batch_view(self) -> KVCache:
         rows = len(self.rows)
@@ -483,10 +606,12 @@ class Batch:
 
     # ---- one step --------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """One step for every row; returns the sequences that finished (they have left the batch)."""
-        done = [s for s in self.rows if s.finished]  # cancelled between steps
+        """Prefill chunks of joining sequences, then one step for every row; returns the sequences that finished
+        (they have left the batch)."""
+        done = [s for s in self.rows + self.joining if s.finished]  # cancelled between steps
         for seq in done:
             self._leave(seq)
+        done += self._prefill()
         if not self.rows:
             return done
         rows = self.rows
@@ -553,7 +678,7 @@ class Batch:
         return [p for p, _ in pairs], [t for _, t in pairs], budgets
 
     def run(self) -> None:
-        while self.rows:
+        while len(self):
             self.step()
 
 
@@ -604,6 +729,8 @@ def generate(
     batch = Batch(target, max_rows=1, cost=cost)
     batch.add(seq)
     batch.run()
+    if seq.error is not None:  # its drafter failed to start
+        raise seq.error
     return seq.result()
 
 
@@ -620,7 +747,7 @@ def generate_many(
     for seq in sequences:
         batch.check(seq)
     waiting = list(sequences)
-    while waiting or batch.rows:
+    while waiting or len(batch):
         while waiting and not batch.full:
             batch.add(waiting.pop(0))
         batch.step()

@@ -19,6 +19,8 @@ Qwen2, Mistral and their relatives in transformers 5.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from decoding.model.fast_layers import LayerStack
@@ -39,10 +41,14 @@ class KVCache:
     storage; nothing is copied.
     """
 
+    plain = True  # position-addressed slots: the fast layers write them by slice (decoding.model.fast_layers)
+
     def __init__(self, num_layers, batch, kv_heads, head_dim, max_len, dtype, device):
-        shape = (batch, kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_layers, batch, kv_heads, max_len, head_dim)
+        # every layer's keys (values) in one tensor [L, batch, kv_heads, max_len, head_dim]; k[l] / v[l] are views of it
+        self.k_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
         self.max_len = max_len
         self.length = 0
         self.cursor = 0
@@ -55,8 +61,8 @@ class KVCache:
         """A view of rows [begin, end) (storage shared, ``length`` 0)."""
         end = begin + 1 if end is None else end
         view = KVCache.__new__(KVCache)
-        view.k = [k[begin:end] for k in self.k]
-        view.v = [v[begin:end] for v in self.v]
+        view.k_all, view.v_all = self.k_all[:, begin:end], self.v_all[:, begin:end]
+        view.k, view.v = list(view.k_all.unbind(0)), list(view.v_all.unbind(0))
         view.max_len, view.length, view.cursor = self.max_len, 0, 0
         return view
 
@@ -143,7 +149,7 @@ class ModelAdapter:
     draft model that shares the target's weights but not its cache.
     """
 
-    def __init__(self, hf_model, num_layers: int | None = None, fast: bool = True):
+    def __init__(self, hf_model, num_layers: int | None = None, fast: bool = True, compile: bool = False):
         base = _decoder_parts(hf_model)
         self.hf_model = hf_model
         self.config = hf_model.config
@@ -166,13 +172,22 @@ class ModelAdapter:
         # the layers' own math in fewer operations (decoding.model.fast_layers); None: call the modules
         self.stack = LayerStack.of(self.layers, self.config, self.dtype, self.device, self.quant) if fast else None
         self.head = self.quant.head if self.quant is not None and self.stack is not None else None
+        # compile=True: the whole stack compiled for one row per width bucket (decoding.model.compiled); eager elsewhere
+        self.compiled = None
+        if compile and self.stack is not None and self.num_layers == depth:
+            from decoding.model.compiled import CompiledStack
+
+            self.compiled = CompiledStack(self.stack, self.dtype, self.device)
+        elif compile:
+            logging.getLogger("specray").warning("specray: compile=True needs the fast layers over the whole model; running eager")
 
     @property
     def implementation(self) -> str:
-        """Which forward runs the layers ("layers": decoding.model.fast_layers, "modules": transformers', plus the packed
+        """Which forward runs the layers ("layers": decoding.model.fast_layers, "compiled": its compiled form for one row
+        (decoding.model.compiled), "modules": transformers', plus the packed
         weights' kind, e.g. "layers-q4-gguf"); timings measured with one do not hold for another, so the
         calibration caches are kept per implementation."""
-        name = "layers" if self.stack is not None else "modules"
+        name = ("compiled" if self.compiled is not None else "layers") if self.stack is not None else "modules"
         return f"{name}-{self.quant.implementation}" if self.stack is not None and self.quant is not None else name
 
     @property
@@ -225,7 +240,12 @@ class ModelAdapter:
             mask = self._mask(start, t, tree_mask, hidden.device)
             cache.cursor = start
         cos_sin = self.rotary(hidden, positions)
-        if self.stack is not None:
+        out = None
+        if self.compiled is not None and first == 0 and last == self.num_layers and not captured:
+            out = self.compiled.run(hidden, mask, cache, cos_sin)
+        if out is not None:
+            hidden = out
+        elif self.stack is not None:
             hidden = self.stack.run(hidden, first, last, mask, cache, cos_sin, captured)
         else:
             for index in range(first, last):

@@ -123,6 +123,7 @@ class PackedLinear:
     dense: torch.Tensor  # [N, K] the same weights, dense, for wide inputs
     repeat: int = 1
     max_rows: int = MAX_ROWS
+    group: int = GROUP  # the int4 kernel's group size (read by the fast layers, which call the kernels directly)
 
     @property
     def out_features(self) -> int:

@@ -201,6 +201,7 @@ def test_a_config_serialises_its_methods_options_and_what_was_given():
     assert set(SpecConfig().to_dict()) == {"method", "model", "temperature", "top_p", "top_k", "seed", "max_new_tokens"} | {
         "dtype",
         "quant",
+        "compile",
         "threads",
         "device",
         "extra",

@@ -58,3 +58,42 @@ def test_a_plan_sends_enough_prompts_and_refuses_nonsense():
     for bad in ({"rate": -1.0}, {"max_tokens": 0}, {"levels": [0]}):
         with pytest.raises(ValueError, match="must be"):
             LoadPlan(**{"levels": [1], **bad})
+
+
+@pytest.mark.parametrize("usage", [True, False])
+def test_any_openai_server_is_measured_as_a_peer(tiny_model_dir, usage):
+    """A real OpenAI-compatible HTTP server (the tiny model behind tests_support.tiny_openai_server): the load harness
+    finds its model, streams the same prompts to it and counts its tokens by usage, or by content chunks without."""
+    import openai
+    from tests_support import tiny_openai_server
+
+    from decoding.config import SpecConfig
+    from decoding.engine import SpecDecoder
+    from evaluation.load import peer_base_url, peer_model, references, run_load
+
+    dec = SpecDecoder(SpecConfig(model=str(tiny_model_dir), dtype="float32", threads=1))
+    prompts = ["Name three colours.", "What is two plus two?", "Say hello."]
+    reference = references(dec, [dec.encode(p, chat=True) for p in prompts], 6)
+    with tiny_openai_server(tiny_model_dir, usage=usage) as url:
+        client = openai.OpenAI(base_url=peer_base_url(url), api_key="unused", max_retries=0, timeout=60)
+        assert peer_model(client) == "tiny-peer" and peer_model(client, "other") == "other"
+        rows, requests = run_load(client, {"peer": "tiny-peer"}, prompts, LoadPlan([1, 3], max_tokens=6, min_requests=3), reference)
+    assert [(r["method"], r["concurrency"], r["completed"]) for r in rows] == [("peer", 1, 3), ("peer", 3, 3)]
+    assert all(r["mismatched"] == 0 and r["tokens"] > 0 for r in rows)  # float32 greedy AR of the same model
+    assert all(r["usage"] is usage for r in requests)
+    if usage:
+        assert all(r["tokens"] == 6 or r["text"] == reference[r["index"]] for r in requests)
+
+
+def test_a_peer_that_cannot_be_reached_is_a_config_error():
+    import openai
+
+    from cluster.runtime import free_port
+    from decoding.errors import ConfigError
+    from evaluation.load import peer_base_url, peer_model
+
+    with pytest.raises(ConfigError, match="peer_url"):
+        peer_base_url("ftp://x")
+    client = openai.OpenAI(base_url=peer_base_url(f"http://127.0.0.1:{free_port()}"), api_key="x", max_retries=0, timeout=5)
+    with pytest.raises(ConfigError, match="cannot list the peer's models"):
+        peer_model(client)

@@ -3,42 +3,56 @@
 import json
 
 import pytest
+from tests_support import tiny_openai_server
 
 from jobs.bench_serve import main
 
 
 @pytest.mark.cluster
 def test_a_short_sweep_through_http(tiny_model_dir, tmp_path, capsys):
+    """Specray's server, the in-process peers and a real OpenAI-compatible server as --peer-url, side by side."""
     out = tmp_path / "load"
-    code = main(
-        [
-            "--model",
-            str(tiny_model_dir),
-            "--dtype",
-            "float32",
-            "--methods",
-            "ar,ngram",
-            "--concurrency",
-            "1,3",
-            "--max-tokens",
-            "6",
-            "--threads",
-            "1",
-            "--check",
-            "--peer",
-            "hf",
-            "--out",
-            str(out),
-        ]
-    )
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- load-results -->\n<!-- /load-results -->\n")
+    with tiny_openai_server(tiny_model_dir) as url:
+        code = main(
+            [
+                "--model",
+                str(tiny_model_dir),
+                "--dtype",
+                "float32",
+                "--methods",
+                "ar,ngram",
+                "--concurrency",
+                "1,3",
+                "--max-tokens",
+                "6",
+                "--threads",
+                "1",
+                "--check",
+                "--peer",
+                "hf",
+                "--out",
+                str(out),
+                "--peer-url",
+                url,
+                "--peer-label",
+                "tinypeer",
+                "--readme",
+                str(readme),
+            ]
+        )
     assert code == 0
     captured = capsys.readouterr()
     assert "left out" in captured.err  # the tiny model's 512-token context cannot hold the long RAG/summary prompts
     rows = json.loads(captured.out.strip().splitlines()[-1])
-    assert {(r["method"], r["concurrency"]) for r in rows} == {("ar", 1), ("ar", 3), ("ngram", 1), ("ngram", 3)}
+    assert {(r["method"], r["concurrency"]) for r in rows} == {(m, c) for m in ("ar", "ngram", "tinypeer") for c in (1, 3)}
     assert all(r["completed"] == r["requests"] and r["tokens"] > 0 for r in rows)
-    assert all(r["mismatched"] == 0 for r in rows)  # float32: every stream says what it says alone
+    assert all(r["mismatched"] == 0 for r in rows)  # float32: every stream says what it says alone (the peer runs the same AR)
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["peer"] == {"label": "tinypeer", "url": url, "model": "tiny-peer", "counted_by": "usage"}
+    table = readme.read_text()
+    assert "| tinypeer tok/s |" in table and "tinypeer / AR" in table and "tinypeer TTFT p99 s" in table and "`tiny-peer`" in table
     assert set(summary["in_process"]) == {"specray_inprocess_ar", "hf_padded_generate"}
     assert (out / "load.png").stat().st_size > 10_000 and (out / "load.parquet").exists() and (out / "requests.parquet").exists()
 
@@ -57,5 +71,8 @@ def test_http_overhead_and_a_few_streams(tiny_model_dir, capsys):
 def test_bad_flags_fail_in_one_line(capsys):
     assert main(["--concurrency", "1,x"]) == 2
     assert main(["--rate", "-1"]) == 2
+    assert main(["--peer-model", "x"]) == 2  # needs --peer-url
+    assert main(["--peer-url", "http://127.0.0.1:1", "--peer-label", "ar"]) == 2
+    assert main(["--peer-url", "ftp://nowhere"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and all(line.startswith("error:") for line in err)
+    assert len(err) == 5 and all(line.startswith("error:") for line in err)

@@ -76,3 +76,16 @@ def test_console_script_lists_commands():
 
     assert cli_main(["--help"]) == 0
     assert cli_main(["frobnicate"]) == 2
+
+
+def test_compile_is_opt_in():
+    """--compile (or --set compile=true, or a config file) turns on the compiled stack; nothing given leaves it off."""
+    import argparse
+
+    from jobs.common import add_config_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_config_args(parser)
+    assert config_from_args(parser.parse_args([])).compile is False
+    assert config_from_args(parser.parse_args(["--compile"])).compile is True
+    assert config_from_args(parser.parse_args(["--set", "compile=true"])).compile is True

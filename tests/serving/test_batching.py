@@ -56,14 +56,21 @@ def test_a_request_that_cannot_start_fails_alone(target, one_thread):
     try:
         good = [Sequence(torch.tensor([p]), k=2, max_new_tokens=12, tag=i) for i, p in enumerate(PROMPTS[:3])]
         bad = Sequence(torch.tensor([PROMPTS[0]]), max_new_tokens=10_000, tag="bad")  # beyond the context
-        errors = submit_all(engine, [*good, bad])
+        broken = Sequence(torch.tensor([PROMPTS[1]]), drafter=BrokenStart(2, 1), max_new_tokens=12, tag="broken")  # fails once filled
+        errors = submit_all(engine, [*good, bad, broken])
         assert isinstance(errors["bad"], ContextTooLong)
+        assert isinstance(errors["broken"], RuntimeError) and broken.finish_reason == "error"
         assert all(errors[i] is None for i in range(3))
         assert [s.result().token_ids for s in good] == [
             generate(target, torch.tensor([p]), max_new_tokens=12).token_ids for p in PROMPTS[:3]
         ]
     finally:
         engine.close()
+
+
+class BrokenStart(NgramDrafter):
+    def start(self, state):
+        raise RuntimeError("cannot start")
 
 
 class FailingDrafter(NgramDrafter):

@@ -119,8 +119,10 @@ def test_cancel_between_steps(tiny_model, target, ar_alone, one_thread):
 def test_cache_grows_for_a_longer_row(tiny_model, target, one_thread):
     batch = Batch(target, max_rows=8)
     short = batch.add(Sequence(ids(PROMPTS[2]), k=2, max_new_tokens=4))
+    batch.step()
     first = batch.cache.max_len
     long = batch.add(Sequence(ids(PROMPTS[4]), drafter=make_drafter(tiny_model, "ngram"), k=2, max_new_tokens=120))
+    batch.step()
     assert batch.cache.max_len > first
     batch.run()
     assert short.result().token_ids == generate(target, ids(PROMPTS[2]), max_new_tokens=4).token_ids
@@ -144,6 +146,76 @@ def test_batch_limits_and_errors(tiny_model, target):
     tri = TriForceDrafter("ngram", budget=16, chunk_size=4, gamma=2, sinks=1, window=4)
     with pytest.raises(NotBatchable, match="one sequence at a time"):
         Batch(target, max_rows=4).add(Sequence(ids(PROMPTS[4]), drafter=tri))
+
+
+# ---- chunked prefill -------------------------------------------------------------------------
+
+
+def test_a_long_prompt_is_filled_in_chunks_between_the_other_rows_steps(tiny_model, target, ar_alone, monkeypatch, one_thread):
+    """Chunks of 3 prompt tokens, a budget of 4 per step: one chunk per step. The decoding rows commit every step
+    while the 20-token prompt joins (7 chunks), each step feeds the target at most one chunk of prompt, and every
+    row's output is its AR output alone."""
+    monkeypatch.setattr(loop_module, "PREFILL_CHUNK", 3)
+    fed = []
+    forward = target.forward
+
+    def counting(cache, start, input_ids=None, **kw):
+        if input_ids is not None and isinstance(start, int) and start + input_ids.shape[1] <= len(PROMPTS[4]) and input_ids.shape[1] > 1:
+            fed.append(input_ids.shape[1])
+        return forward(cache, start, input_ids=input_ids, **kw)
+
+    monkeypatch.setattr(target, "forward", counting)
+    batch = Batch(target, max_rows=4, prefill_budget=4)
+    early = [batch.add(Sequence(ids(PROMPTS[i]), drafter=make_drafter(tiny_model, "ngram"), k=2, max_new_tokens=24)) for i in (0, 3)]
+    while any(s.state is None for s in early):
+        batch.step()
+    long = batch.add(Sequence(ids(PROMPTS[4]), k=2, max_new_tokens=24))
+    fed.clear()
+    steps = 0
+    while long.state is None:
+        before = [len(s.new) for s in early]
+        batch.step()
+        steps += 1
+        assert all(len(s.new) > b for s, b in zip(early, before, strict=True) if not s.finished)  # nobody stalls
+    assert steps == 7 and fed == [3] * 6 + [2]
+    batch.run()
+    assert [s.result().token_ids for s in early] == [ar_alone[0], ar_alone[3]]
+    assert long.result().token_ids == ar_alone[4]
+    monkeypatch.undo()
+    assert generate(target, ids(PROMPTS[4]), max_new_tokens=24).token_ids == ar_alone[4]  # chunked or not: the same tokens
+
+
+def test_a_row_leaving_while_a_prompt_is_filled_keeps_both_exact(tiny_model, target, ar_alone, monkeypatch, one_thread):
+    """Rows finish (the last decoding row and the half-filled prompt move down) while a prompt is filled in chunks."""
+    monkeypatch.setattr(loop_module, "PREFILL_CHUNK", 2)
+    batch = Batch(target, max_rows=4, prefill_budget=2)
+    short = [batch.add(Sequence(ids(PROMPTS[i]), k=2, max_new_tokens=m)) for i, m in ((2, 14), (0, 10), (3, 24))]
+    while any(s.state is None for s in short):
+        batch.step()
+    long = batch.add(Sequence(ids(PROMPTS[4]), drafter=make_drafter(tiny_model, "sps"), k=2, max_new_tokens=24))
+    left_mid_fill = 0
+    while long.state is None:
+        before = sum(s.finished for s in short)
+        batch.step()
+        left_mid_fill += long.fill is not None and sum(s.finished for s in short) > before
+    assert left_mid_fill == 2  # both shorter rows left while the prompt was half filled
+    batch.run()
+    assert [s.result().token_ids for s in short] == [ar_alone[2][:14], ar_alone[0][:10], ar_alone[3]]
+    assert long.result().token_ids == ar_alone[4]
+
+
+def test_a_drafter_that_fails_to_start_fails_alone(tiny_model, target, ar_alone, one_thread):
+    class Broken(NgramDrafter):
+        def start(self, state):
+            raise RuntimeError("no drafts today")
+
+    batch = Batch(target, max_rows=4)
+    good = batch.add(Sequence(ids(PROMPTS[0]), k=2, max_new_tokens=24))
+    bad = batch.add(Sequence(ids(PROMPTS[1]), drafter=Broken(), k=2, max_new_tokens=24))
+    done = batch.step()
+    assert done == [bad] and bad.finish_reason == "error" and isinstance(bad.error, RuntimeError) and len(bad.new) == 1
+    batch.run()
+    assert good.result().token_ids == ar_alone[0]
 
 
 # ---- sampling, per row ----------------------------------------------------------------------

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 from conftest import tiny_llama
 
 from decoding.model.adapter import ModelAdapter
-from decoding.model.fast_layers import LayerStack, supported
+from decoding.model.fast_layers import ATTEND_MAX, LayerStack, _attend, supported
 from decoding.trees.trees import Tree
 
 
@@ -61,15 +62,14 @@ def test_ragged_rows_match_the_modules(tiny_model):
         assert torch.equal(a, b)
 
 
-def test_bfloat16_blocks_are_bit_identical_to_the_modules(tiny_model):
+def test_bfloat16_prefill_and_wide_blocks_are_bit_identical_to_the_modules(tiny_model):
+    """A causal prefill from slot 0 and blocks wider than ATTEND_MAX run SDPA as the modules do: the same bits."""
     model = copy.deepcopy(tiny_model).to(torch.bfloat16)
     fast, modules = pair(model)
-    blocks = [step for step in steps_of_every_kind(fast.vocab_size) if step["input_ids"].shape[1] > 1]
-    for step, later in zip(blocks, blocks[1:], strict=False):
-        later["start"] = step["start"] + step["input_ids"].shape[1]  # every block right after the previous one
-    if "tree_mask" in blocks[-1]:
-        blocks[-1]["positions"] = Tree.from_parents([-1, 0, 0, 1, 2]).positions(blocks[-1]["start"])[None]
-    out, _ = run_both(fast, modules, blocks)
+    g = torch.Generator().manual_seed(3)
+    blocks = [dict(start=0, input_ids=torch.randint(fast.vocab_size, (1, 9), generator=g))]
+    blocks.append(dict(start=9, input_ids=torch.randint(fast.vocab_size, (1, ATTEND_MAX + 3), generator=g)))  # a chunk after a prefix
+    out, _ = run_both(fast, modules, blocks, max_len=64)
     assert all(torch.equal(a, b) for a, b in out)  # fused projections give the very same products
     # the projections are views of the fused matrices: no weight is stored twice
     layer = model.model.layers[0]
@@ -77,20 +77,56 @@ def test_bfloat16_blocks_are_bit_identical_to_the_modules(tiny_model):
     assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == layer.mlp.gate_proj.weight.untyped_storage().data_ptr()
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_bfloat16_one_token_steps_are_at_least_as_close_to_float32_as_the_modules(seed):
-    """One query attends with float32 scores instead of the CPU's 16-bit SDPA kernel: as close to float32 (within 10%) or closer."""
-    exact = tiny_llama(seed=seed)
-    fast, modules = pair(copy.deepcopy(exact).to(torch.bfloat16))
-    reference = ModelAdapter(exact, fast=False)
-    steps = steps_of_every_kind(fast.vocab_size)
-    out, _ = run_both(fast, modules, steps)
-    cache = reference.new_cache(1, 64)
-    for (a, b), step in zip(out, steps, strict=True):
-        ref = reference.forward(cache, **step)
-        err_fast, err_modules = (float((h.float() - ref).norm() / ref.norm()) for h in (a, b))
-        if step["input_ids"].shape[1] == 1:
-            assert err_fast <= 1.1 * err_modules, (err_fast, err_modules)
+def test_bfloat16_narrow_steps_are_as_close_to_float32_as_the_modules():
+    """Steps of up to ATTEND_MAX queries (one token, a chain, a token tree) attend with float32 scores instead of the
+    CPU's 16-bit SDPA kernel. Per step the two paths' errors against float32 scatter around each other (other
+    bfloat16 roundings dominate): over 4 models x 4 steps the fast path's error is on average within 10% of the
+    modules' and never 1.5x theirs."""
+    ratios = []
+    for seed in range(4):
+        exact = tiny_llama(seed=seed)
+        fast, modules = pair(copy.deepcopy(exact).to(torch.bfloat16))
+        reference = ModelAdapter(exact, fast=False)
+        steps = steps_of_every_kind(fast.vocab_size)
+        out, _ = run_both(fast, modules, steps)
+        cache = reference.new_cache(1, 64)
+        for (a, b), step in zip(out, steps, strict=True):
+            ref = reference.forward(cache, **step)
+            err_fast, err_modules = (float((h.float() - ref).norm() / ref.norm()) for h in (a, b))
+            if step["start"] > 0:  # every step after the prefill is narrow
+                ratios.append(err_fast / err_modules)
+    assert len(ratios) == 16
+    assert sum(ratios) / len(ratios) <= 1.1 and max(ratios) < 1.5, ratios
+
+
+def test_own_attention_is_as_accurate_as_bfloat16_sdpa():
+    """Against float64: _attend rounds the probabilities to bfloat16 before P @ V (SDPA keeps them in float32), which
+    costs at most a third more error at the attention output; both stay near bfloat16's own rounding (2^-9)."""
+    g = torch.Generator().manual_seed(5)
+    for s, t in ((40, 1), (300, 5), (300, ATTEND_MAX)):
+        q, k = (torch.randn(1, 9, t, 64, generator=g) * 2).bfloat16(), (torch.randn(1, 3, s, 64, generator=g) * 2).bfloat16()
+        v = torch.randn(1, 3, s, 64, generator=g).bfloat16()
+        mask = torch.ones(1, 1, t, s, dtype=torch.bool).tril(s - t)
+        sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, attn_mask=mask, scale=0.125, enable_gqa=True)
+        ref, got = sdpa(q.double(), k.double(), v.double()), sdpa(q, k, v)
+        own = _attend(q, k, v, 0.125, ~mask[:, None])
+        err_own, err_sdpa = (float((x.double() - ref).norm() / ref.norm()) for x in (own, got))
+        assert err_own < 1.4 * err_sdpa and err_own < 2**-8, (s, t, err_own, err_sdpa)
+
+
+def test_own_attention_equals_sdpa_in_float32_for_every_mask_kind():
+    """_attend (the 16-bit path's attention) against SDPA, both in float32: causal after a prefix, a tree, ragged rows."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(3, 6, 5, 16, generator=g), torch.randn(3, 2, 12, 16, generator=g), torch.randn(3, 2, 12, 16, generator=g))
+    causal = torch.ones(1, 1, 5, 12, dtype=torch.bool).tril(7)
+    tree = torch.ones(1, 1, 5, 12, dtype=torch.bool)
+    tree[..., 7:] = Tree.from_parents([-1, 0, 0, 1, 2]).mask
+    ragged = torch.rand(3, 1, 5, 12, generator=g) < 0.7
+    ragged[..., 0] = True  # every query sees at least one slot
+    for mask in (None, causal, tree, ragged):
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
+        got = _attend(q, k, v, 0.25, None if mask is None else ~mask[:, None])
+        assert torch.allclose(got, ref, atol=1e-5), mask
 
 
 def test_weights_that_move_after_fusing_are_fused_again(tiny_model):
