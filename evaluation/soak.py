@@ -409,6 +409,7 @@ class ProcessSampler:
     def __init__(self, clock: Callable[[], float], interval_s: float = 5.0, root: int | None = None):
         self.clock, self.interval_s, self.root = clock, interval_s, root or os.getpid()
         self.rows: list[dict] = []
+        self.load: list[tuple[float, float]] = []  # (t_s, the machine's 1-minute load average): how busy the host was
         self.roles: dict[int, str] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="soak-sampler", daemon=True)
@@ -419,6 +420,7 @@ class ProcessSampler:
 
     def sample(self) -> None:
         t = self.clock()
+        self.load.append((round(t, 3), os.getloadavg()[0]))
         for pid, cmd in descendants(self.root).items():
             got = rss_and_fds(pid)
             if got is None:
@@ -1383,6 +1385,12 @@ def resource_growth(rows: list[dict], t_from: float, t_to: float, span_s: float 
     }
 
 
+def load_figures(load: list[tuple[float, float]]) -> dict:
+    """The host's 1-minute load average over the run (mean and max): how much else the CPUs were doing."""
+    vals = [v for _, v in load]
+    return {"load_avg_mean": round(statistics.mean(vals), 2) if vals else None, "load_avg_max": round(max(vals), 2) if vals else None}
+
+
 def outcome_counts(records: list[RequestRecord]) -> dict:
     out: dict[str, int] = {}
     for r in records:
@@ -1452,6 +1460,7 @@ def analyse(soak: Soak, recovery_targets: dict | None = None, growth_from_s: flo
             "mix": asdict(soak.mix),
             "prompts": len(soak.prompts),
             "arrivals_over_ceiling": soak.arrivals_over_ceiling,
+            "host": {"cpus": os.cpu_count(), **load_figures(soak.sampler.load)},
             "cluster": {"removed_nodes": len(soak.cluster.removed), "added_nodes": soak.cluster.added, "logs": soak.cluster.session_logs()}
             if soak.cluster
             else None,
@@ -1487,8 +1496,14 @@ def report_markdown(summary: dict, plot_name: str | None = "soak.png") -> str:
     from evaluation.report import markdown_table
 
     run, th, ch = summary["run"], summary["throughput"], summary["checks"]
+    host = run.get("host") or {}
+    where = f"{run.get('model', 'the model')} float32 on {host.get('cpus', '?')} CPUs" + (
+        f" (1-minute load average {host['load_avg_mean']:.1f} on average, {host['load_avg_max']:.1f} at most)"
+        if host.get("load_avg_mean") is not None
+        else ""
+    )
     lines = [
-        f"Soak of {run['duration_s'] / 60:.0f} min started {run['started']}: {ch['requests']} requests "
+        f"Soak of {run['duration_s'] / 60:.0f} min started {run['started']}, {where}: {ch['requests']} requests "
         f"({th['load_requests']} of the steady load at {run['plan']['min_streams']}-{run['plan']['max_streams']} streams, "
         f"{th['tokens_per_s']:.1f} tok/s, p99 {_f(th['latency_p99_s'])} s), faults injected: "
         + ", ".join(f"{k} x{v}" for k, v in summary["faults_injected"].items())
