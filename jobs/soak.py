@@ -13,7 +13,7 @@ under ``--max-streams``) with the faults of ``--faults`` at evenly spread times 
 of ``--schedule``, and prints one progress line every ``--progress-s``.
 
 Writes under ``--out``: ``requests.parquet``, ``processes.parquet``, ``faults.parquet``, ``summary.json``,
-``report.md`` and ``soak.png``; ``--docs DIR`` copies the report and the plot there and ``--readme README.md``
+``report.md`` and ``soak.png``; ``--docs DIR`` copies them there and ``--readme README.md``
 rewrites the README's ``<!-- soak-results -->`` block. Exit 0 when no request was lost, hung, answered twice,
 mixed or wrong and the service drained at the end; 1 otherwise; 2 (one line) on bad input.
 """
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--growth-from-s", type=float, default=300.0, help="RSS/fd growth is measured from here to the end (default 300)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/soak", help="output folder (default runs/soak)")
-    p.add_argument("--docs", metavar="DIR", help="also copy report.md, soak.png and summary.json here (e.g. docs/soak)")
+    p.add_argument("--docs", metavar="DIR", help="also copy the report, the plot, the summary and the Parquet files here (e.g. docs/soak)")
     p.add_argument("--readme", metavar="README.md", help="also rewrite the README's <!-- soak-results --> block")
     p.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
     return p
@@ -386,7 +386,7 @@ def main_with_args(args, argv: list[str]) -> int:
     print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     if docs is not None:
         docs.mkdir(parents=True, exist_ok=True)
-        for key in ("report", "plot", "summary"):
+        for key in ("report", "plot", "summary", "requests", "processes", "faults"):
             shutil.copy(paths[key], docs / paths[key].name)
     if args.readme:
         from evaluation.report import replace_block
