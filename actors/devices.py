@@ -13,11 +13,12 @@ a Ray worker ``auto`` therefore means the GPUs Ray assigned to it (Ray then sets
 
 from __future__ import annotations
 
+import sys
+
 
 def in_ray_worker() -> bool:
-    import ray
-
-    return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+    ray = sys.modules.get("ray")  # a Ray worker has imported Ray; a process that has not is no Ray worker
+    return ray is not None and ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
 
 
 def placed_device(requested: str = "auto") -> str:

@@ -19,6 +19,7 @@ never a hang.
 
 from __future__ import annotations
 
+import copy
 import time
 
 import ray
@@ -26,6 +27,7 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from decoding.config import SpecConfig
+from decoding.decoder import DecoderBase, GenerationLost, context_error, decode, encode
 from decoding.errors import ConfigError
 from decoding.loop.loop import ContextTooLong
 from decoding.methods import ACTOR_TRANSPORTS, WORKER_ROLES, on_actors
@@ -33,7 +35,7 @@ from decoding.sampling import SamplingParams
 from decoding.schedules.two_sided import DraftRequest, TwoSidedGeneration, VerifyRequest, generate_two_sided, round_summary
 
 
-class WorkerError(RuntimeError):
+class WorkerError(GenerationLost):
     """A model worker failed during a generation."""
 
 
@@ -126,8 +128,42 @@ class ActorExecutor:
         return result
 
 
-class ActorDecoder:
-    """SpecDecoder's interface (``generate_ids``, ``generate_text``) over a placed target and draft worker."""
+class TwoSidedSequence:
+    """A sequence of the two-worker runtime: what :meth:`ActorDecoder.run` starts it with, and how it ended.
+
+    ``on_step`` as the loop's (a returned finish reason ends it after that round's tokens); :meth:`cancel` ends it at
+    its next round."""
+
+    batchable = False
+
+    def __init__(self, prompt_ids, max_new_tokens: int, seed: int, on_step=None, tag=None):
+        self.prompt_ids, self.max_new_tokens, self.seed, self.on_step, self.tag = prompt_ids, max_new_tokens, seed, on_step, tag
+        self.generation: TwoSidedGeneration | None = None
+        self._cancelled: str | None = None
+
+    def step(self, tokens: list[int]) -> str | None:
+        reason = self.on_step(tokens) if self.on_step else None
+        return reason or self._cancelled
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        self._cancelled = self._cancelled or reason
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.generation.finish_reason if self.generation is not None else self._cancelled
+
+    def result(self) -> TwoSidedGeneration | None:
+        return self.generation
+
+
+# the fields a fork may change: what each generation sends the workers, not what they loaded
+FORKABLE = ("temperature", "top_p", "top_k", "seed", "k", "max_new_tokens")
+
+
+class ActorDecoder(DecoderBase):
+    """The two-worker runtime of :class:`decoding.decoder.Decoder`: a placed target worker and draft worker, driven by
+    the method's two-sided schedule, one sequence at a time (each worker holds one cache). The target's tokenizer is
+    copied here once: text and ids are converted in this process, without a round trip."""
 
     def __init__(self, cfg: SpecConfig, target, draft, placement: dict | None = None, on_close=None):
         self.cfg = cfg
@@ -136,7 +172,7 @@ class ActorDecoder:
         self.target, self.draft = target, draft
         self.placement = dict(placement or {})
         self.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
-        self._on_close = on_close
+        self._on_close, self._fork = on_close, False
         infos = {role: self.placement.get(role) or {} for role in WORKER_ROLES}  # the workers' info(), from placement
         actor_ids = {role: info["actor_id"] for role, info in infos.items() if "actor_id" in info}
         self.executor = ActorExecutor(
@@ -144,43 +180,63 @@ class ActorDecoder:
         )
         facts = self.executor.wait(target.model_facts.remote(), "target worker")
         self.eos_token_ids, self.max_context = facts["eos_token_ids"], facts["max_context"]
+        self.tokenizer = self.executor.wait(target.__ray_call__.remote(lambda actor: actor.tokenizer), "target worker")
         if cfg.draft_model:
             tv, dv = self.executor.wait([target.vocab.remote(), draft.vocab.remote()], "workers")
             if tv != dv:
                 raise ConfigError("draft_model", f"{cfg.draft_model!r} does not share the target's tokenizer")
         self.placement["transport"] = cfg.actor_transport
 
-    # ---- text <-> ids (the target worker holds the tokenizer) --------------------------------------
-    def encode(self, prompt: str, chat: bool = False) -> torch.Tensor:
-        if not prompt or not prompt.strip():
-            raise ConfigError("prompt", "is empty")
-        return self.executor.wait(self.target.encode.remote(prompt, chat), "target worker")
+    def fork(self, **changes) -> ActorDecoder:
+        """The same workers with other sampling (or draft length) for one request; it closes nothing."""
+        cfg = self.cfg.replace(**changes)
+        for name in sorted(set(cfg.to_dict()) - set(FORKABLE)):
+            if getattr(cfg, name) != getattr(self.cfg, name):
+                raise ConfigError(name, "cannot change in a fork of a decoder on workers; open a new decoder")
+        twin = copy.copy(self)
+        twin.cfg, twin.sampling, twin._on_close, twin._fork = cfg, SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p), None, True
+        return twin
+
+    # ---- text <-> ids, with the target's tokenizer copied here ------------------------------------
+    def encode(self, prompt: str | list[dict], chat: bool = False) -> torch.Tensor:
+        return encode(self.tokenizer, prompt, chat)
 
     def decode(self, ids: list[int]) -> str:
-        return self.executor.wait(self.target.decode.remote(ids), "target worker")
+        return decode(self.tokenizer, ids)
 
     # ---- generation --------------------------------------------------------------------------------
-    def generate_ids(self, prompt_ids, max_new_tokens: int | None = None, seed: int | None = None, on_step=None) -> TwoSidedGeneration:
+    def sequence(self, prompt_ids, max_new_tokens: int | None = None, seed: int | None = None, on_step=None, tag=None):
+        seed = self.cfg.seed if seed is None else seed
+        return TwoSidedSequence(prompt_ids, max_new_tokens or self.cfg.max_new_tokens, seed, on_step, tag)
+
+    def batches(self, seq) -> bool:
+        return False
+
+    def run(self, seq: TwoSidedSequence) -> TwoSidedGeneration:
         try:
-            return generate_two_sided(
+            seq.generation = generate_two_sided(
                 self.executor,
-                prompt_ids,
+                seq.prompt_ids,
                 schedule=self.schedule,
                 k=self.cfg.k,
                 sampling=self.sampling,
-                max_new_tokens=max_new_tokens or self.cfg.max_new_tokens,
+                max_new_tokens=seq.max_new_tokens,
                 eos_token_ids=self.eos_token_ids,
-                seed=self.cfg.seed if seed is None else seed,
+                seed=seq.seed,
                 max_context=self.max_context,
-                on_step=on_step,
+                on_step=seq.step,
                 ship_kv=self.plan.ship_kv,  # TriForce: the middle level reads the target's exact KV
             )
         except ContextTooLong as e:
-            raise ConfigError("max_new_tokens", str(e)) from None
+            raise context_error(e) from None
+        return seq.generation
 
-    def stats_of(self, out: TwoSidedGeneration) -> dict:
+    def stats(self, out: TwoSidedGeneration) -> dict:
+        """The generation's figures, ``placement`` (the workers' nodes and devices), ``rpc`` (driver time vs each
+        worker's compute per round), ``pearl`` (PEARL's schedule counts), the workers' peak RSS and, for a hierarchical
+        drafter, ``levels``."""
         stats = out.stats.to_dict()
-        stats["placement"] = self.placement
+        stats["placement"] = dict(self.placement)
         stats["rpc"] = round_summary(out.rounds)
         if out.schedule_counts:
             stats["pearl"] = dict(out.schedule_counts, gamma=self.cfg.k)
@@ -189,16 +245,6 @@ class ActorDecoder:
         if self.plan.level_stats:
             stats["levels"] = self.executor.wait(self.draft.level_stats.remote(), "draft worker")
         return stats
-
-    def generate_text(self, prompt: str, chat: bool = False, max_new_tokens: int | None = None, seed: int | None = None) -> dict:
-        out = self.generate_ids(self.encode(prompt, chat), max_new_tokens, seed)
-        return {
-            "method": self.cfg.method,
-            "text": self.decode(out.token_ids),
-            "token_ids": out.token_ids,
-            "finish_reason": out.finish_reason,
-            "stats": self.stats_of(out),
-        }
 
     def rpc_probe(self, n: int = 50) -> dict:
         """Round-trip cost without compute: an empty call to one worker, and to both at once (PEARL's shape)."""
@@ -214,6 +260,8 @@ class ActorDecoder:
         return {"one_call_ms": 1e3 * one, "two_parallel_calls_ms": 1e3 * both}
 
     def close(self) -> None:
+        if self._fork:
+            return
         self.executor.teardown()
         for handle in (self.target, self.draft):
             try:

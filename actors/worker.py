@@ -31,7 +31,7 @@ import ray
 import kernels
 from actors.devices import placed_device
 from decoding.drafters.artifacts import draft_adapter, is_artifact
-from decoding.engine import SpecDecoder, build_drafter
+from decoding.engine import build_drafter
 from decoding.loop.metrics import peak_rss_mb, reset_peak_rss
 from decoding.methods import METHOD_TABLE, TARGET_WITH_DRAFTER, WORKER_ROLES
 from decoding.model.adapter import ModelAdapter
@@ -44,10 +44,6 @@ from decoding.schedules.two_sided import DraftRequest, DraftResult, DraftSide, V
 class ModelActor:
     """One model and its cache. ``role``: "target" (full model) or "draft" (``draft_model`` or the first ``draft_layers``;
     for ``triforce`` the target model again, hosting the middle level over its own cache, and the bottom drafter)."""
-
-    # SpecDecoder's text <-> ids helpers only need ``self.tokenizer``; the target worker tokenises for the driver
-    encode = SpecDecoder.encode
-    decode = SpecDecoder.decode
 
     def __init__(self, role: str, cfg_json: str, threads: int | None = None):
         from decoding.config import SpecConfig

@@ -18,6 +18,24 @@ cluster has; a request that fits but whose resources are busy waits at most
 >>> plan = plan_placement(SpecConfig(method="pearl"), one_node)
 >>> plan.strategy, plan.bundles
 ('STRICT_PACK', [{'CPU': 1.0}, {'CPU': 1.0}])
+
+An actor entry's Serve replica goes beside its workers (:func:`plan_replica`):
+
+>>> three = [{"Alive": True, "Resources": {"CPU": 1.0}} for _ in range(3)]
+>>> cfg = SpecConfig(method="pearl", target_threads=1, draft_threads=1)
+>>> p = plan_replica(cfg, three)
+>>> p.strategy, p.bundles, p.index
+('STRICT_SPREAD', [{'CPU': 1.0}, {'CPU': 1.0}, {'CPU': 1.0}], {'target': 1, 'draft': 2})
+>>> p = plan_replica(cfg, [{"Alive": True, "Resources": {"CPU": 2.0}}] * 2)
+>>> p.strategy, p.bundles, p.index, p.replica
+('STRICT_SPREAD', [{'CPU': 1.0}, {'CPU': 1.0}], {'target': 0, 'draft': 1}, {'CPU': 0.0})
+>>> plan_replica(SpecConfig(method="pearl"), [{"Alive": True, "Resources": {"CPU": 2.0}}]).bundles  # one 2-core machine
+[{'CPU': 1.0}, {'CPU': 1.0}]
+>>> try:
+...     plan_replica(cfg.replace(num_gpus_per_model=1.0), three)
+... except PlacementError as e:
+...     print(str(e).split(' (on')[0])
+placement: the entry wants a replica {'CPU': 1.0}, a target worker {'CPU': 1.0, 'GPU': 1.0} and a draft worker {'CPU': 1.0, 'GPU': 1.0}
 """
 
 from __future__ import annotations
@@ -45,7 +63,7 @@ class PlacementPlan:
         return asdict(self)
 
 
-def _fits(bundle: dict, resources: dict) -> bool:
+def fits(bundle: dict, resources: dict) -> bool:
     return all(resources.get(k, 0.0) >= v for k, v in bundle.items() if v > 0)
 
 
@@ -84,21 +102,21 @@ def plan_placement(cfg: SpecConfig, nodes: list[dict]) -> PlacementPlan:
     have = _sum(*alive)
     wanted = f"target {bundles[0]} + draft {bundles[1]}"
     for role, b in zip(ROLES, bundles, strict=True):
-        if not any(_fits(b, r) for r in alive):
+        if not any(fits(b, r) for r in alive):
             field = "num_gpus_per_model" if b.get("GPU", 0) > max((r.get("GPU", 0.0) for r in alive), default=0) else f"{role}_threads"
             raise PlacementError(
                 field,
                 f"cannot place the {role} worker: wanted {b} per worker ({wanted}); "
-                f"the cluster has {_fmt(have)} over {len(alive)} node(s), largest node {_fmt(_largest(alive))}",
+                f"the cluster has {cpu_gpu(have)} over {len(alive)} node(s), largest node {cpu_gpu(_largest(alive))}",
             )
-    spread_nodes = [r for r in alive if any(_fits(b, r) for b in bundles)]
+    spread_nodes = [r for r in alive if any(fits(b, r) for b in bundles)]
     if len(spread_nodes) >= 2 and _can_spread(bundles, alive):
         return PlacementPlan("STRICT_SPREAD", bundles, threads, gpus, f"{len(alive)} nodes: draft and target on different nodes")
-    if not any(_fits(_sum(*bundles), r) for r in alive):
+    if not any(fits(_sum(*bundles), r) for r in alive):
         raise PlacementError(
             "placement",
             f"cannot place both workers: wanted {wanted} on one node (no two nodes can hold one each); "
-            f"the cluster has {_fmt(have)} over {len(alive)} node(s), largest node {_fmt(_largest(alive))}",
+            f"the cluster has {cpu_gpu(have)} over {len(alive)} node(s), largest node {cpu_gpu(_largest(alive))}",
         )
     if gpus >= 1:
         reason = "one node: a GPU each"
@@ -112,7 +130,7 @@ def plan_placement(cfg: SpecConfig, nodes: list[dict]) -> PlacementPlan:
 def _can_spread(bundles: list[dict], nodes: list[dict]) -> bool:
     for i, a in enumerate(nodes):
         for j, b in enumerate(nodes):
-            if i != j and _fits(bundles[0], a) and _fits(bundles[1], b):
+            if i != j and fits(bundles[0], a) and fits(bundles[1], b):
                 return True
     return False
 
@@ -121,8 +139,94 @@ def _largest(nodes: list[dict]) -> dict:
     return max(nodes, key=lambda r: (r.get("GPU", 0.0), r.get("CPU", 0.0)))
 
 
-def _fmt(res: dict) -> dict:
+def cpu_gpu(res: dict) -> dict:
     return {k: res[k] for k in ("CPU", "GPU") if k in res} or {"CPU": 0.0}
+
+
+# ---- a Serve replica beside its two workers ------------------------------------------------------------------
+# An actor entry's replica (serving.placement) reserves the group through Serve's placement_group_bundles:
+#
+# - three nodes that can each hold one of replica, target, draft: three bundles, STRICT_SPREAD: draft and target on
+#   different nodes, the replica on a third;
+# - otherwise the layout of a Tune trial (tuning.resources): two bundles [target, draft] as plan_placement sizes them
+#   (STRICT_SPREAD on two nodes, STRICT_PACK on one), the replica pinned to bundle 0 beside the target and asking no
+#   CPUs of its own (it tokenizes and waits while the workers compute). Three bundles on two nodes would leave Ray
+#   free to put draft and target together.
+
+
+@dataclass
+class ReplicaPlan:
+    strategy: str  # STRICT_SPREAD | STRICT_PACK
+    bundles: list[dict]  # Serve's placement_group_bundles; bundle 0 holds the replica
+    index: dict  # role -> the bundle its worker goes into
+    workers: dict  # role -> what the worker asks of its bundle
+    threads: dict  # role -> torch threads
+    replica: dict  # what the replica itself asks ({"CPU": n})
+    reason: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ReplicaPlan:
+        return cls(**d)
+
+    def layout(self) -> dict:
+        """``cluster.placement.place_workers``' ``layout`` argument."""
+        return {r: {"index": self.index[r], "bundle": self.workers[r], "threads": self.threads[r]} for r in ROLES}
+
+
+def _distinct(bundles: list[dict], nodes: list[dict]) -> bool:
+    """Can each bundle go to a different node? (tiny search: a handful of bundles and nodes)"""
+
+    def place(i: int, used: set) -> bool:
+        if i == len(bundles):
+            return True
+        return any(j not in used and fits(bundles[i], n) and place(i + 1, used | {j}) for j, n in enumerate(nodes))
+
+    return place(0, set())
+
+
+def plan_replica(cfg: SpecConfig, nodes: list[dict], replica_cpus: float = 1.0) -> ReplicaPlan:
+    """Bundles and strategy of the replica of an actor entry on ``nodes`` (``ray.nodes()`` rows); PlacementError if impossible."""
+    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
+    replica = {"CPU": float(replica_cpus)}
+    try:
+        p = plan_placement(cfg, nodes)
+    except PlacementError:
+        w = _wanted_workers(cfg)
+        nodes_text = ", ".join(str(cpu_gpu(n)) for n in alive) or "none alive"
+        raise PlacementError(
+            "placement",
+            f"the entry wants a replica {replica}, a target worker {w['target']} and a draft worker {w['draft']} "
+            f"(on separate nodes with STRICT_SPREAD, else one node with STRICT_PACK); the cluster has {len(alive)} node(s): {nodes_text}",
+        ) from None
+    w = dict(zip(ROLES, p.bundles, strict=True))
+    if p.strategy == "STRICT_SPREAD" and _distinct([replica, w["target"], w["draft"]], alive):
+        return ReplicaPlan(
+            "STRICT_SPREAD",
+            [replica, w["target"], w["draft"]],
+            {"target": 1, "draft": 2},
+            w,
+            p.threads,
+            replica,
+            "replica, target and draft each on its own node",
+        )
+    # as a Tune trial does (tuning.resources): the replica rides in the target's bundle, asking nothing of its own
+    beside = f"the replica beside the target; {p.reason}"
+    return ReplicaPlan(p.strategy, [w["target"], w["draft"]], {"target": 0, "draft": 1}, w, p.threads, {"CPU": 0.0}, beside)
+
+
+def _wanted_workers(cfg: SpecConfig) -> dict:
+    """What each worker asks when no plan could be made (for the error message)."""
+    gpus = cfg.num_gpus_per_model or 0.0
+    out = {}
+    for role in ROLES:
+        b = {"CPU": float(getattr(cfg, f"{role}_threads") or 1)}
+        if gpus:
+            b["GPU"] = float(gpus)
+        out[role] = b
+    return out
 
 
 # ---- with a live cluster ----------------------------------------------------------------------
@@ -159,7 +263,7 @@ def place_workers(cfg: SpecConfig, placement_group=None, caller_holds_first: boo
             raise PlacementError(
                 "placement_timeout_s",
                 f"the placement group {plan.bundles} ({plan.strategy}) was not ready within {cfg.placement_timeout_s:g}s; "
-                f"free now: {_fmt(available)} of {_fmt(ray.cluster_resources())}",
+                f"free now: {cpu_gpu(available)} of {cpu_gpu(ray.cluster_resources())}",
             ) from None
     elif layout is not None:
         pg, own = placement_group, False

@@ -119,3 +119,33 @@ def shutdown_if_started_here() -> None:
     if _STARTED_HERE and ray.is_initialized():
         ray.shutdown()
     _STARTED_HERE = False
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port nothing listens on now (for a Serve proxy or a test server started next)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def keep_replica_grpc_on_loopback() -> None:
+    """Ray Serve (2.60) starts each replica's inter-deployment gRPC server on ``[::]:0``, all interfaces, whatever
+    the node's address (token authentication guards it). On a node whose address is 127.0.0.1 (the embedded Ray
+    of ``cluster.runtime``, where every other server listens on loopback) bind it to loopback too. Runs in the
+    replica's constructor, before Serve starts that server; a Ray without this hook is left as it is."""
+    try:
+        import ray
+        from ray.serve._private import replica as serve_replica
+    except ImportError:
+        return
+    add = getattr(serve_replica, "add_port_to_grpc_server", None)
+    if add is None or getattr(add, "specray_loopback", False) or ray.util.get_node_ip_address() != "127.0.0.1":
+        return
+
+    def add_on_loopback(server, address: str):
+        if address.startswith("[::]:"):
+            address = "127.0.0.1:" + address.rsplit(":", 1)[1]
+        return add(server, address)
+
+    add_on_loopback.specray_loopback = True
+    serve_replica.add_port_to_grpc_server = add_on_loopback

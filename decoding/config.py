@@ -1,20 +1,30 @@
 """The one configuration object of a speculative run.
 
 A ``SpecConfig`` is a frozen, typed, JSON-serialisable description of a
-generation: method, drafter knobs, sampling, model, dtype and placement. The
-same object is a benchmark row, a Tune sample and (later) a registry entry and
-a Serve model name. Invalid values fail at construction with a ``ConfigError``
-that names the field.
+generation: the common fields (method, model, sampling, dtype, device) and the
+options its method reads (draft length, tree, drafter knobs, placement). The
+method's table entry (``decoding.methods``) names the option groups it reads and
+its own defaults; an option left unset takes the method's default (``eagle``
+drafts a dynamic tree of 32 nodes, depth 6), and a config changed to another
+method (``replace``, ``for_method``) takes that method's defaults for what was
+never set. The JSON is flat: the common fields, the method's options and any
+option given explicitly; flat keys of any option are accepted as input. The
+same object is a benchmark row, a Tune sample, a registry entry and a Serve
+model name. Invalid values fail at construction with a ``ConfigError`` that
+names the field.
 
 >>> cfg = SpecConfig(method="ngram", k=6)
 >>> SpecConfig.from_json(cfg.to_json()) == cfg
 True
 >>> cfg.with_overrides(["k=3", "ngram_max=4"]).k
 3
+>>> "exit_layer" in cfg.to_dict(), SpecConfig(method="eagle").tree, cfg.replace(method="eagle").k
+(False, 'dyspec', 6)
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import re
@@ -23,13 +33,14 @@ from dataclasses import dataclass, field
 
 from decoding.errors import ConfigError
 
-# the methods (METHODS: their names, re-exported here) and the constants they share live in the table
-from decoding.methods import ACTOR_TRANSPORTS, METHOD_TABLE, METHODS, TRIFORCE_BOTTOMS, TWO_SIDED_SCHEDULES
+# the methods (METHODS: their names, re-exported here), their option groups and the constants they share live in the table
+from decoding.methods import ACTOR_TRANSPORTS, METHOD_TABLE, METHODS, OPTION_OF, TRIFORCE_BOTTOMS, TWO_SIDED_SCHEDULES
+from decoding.treespec import TreeError, parse_acceptance, parse_paths
 
 DTYPES = ("float32", "bfloat16")
 QUANTS = ("auto", "none", "q4", "int8")  # the weights a load runs (decoding.model.quant, which keeps the same names)
 PLACEMENTS = ("local", "actors")
-TREE_SHAPES = ("chain", "static", "sequoia", "dyspec")  # the tree shapes a config may name (decoding.trees.trees builds them)
+TREE_SHAPES = ("chain", "static", "sequoia", "dyspec", "levels")  # the tree shapes a config may name (decoding.trees.trees builds them)
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # decoding.model.models.resolve_device turns it into a torch.device
 DRAFT_MEMORIES = ("warm", "cold")
 TREE_FITS = ("measured", "budget")
@@ -40,16 +51,22 @@ def _check(ok: bool, name: str, message: str) -> None:
         raise ConfigError(name, message)
 
 
-@dataclass(frozen=True)
+COMMON = ("method", "model", "temperature", "top_p", "top_k", "seed", "max_new_tokens", "dtype", "quant", "threads", "device", "extra")
+
+
+@dataclass(frozen=True, init=False)
 class SpecConfig:
     """Everything that determines what a generation computes and how.
 
-    Fields
-    ------
+    Common fields
+    -------------
     method: one of ``ar`` (baseline), ``sps`` (separate draft model),
         ``ngram`` (prompt lookup), ``early-exit`` (self-speculation) and
         ``pearl`` (draft and target in parallel on two workers).
     model: ``smollm2-135m`` (bundled) or a local Hugging Face model directory.
+
+    Options (each method reads some; ``decoding.methods.OPTION_GROUPS``)
+    -------
     draft_model: for ``sps``, a separate model with the same tokenizer. When
         unset, the draft is a shallow model made of the target's first
         ``draft_layers`` layers plus its final norm and LM head.
@@ -94,6 +111,9 @@ class SpecConfig:
         the expected accepted length under ``tree_acceptance``, a per-rank
         acceptance vector; unset = a generic falling profile,
         ``jobs.bench_trees --calibrate`` measures yours) or
+        ``levels`` (EAGLE-2's dynamic tree: grown level by level, the 8 most
+        probable children of each level fed in one draft forward, then the
+        ``tree_budget`` best nodes kept) or
         ``dyspec`` (grown per step best-first by draft probability, up to
         ``tree_budget`` nodes, depth <= k). ``ngram`` merges several earlier
         matches into a trie of as many nodes as the shape has.
@@ -143,16 +163,9 @@ class SpecConfig:
         ``tree_budget`` nodes).
     """
 
+    # ---- common: every configuration has them -------------------------------------------------------------------------
     method: str = "ar"
     model: str = "smollm2-135m"
-    draft_model: str | None = None
-    draft_layers: int = 8
-    k: int = 4
-    adaptive_k: bool = False
-    exit_layer: int = 24
-    confidence_threshold: float = 0.0
-    ngram_max: int = 3
-    ngram_min: int = 1
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -161,158 +174,124 @@ class SpecConfig:
     dtype: str = "bfloat16"
     quant: str = "auto"
     threads: int | None = None
-    placement: str = "local"
+    device: str = "auto"
     extra: dict = field(default_factory=dict, compare=False, hash=False)
-    # placement=actors (and pearl): see cluster/placement.py; None = chosen from the cluster's resources
-    draft_threads: int | None = None
-    target_threads: int | None = None
-    num_gpus_per_model: float | None = None
-    rpc_timeout_s: float = 120.0
-    placement_timeout_s: float = 30.0
-    actor_transport: str = "calls"
-    # token trees (decoding/trees/trees.py): chain (default) | static | sequoia | dyspec
+    # ---- options: each method reads some groups of them (decoding.methods.OPTION_GROUPS); one not given takes the
+    # method's own default (Method.defaults), else the default written here
+    k: int = 4
+    adaptive_k: bool = False
+    # trees (decoding/trees/trees.py): chain | static (tree_paths: JSON rank paths, e.g. [[0],[1],[0,0]]) | sequoia
+    # (tree_acceptance: per-rank acceptance, e.g. [0.6,0.1,0.05]) | dyspec | levels; tree_budget: draft nodes per step
     tree: str = "chain"
-    tree_paths: str = ""  # static: JSON list of rank paths, e.g. [[0],[1],[0,0]]
-    tree_budget: int = 16  # sequoia / dyspec / n-gram tries: draft nodes per step
-    tree_acceptance: str = ""  # sequoia: per-rank acceptance, e.g. [0.6,0.1,0.05]; empty = trees.DEFAULT_ACCEPTANCE
-    # method=triforce: see decoding/schedules/triforce.py
+    tree_paths: str = ""
+    tree_budget: int = 16
+    tree_acceptance: str = ""
+    tree_fit: str = "measured"
+    draft_model: str | None = None
+    draft_layers: int = 8
+    confidence_threshold: float = 0.0
+    exit_layer: int = 24
+    ngram_max: int = 3
+    ngram_min: int = 1
+    # a trained drafter artifact (name under $SPECRAY_HOME/drafters, or a directory); see decoding/drafters/artifacts.py
+    drafter: str | None = None
+    draft_vocab: int = 0
+    # method=triforce: see decoding/schedules/triforce.py; triforce_schedule (placement=actors): sps or pearl
     triforce_budget: int = 1024
     triforce_chunk_size: int = 16
     triforce_gamma: int = 4
     triforce_sinks: int = 4
     triforce_window: int = 252
     triforce_bottom: str = "ngram"
-    triforce_schedule: str = "sps"  # placement=actors: sps (sequential) or pearl (middle drafts while the top verifies)
-    # method=trained: a trained drafter artifact (name under $SPECRAY_HOME/drafters, or a directory); see decoding/drafters/artifacts.py
-    drafter: str | None = None
-    draft_vocab: int = 0
-    device: str = "auto"
-    # method=recycling / suffix / hybrid: see decoding/drafters/recycling.py, suffix.py, hybrid.py
+    triforce_schedule: str = "sps"
+    # the model-free drafters: decoding/drafters/recycling.py, suffix.py, hybrid.py
     recycle_width: int = 8
     suffix_factor: float = 1.0
     suffix_min_prob: float = 0.1
     suffix_depth: int = 24
     suffix_cache_tokens: int = 16384
     draft_memory: str = "warm"
-    tree_fit: str = "measured"
+    # placement=actors (and pearl): see cluster/placement.py; None = chosen from the cluster's resources
+    placement: str = "local"
+    draft_threads: int | None = None
+    target_threads: int | None = None
+    num_gpus_per_model: float | None = None
+    rpc_timeout_s: float = 120.0
+    placement_timeout_s: float = 30.0
+    actor_transport: str = "calls"
+    # the options given explicitly (the others took a default; a new method gives them its own: replace)
+    _given: frozenset = field(default=frozenset(), repr=False, compare=False, hash=False)
+
+    def __init__(self, **values):
+        """Keyword fields only; an option not given takes its method's default, else the class's."""
+        method = values.get("method", "ar")
+        own = METHOD_TABLE[method].defaults if method in METHOD_TABLE else {}
+        given = frozenset(name for name in values if name in OPTION_DEFAULTS)
+        for f in _FIELDS:
+            if f.name in values:
+                value = values.pop(f.name)
+            elif f.name in own:
+                value = own[f.name]
+            else:
+                value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            object.__setattr__(self, f.name, value)
+        if values:
+            raise TypeError(f"SpecConfig got unknown fields: {', '.join(sorted(values))}")
+        object.__setattr__(self, "_given", given)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, "method", f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
+        entry = METHOD_TABLE[self.method]
+        self._check_common()
+        # the groups the method reads, and any group an option was given in: a value given must be valid
+        for group in dict.fromkeys([*entry.groups, *sorted(OPTION_OF[name] for name in self._given)]):
+            _GROUP_CHECKS[group](self)
+        _check(self.tree == "chain" or not entry.chains_only, "tree", f"{self.method} drafts chains only")
+        _check(not entry.needs_drafter or bool(self.drafter), "drafter", f"method {self.method} needs drafter=NAME or a directory")
+
+    def _check_common(self) -> None:
         _check(bool(self.model), "model", "must name a model")
         _check(self.dtype in DTYPES, "dtype", f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
         _check(self.quant in QUANTS, "quant", f"unknown quantisation {self.quant!r}; choose from {', '.join(QUANTS)}")
-        _check(self.placement in PLACEMENTS, "placement", f"unknown placement {self.placement!r}; choose from {', '.join(PLACEMENTS)}")
-        _check(self.k >= 1, "k", f"draft length must be >= 1, got {self.k}")
-        _check(self.draft_layers >= 1, "draft_layers", f"must be >= 1, got {self.draft_layers}")
-        _check(self.exit_layer >= 1, "exit_layer", f"must be >= 1, got {self.exit_layer}")
-        _check(0.0 <= self.confidence_threshold < 1.0, "confidence_threshold", f"must be in [0, 1), got {self.confidence_threshold}")
-        _check(self.ngram_min >= 1, "ngram_min", f"must be >= 1, got {self.ngram_min}")
-        _check(self.ngram_max >= self.ngram_min, "ngram_max", f"must be >= ngram_min ({self.ngram_min}), got {self.ngram_max}")
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, "top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
         _check(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         _check(self.threads is None or self.threads >= 1, "threads", f"must be >= 1, got {self.threads}")
-        _check(self.draft_threads is None or self.draft_threads >= 1, "draft_threads", f"must be >= 1, got {self.draft_threads}")
-        _check(self.target_threads is None or self.target_threads >= 1, "target_threads", f"must be >= 1, got {self.target_threads}")
-        _check(
-            self.num_gpus_per_model is None or self.num_gpus_per_model >= 0,
-            "num_gpus_per_model",
-            f"must be >= 0, got {self.num_gpus_per_model}",
-        )
-        _check(self.rpc_timeout_s > 0, "rpc_timeout_s", f"must be > 0, got {self.rpc_timeout_s}")
-        _check(self.placement_timeout_s > 0, "placement_timeout_s", f"must be > 0, got {self.placement_timeout_s}")
-        _check(
-            self.actor_transport in ACTOR_TRANSPORTS,
-            "actor_transport",
-            f"unknown transport {self.actor_transport!r}; choose from {', '.join(ACTOR_TRANSPORTS)}",
-        )
-        _check(
-            not METHOD_TABLE[self.method].needs_drafter or bool(self.drafter),
-            "drafter",
-            f"method {self.method} needs drafter=NAME or a directory",
-        )
         _check(
             DEVICE_RE.fullmatch(self.device) is not None,
             "device",
             f"unknown device {self.device!r}; choose from auto, cpu, cuda, cuda:N",
         )
-        _check(self.draft_vocab >= 0, "draft_vocab", f"must be >= 0 (0 = the full LM head), got {self.draft_vocab}")
-        self._check_tree()
-        self._check_triforce()
-        self._check_model_free()
 
-    def _check_tree(self) -> None:
-        """Tree fields (see the class docstring); torch is imported only when a tree is configured."""
-        _check(self.tree in TREE_SHAPES, "tree", f"unknown tree {self.tree!r}; choose from {', '.join(TREE_SHAPES)}")
-        _check(self.tree_budget >= 1, "tree_budget", f"must be >= 1, got {self.tree_budget}")
-        _check(self.tree == "chain" or not METHOD_TABLE[self.method].chains_only, "tree", f"{self.method} drafts chains only")
-        _check(self.tree != "static" or bool(self.tree_paths), "tree_paths", "tree=static needs tree_paths, e.g. [[0],[1],[0,0]]")
-        if self.tree == "chain" and not self.tree_paths and not self.tree_acceptance:
-            return
-        from decoding.trees.trees import TreeError, parse_acceptance, parse_paths
-
-        for name, parse in (("tree_paths", parse_paths), ("tree_acceptance", parse_acceptance)):
-            if getattr(self, name):
-                try:
-                    parse(getattr(self, name))
-                except TreeError as e:
-                    raise ConfigError(name, str(e)) from None
-
-    def _check_triforce(self) -> None:
-        _check(self.triforce_chunk_size >= 1, "triforce_chunk_size", f"must be >= 1, got {self.triforce_chunk_size}")
-        _check(
-            self.triforce_budget >= self.triforce_chunk_size,
-            "triforce_budget",
-            f"must hold at least one chunk (triforce_chunk_size={self.triforce_chunk_size}), got {self.triforce_budget}",
-        )
-        _check(self.triforce_sinks >= 0, "triforce_sinks", f"must be >= 0, got {self.triforce_sinks}")
-        _check(self.triforce_window >= 1, "triforce_window", f"must be >= 1, got {self.triforce_window}")
-        _check(
-            self.triforce_budget >= self.triforce_sinks + self.triforce_window,
-            "triforce_budget",
-            f"must be at least triforce_sinks + triforce_window ({self.triforce_sinks + self.triforce_window}): the middle level "
-            f"must see at least as much context as the bottom, got {self.triforce_budget}",
-        )
-        _check(self.triforce_gamma >= 1, "triforce_gamma", f"must be >= 1, got {self.triforce_gamma}")
-        _check(
-            self.triforce_bottom in TRIFORCE_BOTTOMS,
-            "triforce_bottom",
-            f"unknown bottom drafter {self.triforce_bottom!r}; choose from {', '.join(TRIFORCE_BOTTOMS)}",
-        )
-        _check(
-            self.triforce_schedule in TWO_SIDED_SCHEDULES,
-            "triforce_schedule",
-            f"unknown schedule {self.triforce_schedule!r}; choose from {', '.join(TWO_SIDED_SCHEDULES)}",
-        )
-
-    def _check_model_free(self) -> None:
-        _check(self.recycle_width >= 1, "recycle_width", f"must be >= 1, got {self.recycle_width}")
-        _check(self.suffix_factor > 0, "suffix_factor", f"must be > 0, got {self.suffix_factor}")
-        _check(0.0 <= self.suffix_min_prob <= 1.0, "suffix_min_prob", f"must be in [0, 1], got {self.suffix_min_prob}")
-        _check(self.suffix_depth >= 2, "suffix_depth", f"must be >= 2, got {self.suffix_depth}")
-        _check(self.suffix_cache_tokens >= 0, "suffix_cache_tokens", f"must be >= 0 (0 = no global cache), got {self.suffix_cache_tokens}")
-        _check(
-            self.draft_memory in DRAFT_MEMORIES,
-            "draft_memory",
-            f"unknown draft memory {self.draft_memory!r}; choose from {', '.join(DRAFT_MEMORIES)}",
-        )
-        _check(self.tree_fit in TREE_FITS, "tree_fit", f"unknown tree fit {self.tree_fit!r}; choose from {', '.join(TREE_FITS)}")
+    @property
+    def given(self) -> dict:
+        """The options set explicitly (not taken from a default), by name."""
+        return {name: getattr(self, name) for name in OPTION_DEFAULTS if name in self._given}
 
     def for_method(self, label: str) -> SpecConfig:
-        """The config a bench label names: a method, or ``trained:NAME`` (method trained with drafter NAME).
+        """The config a bench label names: a method, or ``METHOD:NAME`` (the method with drafter NAME: a trained
+        artifact for ``trained``, ``eagle``, ``early-exit`` and ``hybrid``, ``none`` for no shipped drafter);
+        ``placement=actors`` stays with the methods that run on workers (the others run in process).
 
         >>> SpecConfig().for_method("trained:kangaroo-l10").drafter
         'kangaroo-l10'
+        >>> SpecConfig().for_method("hybrid:none").drafter, SpecConfig().for_method("eagle").method
+        ('none', 'eagle')
+        >>> base = SpecConfig(placement="actors")
+        >>> base.for_method("sps").placement, base.for_method("ngram").placement
+        ('actors', 'local')
         """
         method, _, drafter = label.partition(":")
-        if drafter and method in METHOD_TABLE and METHOD_TABLE[method].needs_drafter:
-            return self.replace(method="trained", drafter=drafter)
-        return self.replace(method=label)
+        cfg = self.replace(method=method, drafter=drafter) if drafter and method in METHOD_TABLE else self.replace(method=label)
+        return cfg if cfg.placement == "local" or METHOD_TABLE[cfg.method].actors is not None else cfg.replace(placement="local")
 
     # ---- serialisation -------------------------------------------------
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The common fields, the options the method reads and any option given explicitly (flat, JSON-ready)."""
+        keep = set(COMMON) | set(METHOD_TABLE[self.method].fields) | set(self.given)
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name in keep}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -321,7 +300,7 @@ class SpecConfig:
     def from_dict(cls, data: dict) -> SpecConfig:
         if not isinstance(data, dict):
             raise ConfigError("config", f"expected a JSON object, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = set(COMMON) | set(OPTION_DEFAULTS)
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(unknown[0], f"unknown field; known fields: {', '.join(sorted(known))}")
@@ -336,7 +315,10 @@ class SpecConfig:
         return cls.from_dict(data)
 
     def replace(self, **changes) -> SpecConfig:
-        return dataclasses.replace(self, **{k: _coerce(k, v) for k, v in _auto_k(changes).items()})
+        """A copy with ``changes``; options that took a default take the (new) method's defaults again."""
+        changes = {k: _coerce(k, v) for k, v in _auto_k(changes).items()}
+        kept = {name: getattr(self, name) for name in COMMON} | self.given
+        return SpecConfig(**(kept | changes))
 
     def with_overrides(self, assignments: list[str], **changes) -> SpecConfig:
         """Apply ``key=value`` strings (the CLI's ``--set``), parsed by field type, over ``changes``, in one step
@@ -351,6 +333,127 @@ class SpecConfig:
         return self.replace(**changes)
 
 
+# ---- each option group's checks (a method's groups, and any group an option was given in) -------------------------
+def _check_draft(c: SpecConfig) -> None:
+    _check(c.k >= 1, "k", f"draft length must be >= 1, got {c.k}")
+
+
+def _check_tree(c: SpecConfig) -> None:
+    _check(c.tree in TREE_SHAPES, "tree", f"unknown tree {c.tree!r}; choose from {', '.join(TREE_SHAPES)}")
+    _check(c.tree_budget >= 1, "tree_budget", f"must be >= 1, got {c.tree_budget}")
+    _check(c.tree != "static" or bool(c.tree_paths), "tree_paths", "tree=static needs tree_paths, e.g. [[0],[1],[0,0]]")
+    _check(c.tree_fit in TREE_FITS, "tree_fit", f"unknown tree fit {c.tree_fit!r}; choose from {', '.join(TREE_FITS)}")
+    for name, parse in (("tree_paths", parse_paths), ("tree_acceptance", parse_acceptance)):
+        if getattr(c, name):
+            try:
+                parse(getattr(c, name))
+            except TreeError as e:
+                raise ConfigError(name, str(e)) from None
+
+
+def _check_draft_model(c: SpecConfig) -> None:
+    _check(c.draft_layers >= 1, "draft_layers", f"must be >= 1, got {c.draft_layers}")
+
+
+def _check_confidence(c: SpecConfig) -> None:
+    _check(0.0 <= c.confidence_threshold < 1.0, "confidence_threshold", f"must be in [0, 1), got {c.confidence_threshold}")
+
+
+def _check_exit(c: SpecConfig) -> None:
+    _check(c.exit_layer >= 1, "exit_layer", f"must be >= 1, got {c.exit_layer}")
+
+
+def _check_ngram(c: SpecConfig) -> None:
+    _check(c.ngram_min >= 1, "ngram_min", f"must be >= 1, got {c.ngram_min}")
+    _check(c.ngram_max >= c.ngram_min, "ngram_max", f"must be >= ngram_min ({c.ngram_min}), got {c.ngram_max}")
+
+
+def _check_vocab(c: SpecConfig) -> None:
+    _check(c.draft_vocab >= 0, "draft_vocab", f"must be >= 0 (0 = the full LM head), got {c.draft_vocab}")
+
+
+def _check_triforce(c: SpecConfig) -> None:
+    _check(c.triforce_chunk_size >= 1, "triforce_chunk_size", f"must be >= 1, got {c.triforce_chunk_size}")
+    _check(
+        c.triforce_budget >= c.triforce_chunk_size,
+        "triforce_budget",
+        f"must hold at least one chunk (triforce_chunk_size={c.triforce_chunk_size}), got {c.triforce_budget}",
+    )
+    _check(c.triforce_sinks >= 0, "triforce_sinks", f"must be >= 0, got {c.triforce_sinks}")
+    _check(c.triforce_window >= 1, "triforce_window", f"must be >= 1, got {c.triforce_window}")
+    _check(
+        c.triforce_budget >= c.triforce_sinks + c.triforce_window,
+        "triforce_budget",
+        f"must be at least triforce_sinks + triforce_window ({c.triforce_sinks + c.triforce_window}): the middle level "
+        f"must see at least as much context as the bottom, got {c.triforce_budget}",
+    )
+    _check(c.triforce_gamma >= 1, "triforce_gamma", f"must be >= 1, got {c.triforce_gamma}")
+    _check(
+        c.triforce_bottom in TRIFORCE_BOTTOMS,
+        "triforce_bottom",
+        f"unknown bottom drafter {c.triforce_bottom!r}; choose from {', '.join(TRIFORCE_BOTTOMS)}",
+    )
+    _check(
+        c.triforce_schedule in TWO_SIDED_SCHEDULES,
+        "triforce_schedule",
+        f"unknown schedule {c.triforce_schedule!r}; choose from {', '.join(TWO_SIDED_SCHEDULES)}",
+    )
+
+
+def _check_recycling(c: SpecConfig) -> None:
+    _check(c.recycle_width >= 1, "recycle_width", f"must be >= 1, got {c.recycle_width}")
+
+
+def _check_suffix(c: SpecConfig) -> None:
+    _check(c.suffix_factor > 0, "suffix_factor", f"must be > 0, got {c.suffix_factor}")
+    _check(0.0 <= c.suffix_min_prob <= 1.0, "suffix_min_prob", f"must be in [0, 1], got {c.suffix_min_prob}")
+    _check(c.suffix_depth >= 2, "suffix_depth", f"must be >= 2, got {c.suffix_depth}")
+    _check(c.suffix_cache_tokens >= 0, "suffix_cache_tokens", f"must be >= 0 (0 = no global cache), got {c.suffix_cache_tokens}")
+
+
+def _check_memory(c: SpecConfig) -> None:
+    memories = ", ".join(DRAFT_MEMORIES)
+    _check(c.draft_memory in DRAFT_MEMORIES, "draft_memory", f"unknown draft memory {c.draft_memory!r}; choose from {memories}")
+
+
+def _check_actors(c: SpecConfig) -> None:
+    _check(c.placement in PLACEMENTS, "placement", f"unknown placement {c.placement!r}; choose from {', '.join(PLACEMENTS)}")
+    for name in ("draft_threads", "target_threads"):
+        _check(getattr(c, name) is None or getattr(c, name) >= 1, name, f"must be >= 1, got {getattr(c, name)}")
+    gpus = c.num_gpus_per_model
+    _check(gpus is None or gpus >= 0, "num_gpus_per_model", f"must be >= 0, got {gpus}")
+    _check(c.rpc_timeout_s > 0, "rpc_timeout_s", f"must be > 0, got {c.rpc_timeout_s}")
+    _check(c.placement_timeout_s > 0, "placement_timeout_s", f"must be > 0, got {c.placement_timeout_s}")
+    _check(
+        c.actor_transport in ACTOR_TRANSPORTS,
+        "actor_transport",
+        f"unknown transport {c.actor_transport!r}; choose from {', '.join(ACTOR_TRANSPORTS)}",
+    )
+
+
+def _nothing(c: SpecConfig) -> None:
+    """An option group with nothing to check on its own (a drafter name is checked when it loads)."""
+
+
+_GROUP_CHECKS = {
+    "draft": _check_draft,
+    "tree": _check_tree,
+    "draft_model": _check_draft_model,
+    "confidence": _check_confidence,
+    "exit": _check_exit,
+    "ngram": _check_ngram,
+    "drafter": _nothing,
+    "vocab": _check_vocab,
+    "triforce": _check_triforce,
+    "recycling": _check_recycling,
+    "suffix": _check_suffix,
+    "memory": _check_memory,
+    "actors": _check_actors,
+}
+
+
+_FIELDS = [f for f in dataclasses.fields(SpecConfig) if not f.name.startswith("_")]
+OPTION_DEFAULTS = {f.name: f.default for f in _FIELDS if f.name not in COMMON}  # every option and its own default
 _FIELD_TYPES = typing.get_type_hints(SpecConfig)
 
 
@@ -368,7 +471,7 @@ def _auto_k(changes: dict) -> dict:
 
 def _coerce(name: str, value):
     """Check a value against the field's declared type; accept ints for floats."""
-    if name not in _FIELD_TYPES:
+    if name not in _FIELD_TYPES or name.startswith("_"):
         raise ConfigError(name, "unknown field")
     hint = _FIELD_TYPES[name]
     args = typing.get_args(hint)
@@ -388,7 +491,7 @@ def _coerce(name: str, value):
 
 
 def _parse_value(name: str, text: str):
-    if name not in _FIELD_TYPES:
+    if name not in _FIELD_TYPES or name.startswith("_"):
         raise ConfigError(name, "unknown field")
     hint = _FIELD_TYPES[name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]

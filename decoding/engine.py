@@ -16,11 +16,12 @@ import torch
 
 from decoding.builders import builder_of
 from decoding.config import SpecConfig
+from decoding.decoder import DecoderBase, context_error, decode, encode
 from decoding.drafters import artifacts, drafters, model_free
 from decoding.drafters.drafters import Drafter
 from decoding.errors import ConfigError
 from decoding.loop.goodput import CALIBRATION_ROWS, CostModel
-from decoding.loop.loop import ContextTooLong, Generation, Sequence, generate, generate_many
+from decoding.loop.loop import Batch, ContextTooLong, Generation, Sequence, generate_many
 from decoding.methods import method_of
 from decoding.model.adapter import ModelAdapter
 from decoding.model.models import LoadedModel, load_model, set_threads
@@ -84,23 +85,13 @@ def build_drafter(cfg: SpecConfig, target: LoadedModel, device: str | torch.devi
     return builder_of(method_of(cfg.method).name)(cfg, target, device, memory)
 
 
-def encode_chat(tokenizer, messages: list[dict], field: str = "chat", hint: str = "") -> torch.Tensor:
-    """Ids [1, T] (on the host: they cross RPCs) of a conversation with the generation prompt appended; a model
-    without a chat template is a ConfigError on ``field`` (``hint`` says what to do instead)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(field, "this model has no chat template" + hint)
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return torch.tensor([ids], dtype=torch.long, device="cpu")
-
-
-class SpecDecoder:
-    """A loaded target, a drafter and sampling settings: the in-process way to generate.
+class SpecDecoder(DecoderBase):
+    """The in-process runtime of :class:`decoding.decoder.Decoder`: a loaded target, a drafter and sampling settings.
 
     ``pearl`` in one process runs its draft model with the sequential schedule
     (draft, then verify): the same tokens, without the overlap that needs two
-    workers (``cluster.placement.build_actor_decoder``); ``generate_text`` says so
-    in ``stats["placement"]``.
+    workers (``cluster.decoders.open_decoder`` places those); ``stats`` says so
+    in ``placement``.
     """
 
     def __init__(self, cfg: SpecConfig):
@@ -115,6 +106,10 @@ class SpecDecoder:
         self.memory = DraftMemory()  # model-free drafters' state across requests (and forks)
         self.drafter = build_drafter(cfg, self.loaded, memory=self.memory)
         self.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+
+    @property
+    def max_context(self) -> int:
+        return self.loaded.max_context
 
     def fork(self, **changes) -> SpecDecoder:
         """A decoder for one request: same weights, tokenizer and target adapter, its own drafter and sampling.
@@ -135,61 +130,55 @@ class SpecDecoder:
 
     # ---- text <-> ids ----------------------------------------------------
     def encode(self, prompt: str | list[dict], chat: bool = False) -> torch.Tensor:
-        """Token ids [1, T] of a prompt; ``chat`` applies the model's chat template. A list of ``{"role", "content"}``
-        messages (a conversation: earlier turns and their answers) is always a chat."""
-        if isinstance(prompt, list):
-            return encode_chat(self.tokenizer, prompt)
-        if not prompt or not prompt.strip():
-            raise ConfigError("prompt", "is empty")
-        if chat:
-            return encode_chat(self.tokenizer, [{"role": "user", "content": prompt}])
-        ids = self.tokenizer(prompt)["input_ids"]
-        return torch.tensor([ids], dtype=torch.long, device="cpu")  # host ids (they cross RPCs); generate_ids moves them
+        """Token ids [1, T] of a prompt (:func:`decoding.decoder.encode`)."""
+        return encode(self.tokenizer, prompt, chat)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return decode(self.tokenizer, ids)
 
     # ---- generation -------------------------------------------------------
-    def generate_ids(
-        self, prompt_ids: torch.Tensor, max_new_tokens: int | None = None, seed: int | None = None, on_step=None
-    ) -> Generation:
-        max_new = max_new_tokens or self.cfg.max_new_tokens
-        gen = torch.Generator(device=self.device).manual_seed(self.cfg.seed if seed is None else seed)
-        try:
-            return generate(
-                self.target,
-                prompt_ids.to(self.device),
-                drafter=self.drafter,
-                k=draft_depth(self.cfg),
-                sampling=self.sampling,
-                max_new_tokens=max_new,
-                eos_token_ids=self.loaded.eos_token_ids,
-                generator=gen,
-                on_step=on_step,
-                adaptive=self.cfg.adaptive_k,
-                cost=self.cost_model() if self.cfg.adaptive_k else None,
-            )
-        except ContextTooLong as e:
-            raise ConfigError("max_new_tokens", str(e)) from None
-
-    def cost_model(self, max_rows: int = 1) -> CostModel:
-        return cost_model(self.target, self.cfg.model, self.cfg.dtype, max_rows)
-
-    def sequence(self, prompt_ids: torch.Tensor, max_new_tokens: int | None = None, seed: int | None = None, on_step=None, tag=None):
-        """A :class:`decoding.loop.loop.Sequence` of this configuration (its own drafter, sampling and seeded generator),
-        to run in a :class:`decoding.loop.loop.Batch` beside sequences of other configurations of the same target."""
+    def _sequence(self, prompt_ids, max_new_tokens, seed, on_step, tag, drafter, generator) -> Sequence:
         return Sequence(
             prompt_ids,
-            drafter=build_drafter(self.cfg, self.loaded, memory=self.memory),
+            drafter=drafter,
             k=draft_depth(self.cfg),
             adaptive=self.cfg.adaptive_k,
             sampling=self.sampling,
             max_new_tokens=max_new_tokens or self.cfg.max_new_tokens,
             eos_token_ids=self.loaded.eos_token_ids,
-            generator=torch.Generator().manual_seed(self.cfg.seed if seed is None else seed),
+            generator=generator.manual_seed(self.cfg.seed if seed is None else seed),
             on_step=on_step,
             tag=tag,
         )
+
+    def sequence(self, prompt_ids: torch.Tensor, max_new_tokens: int | None = None, seed: int | None = None, on_step=None, tag=None):
+        """A :class:`decoding.loop.loop.Sequence` of this configuration (its own drafter, sampling and seeded generator),
+        to run in a :class:`decoding.loop.loop.Batch` beside sequences of other configurations of the same target."""
+        drafter = build_drafter(self.cfg, self.loaded, memory=self.memory)
+        return self._sequence(prompt_ids, max_new_tokens, seed, on_step, tag, drafter, torch.Generator())
+
+    def batches(self, seq: Sequence) -> bool:
+        return seq.drafter.batchable
+
+    def run(self, seq: Sequence) -> Generation:
+        """``seq`` in a batch of its own, to its end (drafters that keep the target cache to themselves run so too)."""
+        batch = Batch(self.target, max_rows=1, cost=self.cost_model() if seq.adaptive else None)
+        try:
+            batch.add(seq)
+        except ContextTooLong as e:
+            raise context_error(e) from None
+        batch.run()
+        return seq.result()
+
+    def generate_ids(
+        self, prompt_ids: torch.Tensor, max_new_tokens: int | None = None, seed: int | None = None, on_step=None
+    ) -> Generation:
+        """One generation with the decoder's own drafter (built once; its state carries from one generation to the next)."""
+        gen = torch.Generator(device=self.device)
+        return self.run(self._sequence(prompt_ids.to(self.device), max_new_tokens, seed, on_step, None, self.drafter, gen))
+
+    def cost_model(self, max_rows: int = 1) -> CostModel:
+        return cost_model(self.target, self.cfg.model, self.cfg.dtype, max_rows)
 
     def generate_batch(
         self, prompts: list[torch.Tensor], max_new_tokens: int | None = None, max_rows: int = 16, max_step_tokens: int | None = None
@@ -200,20 +189,13 @@ class SpecDecoder:
         try:
             return generate_many(self.target, seqs, max_rows=max_rows, max_step_tokens=max_step_tokens, cost=cost)
         except ContextTooLong as e:
-            raise ConfigError("max_new_tokens", str(e)) from None
+            raise context_error(e) from None
 
-    def generate_text(self, prompt: str, chat: bool = False, max_new_tokens: int | None = None, seed: int | None = None) -> dict:
-        """The CLI's JSON shape: method, text, token_ids, stats (+ finish_reason)."""
-        out = self.generate_ids(self.encode(prompt, chat), max_new_tokens, seed)
-        stats = out.stats.to_dict()
+    def stats(self, gen: Generation) -> dict:
+        """The generation's figures, and ``placement``: this process, its threads, the sequential schedule."""
+        stats = gen.stats.to_dict()
         stats["placement"] = {"mode": "local", "threads": self.threads, "schedule": "sequential"}
         note = method_of(self.cfg.method).local_note  # pearl: the overlap needs two workers; the output is the same
         if note:
             stats["placement"]["note"] = note
-        return {
-            "method": self.cfg.method,
-            "text": self.decode(out.token_ids),
-            "token_ids": out.token_ids,
-            "finish_reason": out.finish_reason,
-            "stats": stats,
-        }
+        return stats

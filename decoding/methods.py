@@ -15,21 +15,37 @@ method is one :class:`Method` entry in :data:`METHOD_TABLE` and its drafter with
 >>> runs_on_actors("pearl", "local"), runs_on_actors("ngram", "local"), runs_on_actors("sps", "actors")
 (True, False, True)
 
+A configuration (``decoding.config.SpecConfig``) is the common fields plus options: each entry names the option
+groups (:data:`OPTION_GROUPS`) its method reads, and its own defaults of them (``eagle`` drafts a dynamic tree).
+
+>>> method_of("eagle").defaults["tree"], "exit_layer" in method_of("ngram").fields, method_of("pearl").groups[-1]
+('dyspec', False, 'actors')
+
 This module is torch-free declarations and imports only the ground module ``decoding.errors`` (``decoding.config``
-imports it); the one function that reads more, the trained method's ``fit``, imports the artifacts when a Tune sample
-needs it.
+imports it); the ``fit`` hooks that ask about trained artifacts are handed ``decoding.drafters.artifacts`` by their
+caller (``tuning.space``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from decoding.errors import ConfigError
 
 if TYPE_CHECKING:
     from decoding.config import SpecConfig
+
+
+class ArtifactFacts(Protocol):
+    """What a ``fit`` hook may ask about trained artifacts (``decoding.drafters.artifacts`` answers; the caller passes
+    it in, so the table imports no drafter)."""
+
+    def drafts_trees(self, name: str | None) -> bool: ...
+
+    def shipped_exit_layers(self, model: str) -> list[int]: ...
+
 
 # ---- constants: each defined here once, imported everywhere else ----------------------------------------------------
 WORKER_ROLES = ("target", "draft")  # the two model workers of placement=actors; placement bundle 0 is the target, 1 the draft
@@ -45,6 +61,42 @@ SCHEDULES = (SEQUENTIAL, PARALLEL, HIERARCHICAL)
 # target again with the method's drafter over its own cache (TriForce's middle and bottom levels)
 DRAFT_MODEL, TARGET_WITH_DRAFTER = "draft-model", "target-with-drafter"
 DEPTH = "depth"  # a knob bound meaning "the model's depth - 1" (the deepest layer that can still draft)
+
+
+# ---- options: what a configuration holds beyond the common fields, in groups; each method reads some of them --------
+OPTION_GROUPS: dict[str, tuple[str, ...]] = {
+    "draft": ("k", "adaptive_k"),  # draft length, or the most a step drafts under k=auto
+    "tree": ("tree", "tree_paths", "tree_budget", "tree_acceptance", "tree_fit"),
+    "draft_model": ("draft_model", "draft_layers"),
+    "confidence": ("confidence_threshold",),
+    "exit": ("exit_layer",),
+    "ngram": ("ngram_max", "ngram_min"),
+    "drafter": ("drafter",),  # a trained artifact (a shipped one by default; none opts out)
+    "vocab": ("draft_vocab",),
+    "triforce": (
+        "triforce_budget",
+        "triforce_chunk_size",
+        "triforce_gamma",
+        "triforce_sinks",
+        "triforce_window",
+        "triforce_bottom",
+        "triforce_schedule",
+    ),
+    "recycling": ("recycle_width",),
+    "suffix": ("suffix_factor", "suffix_min_prob", "suffix_depth", "suffix_cache_tokens"),
+    "memory": ("draft_memory",),
+    # placement=actors: every method the workers can run reads these
+    "actors": (
+        "placement",
+        "draft_threads",
+        "target_threads",
+        "num_gpus_per_model",
+        "rpc_timeout_s",
+        "placement_timeout_s",
+        "actor_transport",
+    ),
+}
+OPTION_OF = {name: group for group, names in OPTION_GROUPS.items() for name in names}  # option field -> its group
 
 
 # ---- knobs ----------------------------------------------------------------------------------------------------------
@@ -85,7 +137,7 @@ def _resolve_ngram(values: dict, depth: int) -> dict:
     return values
 
 
-def _fit_ngram(values: dict, base: SpecConfig) -> dict:
+def _fit_ngram(values: dict, base: SpecConfig, artifacts: ArtifactFacts) -> dict:
     """One bound fixed by the user (--set), the other searched: the searched one is kept on its side of it."""
     if "ngram_min" in values and "ngram_max" not in values:
         values["ngram_min"] = min(values["ngram_min"], base.ngram_max)
@@ -101,24 +153,20 @@ def _resolve_trained(values: dict, depth: int) -> dict:
     return values
 
 
-def _fit_trained(values: dict, base: SpecConfig) -> dict:
+def _fit_trained(values: dict, base: SpecConfig, artifacts: ArtifactFacts) -> dict:
     """Medusa, Hydra and distilled drafters search tree shapes; a chain-only artifact's trials get chains."""
     if values.get("tree", "chain") != "chain":
-        from decoding.drafters.artifacts import drafts_trees
-
-        if not drafts_trees(values.get("drafter", base.drafter)):  # Kangaroo, feature head: chains only
+        if not artifacts.drafts_trees(values.get("drafter", base.drafter)):  # Kangaroo, feature head: chains only
             values["tree"] = "chain"
             values.pop("tree_budget", None)
     return values
 
 
-def _fit_early_exit(values: dict, base: SpecConfig) -> dict:
+def _fit_early_exit(values: dict, base: SpecConfig, artifacts: ArtifactFacts) -> dict:
     """With the drafters shipped for the model (no drafter= of the user's), a sampled exit layer snaps to the nearest
     one that has a trained Kangaroo adapter: the exit-layer search compares adapted exits."""
     if "exit_layer" in values and base.drafter is None:
-        from decoding.drafters.artifacts import shipped_exit_layers
-
-        layers = shipped_exit_layers(base.model)
+        layers = artifacts.shipped_exit_layers(base.model)
         if layers:
             values["exit_layer"] = min(layers, key=lambda layer: (abs(layer - values["exit_layer"]), layer))
     return values
@@ -160,8 +208,20 @@ class Method:
     needs_drafter: bool = False  # needs drafter=NAME (a trained artifact); bench labels ``NAME:ARTIFACT``
     serves_auto_k: bool = True  # a served entry drafts k=auto by default (not: no drafts, or a fixed schedule)
     resolve: Callable[[dict, int], dict] | None = None  # a sample's knob values, the model depth -> valid values
-    fit: Callable[[dict, SpecConfig], dict] | None = None  # a sample's knob values, the base config -> valid values
+    # a sample's knob values, the base config, the artifacts' facts -> valid values
+    fit: Callable[[dict, SpecConfig, ArtifactFacts], dict] | None = None
     local_note: str | None = None  # said in stats["placement"]["note"] when it runs in one process
+    options: tuple[str, ...] = ()  # the OPTION_GROUPS it reads ("actors" too when it runs on actors)
+    defaults: Mapping[str, object] = field(default_factory=dict)  # its own defaults of options (others: SpecConfig's)
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        return self.options + (("actors",) if self.actors is not None else ())
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The option fields this method reads."""
+        return tuple(name for group in self.groups for name in OPTION_GROUPS[group])
 
 
 _ON_TWO_WORKERS = OnActors(DRAFT_MODEL, schedule="sps")
@@ -176,6 +236,7 @@ METHOD_TABLE: dict[str, Method] = {
             actors=_ON_TWO_WORKERS,
             layer_knob="draft_layers",
             draft_model_replaces_layers=True,
+            options=("draft", "draft_model", "confidence", "tree"),
         ),
         Method(
             "ngram",
@@ -183,6 +244,7 @@ METHOD_TABLE: dict[str, Method] = {
             (_K, KnobSpec("ngram_max", "int", 1, 5), KnobSpec("ngram_min", "int", 1, 3), *_TREE),
             resolve=_resolve_ngram,
             fit=_fit_ngram,
+            options=("draft", "ngram", "tree"),
         ),
         Method(
             "early-exit",
@@ -190,6 +252,7 @@ METHOD_TABLE: dict[str, Method] = {
             (_K, KnobSpec("exit_layer", "int", 1, DEPTH), _CONFIDENCE, *_TREE),
             layer_knob="exit_layer",
             fit=_fit_early_exit,
+            options=("draft", "exit", "confidence", "tree", "drafter"),
         ),
         Method(
             "pearl",
@@ -202,6 +265,7 @@ METHOD_TABLE: dict[str, Method] = {
             chains_only=True,
             serves_auto_k=False,
             local_note="pearl ran in one process: drafting and verifying took turns (the sps schedule)",
+            options=("draft", "draft_model", "confidence"),
         ),
         Method(
             "triforce",
@@ -219,6 +283,7 @@ METHOD_TABLE: dict[str, Method] = {
             schedule=HIERARCHICAL,
             actors=OnActors(TARGET_WITH_DRAFTER, schedule_field="triforce_schedule", ship_kv=True, level_stats=True),
             serves_auto_k=False,
+            options=("draft", "triforce", "draft_model", "ngram", "confidence"),
         ),
         Method(
             "trained",
@@ -234,6 +299,7 @@ METHOD_TABLE: dict[str, Method] = {
             needs_drafter=True,
             resolve=_resolve_trained,
             fit=_fit_trained,
+            options=("draft", "confidence", "drafter", "vocab", "tree"),
         ),
         Method(
             "eagle",
@@ -242,25 +308,30 @@ METHOD_TABLE: dict[str, Method] = {
             # k: the tree's depth; tree_budget: nodes drafted before the cost curve picks the verified prefix
             (
                 KnobSpec("k", "int", 2, 10),
-                KnobSpec("tree", "choice", choices=("dyspec", "chain")),
+                KnobSpec("tree", "choice", choices=("levels", "dyspec", "chain")),
                 KnobSpec("tree_budget", "int", 8, 64),
                 *_FIT[:1],
             ),
+            options=("draft", "confidence", "drafter", "tree"),
+            defaults={"k": 6, "tree": "dyspec", "tree_budget": 32},  # a dynamic tree, its verified prefix sized by cost
         ),
         Method(
             "recycling",
             "Token Recycling: a tree from the target's own past top-k candidates (an adjacency matrix)",
             (_K, *_RECYCLE, *_FIT),
+            options=("draft", "recycling", "tree", "memory"),
         ),
         Method(
             "suffix",
             "suffix decoding: a tree from suffix tries over this and earlier requests",
             (_K, *_SUFFIX, *_FIT),
+            options=("draft", "recycling", "suffix", "tree", "memory"),
         ),
         Method(
             "hybrid",
             "recycling, suffix and prompt-lookup drafts merged into one tree",
             (_K, *_RECYCLE, *_SUFFIX, *_FIT),
+            options=("draft", "recycling", "suffix", "ngram", "tree", "memory", "drafter", "confidence"),
         ),
     )
 }

@@ -136,3 +136,28 @@ def shallow_assistant(model, num_layers: int):
     if left:
         raise TypeError(f"cannot build a shallow assistant for {type(model).__name__}: unshared tensors {left[:3]}")
     return asst
+
+
+def padded_batch_tokens_per_s(dec, batch: list, max_new_tokens: int) -> float:
+    """transformers ``generate()`` on the prompts (each ids [1, T]) left-padded into one batch, greedy, on the decoder's
+    own model object: tokens up to each row's EOS per wall second (the peer of specray's batched AR)."""
+    import torch
+
+    model, tok = dec.loaded.model, dec.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else dec.loaded.eos_token_ids[0]
+    width = max(ids.shape[1] for ids in batch)
+    input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, ids in enumerate(batch):
+        input_ids[i, width - ids.shape[1] :] = ids[0]
+        mask[i, width - ids.shape[1] :] = 1
+    eos = list(dec.loaded.eos_token_ids)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad
+        )
+    wall = time.perf_counter() - t0
+    new = out[:, width:].tolist()
+    tokens = sum(next((i + 1 for i, t in enumerate(row) if t in eos), len(row)) for row in new)
+    return tokens / wall

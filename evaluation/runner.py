@@ -2,9 +2,9 @@
 
 This is the specray half of ``specray bench`` (``jobs/bench.py`` adds the
 Hugging Face peer on top) and the measurement inside a Tune trial
-(``tuning/trainable.py``): one :class:`~decoding.engine.SpecDecoder` per named
-configuration, all sharing one loaded model (``decoding.model.models`` caches per
-process), the baseline ``ar`` among them. The configurations run in an order
+(``tuning/trainable.py``): one decoder per named configuration
+(``cluster.decoders.open_decoder``), those in process sharing one loaded model
+(``decoding.model.models`` caches per process), the baseline ``ar`` among them. The configurations run in an order
 rotated per prompt (:func:`evaluation.benchmark.method_order`) so no one of them
 always runs first, and every greedy output is compared with the baseline's on
 the same prompt (:func:`evaluation.benchmark.compare_to_reference`).
@@ -30,26 +30,18 @@ from evaluation.workloads import Prompt
 class PromptRunner:
     """One decoder per named config (sharing one loaded model); runs a prompt through all of them."""
 
-    def __init__(
-        self,
-        configs: Mapping[str, SpecConfig],
-        worker: str = "local",
-        baseline: str = bm.BASELINE,
-        build: Callable[[SpecConfig], object] | None = None,
-    ):
-        """``build(cfg)`` makes each decoder (default: an in-process ``SpecDecoder``); an outer layer passes one
-        that places draft and target in actors for ``pearl`` / ``placement=actors``. The baseline is always in
-        process (its model also scores divergences)."""
-        from decoding.engine import SpecDecoder  # heavy imports after the cheap checks
+    def __init__(self, configs: Mapping[str, SpecConfig], worker: str = "local", baseline: str = bm.BASELINE):
+        """Each config gets the decoder ``cluster.decoders.open_decoder`` opens for it (``pearl`` and
+        ``placement=actors`` on two model workers); the baseline runs in process (its model also scores divergences)."""
+        from cluster.decoders import open_decoder  # heavy imports after the cheap checks
 
         if baseline not in configs:
             raise ValueError(f"the configs must include the baseline {baseline!r}, got {sorted(configs)}")
         self.worker, self.baseline = worker, baseline
-        build = build or SpecDecoder
         self.decoders = {}
         try:
             for name, cfg in configs.items():
-                self.decoders[name] = SpecDecoder(cfg) if name == baseline else build(cfg)
+                self.decoders[name] = open_decoder(cfg, in_process=name == baseline)
         except BaseException:
             self.close()
             raise

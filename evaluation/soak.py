@@ -54,8 +54,11 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+
+from cluster.runtime import free_port
+from evaluation.load import percentile
 
 FAULTS = ("replica_kill", "worker_kill", "node_removal", "redis_restart", "slow_reader", "queue_fill")
 FAULT_WHAT = {
@@ -77,16 +80,12 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ---- outcomes ------------------------------------------------------------------------------------------------
 @dataclass
-class Verdict:
-    outcome: str
+class Answer:
+    """How a request was answered: what the classifiers find (a :class:`Verdict`), and what its record keeps."""
+
+    outcome: str = ""
     detail: str = ""
     status: int | None = None
     code: str | None = None
@@ -95,6 +94,10 @@ class Verdict:
     tokens: int | None = None
     finish_reason: str | None = None
     retry_after: str | None = None
+
+
+@dataclass
+class Verdict(Answer):
     where: dict | None = None  # an actor entry's placement (specray.placement.where): which pids and nodes served it
 
 
@@ -269,8 +272,8 @@ class Mix:
     max_tokens: tuple = (16, 32, 48)
 
 
-@dataclass
-class RequestRecord:
+@dataclass(kw_only=True)
+class RequestRecord(Answer):
     idx: int
     kind: str  # load | burst | slow_reader | hangup
     model: str
@@ -284,15 +287,6 @@ class RequestRecord:
     t_start: float = 0.0
     t_first: float | None = None  # first content (stream) or the whole answer (plain)
     t_end: float | None = None
-    status: int | None = None
-    outcome: str = ""
-    detail: str = ""
-    code: str | None = None
-    response_id: str | None = None
-    text: str | None = None
-    tokens: int | None = None
-    finish_reason: str | None = None
-    retry_after: str | None = None
     check: str | None = None  # greedy: match | mismatch; seeded: checked later (consistent | inconsistent)
     server_state: str | None = None  # hang-up: the replica's record of the request (cancelled, completed, ...)
 
@@ -311,14 +305,8 @@ class RequestRecord:
         return out
 
     def apply(self, v: Verdict) -> None:
-        self.status, self.outcome, self.detail, self.code = v.status, v.outcome, v.detail, v.code
-        self.response_id, self.text, self.tokens, self.finish_reason, self.retry_after = (
-            v.response_id,
-            v.text,
-            v.tokens,
-            v.finish_reason,
-            v.retry_after,
-        )
+        for f in fields(Answer):
+            setattr(self, f.name, getattr(v, f.name))
 
 
 def path_of(endpoint: str) -> str:
@@ -1267,20 +1255,6 @@ def first_success(records: list[RequestRecord], t: float, models: list[str], mar
     return min(done, key=lambda r: r.t_end, default=None)
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0..100) by linear interpolation; None for no values.
-
-    >>> percentile([1.0, 2.0, 3.0, 4.0], 99)
-    3.97
-    """
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return round(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo), 6)
-
-
 def window_latency(records: list[RequestRecord], t0: float, t1: float) -> dict:
     """p50/p99 latency of the load's completed requests sent in [t0, t1), and how many were sent and failed."""
     sent = [r for r in records if r.kind == "load" and t0 <= r.t_start < t1 and r.t_end is not None]
@@ -1289,8 +1263,8 @@ def window_latency(records: list[RequestRecord], t0: float, t1: float) -> dict:
         "sent": len(sent),
         "ok": len(lat),
         "errors": sum(r.outcome == ERROR for r in sent),
-        "p50_s": percentile(lat, 50),
-        "p99_s": percentile(lat, 99),
+        "p50_s": percentile(lat, 50, digits=6),
+        "p99_s": percentile(lat, 99, digits=6),
     }
 
 
@@ -1472,8 +1446,8 @@ def analyse(soak: Soak, recovery_targets: dict | None = None, growth_from_s: flo
             "load_requests": len(load),
             "load_ok": len(oks),
             "tokens_per_s": sum(r.tokens or 0 for r in oks) / duration if duration else None,
-            "latency_p50_s": percentile([r.latency for r in oks], 50),
-            "latency_p99_s": percentile([r.latency for r in oks], 99),
+            "latency_p50_s": percentile([r.latency for r in oks], 50, digits=6),
+            "latency_p99_s": percentile([r.latency for r in oks], 99, digits=6),
             "streams_mean": sum(r.latency for r in load) / duration if duration else None,
         },
         "faults_injected": injected,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from evaluation.trees_bench import TREE_DRAFTERS, calibrate, render, run_variants, variants
 from jobs.bench import load_workload
-from jobs.common import Parser, add_config_args, config_from_args, fail, output_dir, parse_ints, run_cli
+from jobs.common import Parser, add_config_args, command, config_from_args, fail, output_dir, parse_ints
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,8 +84,7 @@ def main_with_args(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    return run_cli(build_parser(), main_with_args, argv)
+main = command(build_parser, main_with_args)
 
 
 if __name__ == "__main__":

@@ -159,3 +159,12 @@ def run_cli(parser: argparse.ArgumentParser, body, argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def command(build_parser, body):
+    """A job's ``main(argv=None)``: parse with ``build_parser()``, run ``body(args)``, errors in one line (:func:`run_cli`)."""
+
+    def main(argv=None) -> int:
+        return run_cli(build_parser(), body, argv)
+
+    return main

@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from jobs.common import Parser, fail, output_dir, parse_ints, run_cli
+from jobs.common import Parser, command, fail, output_dir, parse_ints
 from training.distill import PHASES, DistillSpec
 
 
@@ -102,8 +102,7 @@ def main_with_args(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    return run_cli(build_parser(), main_with_args, argv)
+main = command(build_parser, main_with_args)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,7 @@ import argparse
 import json
 import sys
 
-from decoding.methods import runs_on_actors
-from jobs.common import Parser, add_config_args, check_text, config_from_args, fail, input_file, run_cli
+from jobs.common import Parser, add_config_args, check_text, command, config_from_args, fail, input_file
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -49,13 +48,18 @@ def read_prompt(args) -> str:
 def main_with_args(args) -> int:
     cfg = config_from_args(args)
     prompt = read_prompt(args)
-    if runs_on_actors(cfg.method, cfg.placement):  # pearl always
-        out = _generate_on_actors(cfg.replace(placement="actors"), prompt, args)
-    else:
-        from decoding.engine import SpecDecoder  # heavy imports after the cheap checks
+    from cluster.decoders import open_decoder  # heavy imports after the cheap checks
+    from cluster.runtime import shutdown_if_started_here
+    from decoding.decoder import GenerationLost
 
-        decoder = SpecDecoder(cfg)
-        out = decoder.generate_text(prompt, chat=args.chat)
+    try:
+        with open_decoder(cfg, address=args.address) as decoder:
+            out = decoder.generate_text(prompt, chat=args.chat)
+    except GenerationLost as e:  # a model worker died or stopped answering
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        shutdown_if_started_here()
     if args.json:
         print(json.dumps(out))
     else:
@@ -69,27 +73,7 @@ def main_with_args(args) -> int:
     return 0
 
 
-def _generate_on_actors(cfg, prompt: str, args) -> dict:
-    """PEARL, or SpS split over a draft worker and a target worker placed on the Ray cluster."""
-    from actors.driver import WorkerError
-    from cluster.placement import build_actor_decoder
-    from cluster.runtime import shutdown_if_started_here
-
-    try:
-        decoder = build_actor_decoder(cfg, address=args.address)
-        try:
-            return decoder.generate_text(prompt, chat=args.chat)
-        finally:
-            decoder.close()
-    except WorkerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
-    finally:
-        shutdown_if_started_here()
-
-
-def main(argv=None) -> int:
-    return run_cli(build_parser(), main_with_args, argv)
+main = command(build_parser, main_with_args)
 
 
 if __name__ == "__main__":

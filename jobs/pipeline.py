@@ -11,11 +11,10 @@ Each step prints what it did; a failing step stops the pipeline with its exit co
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 
-from jobs.common import Parser, fail, output_dir, run_cli
+from jobs.common import Parser, command, fail, output_dir
 
 QUESTION = "Summarize in two sentences: the Moon is Earth's only natural satellite. It formed about 4.5 billion years ago."
 
@@ -41,12 +40,6 @@ def step(n: int, title: str) -> float:
 
 def done(t0: float, what: str) -> None:
     print(f"--- {what} ({time.perf_counter() - t0:.0f}s)", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main_with_args(args) -> int:
@@ -76,17 +69,14 @@ def main_with_args(args) -> int:
     t = step(4, "serve: Ray Serve with the registry's configurations")
     from ray import serve
 
-    from cluster.runtime import connect, shutdown_if_started_here
-    from serving.app import build_app
+    from cluster.runtime import connect, free_port, shutdown_if_started_here
+    from serving.app import start
     from serving.settings import ServeSettings
 
-    port = free_port()
     connect(None)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
         settings = ServeSettings(registry=args.registry, base_model=args.model, dtype=args.dtype, num_replicas=1)
-        serve.run(build_app(settings), name="specray", route_prefix="/")
-        base_url = f"http://127.0.0.1:{port}/v1"
+        base_url = start(settings, port=free_port()) + "/v1"
         done(t, f"serving at {base_url}")
 
         t = step(5, f"request: one chat completion to {entry} through the openai client")
@@ -118,8 +108,7 @@ def main_with_args(args) -> int:
         shutdown_if_started_here()
 
 
-def main(argv=None) -> int:
-    return run_cli(build_parser(), main_with_args, argv)
+main = command(build_parser, main_with_args)
 
 
 if __name__ == "__main__":

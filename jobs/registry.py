@@ -19,7 +19,7 @@ from pathlib import Path
 
 from cluster.registry import Entry, RegistryError, describe_hardware, open_registry
 from decoding.config import SpecConfig
-from jobs.common import Parser, fail, run_cli
+from jobs.common import Parser, command, fail
 
 COLUMNS = ("name", "method", "version", "speedup", "tokens/s", "created_at", "status")
 
@@ -141,8 +141,7 @@ def main_with_args(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    return run_cli(build_parser(), main_with_args, argv)
+main = command(build_parser, main_with_args)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-from jobs.common import Parser, fail, run_cli
+from jobs.common import Parser, command, fail
 
 APP_NAME = "specray"
 
@@ -292,8 +292,7 @@ def main_with_args(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    return run_cli(build_parser(), main_with_args, argv)
+main = command(build_parser, main_with_args)
 
 
 if __name__ == "__main__":

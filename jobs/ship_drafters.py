@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from jobs.common import Parser, fail, run_cli
+from jobs.common import Parser, command, fail
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,9 +78,15 @@ def main_with_args(args) -> int:
             progress=not args.no_progress,
         )
         results[name]["shipped"] = str(publish(work, shipped / name))
-        histories[name] = read_history(work)
-    learning_curves(histories, Path(args.docs) / "learning_curves.png")
-    (Path(args.docs) / "training.json").write_text(json.dumps(results, indent=1, sort_keys=True))
+    # the record and the curves cover every shipped drafter trained so far, not only this run's (runs of a few
+    # drafters each, e.g. in parallel, add up)
+    record = Path(args.docs) / "training.json"
+    Path(args.docs).mkdir(parents=True, exist_ok=True)
+    merged = {**_read_json(record), **results}
+    record.write_text(json.dumps(merged, indent=1, sort_keys=True))
+    for name in merged:
+        histories[name] = read_history(specray_home() / "ship" / args.model / name)
+    learning_curves({n: h for n, h in histories.items() if h}, Path(args.docs) / "learning_curves.png")
     if args.json:
         print(json.dumps(results))
         return 0
@@ -90,8 +96,14 @@ def main_with_args(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    return run_cli(build_parser(), main_with_args, argv)
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+main = command(build_parser, main_with_args)
 
 
 if __name__ == "__main__":

@@ -211,10 +211,8 @@ def head_pinned(settings_cls):
 
 def deploy(registry_url: str, model: str, threads: int, max_queued: int, preload: list[str]) -> str:
     """The Serve app on the connected cluster (proxy on the head only); returns its base URL."""
-    from ray import serve
-
-    from evaluation.soak import free_port
-    from serving.app import build_app
+    from cluster.runtime import free_port
+    from serving.app import start
     from serving.settings import ServeSettings
 
     settings = head_pinned(ServeSettings)(
@@ -230,10 +228,7 @@ def deploy(registry_url: str, model: str, threads: int, max_queued: int, preload
         drain_timeout_s=2,
         preload=preload,
     )
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-    serve.run(build_app(settings), name=APP, route_prefix="/")
-    return f"http://127.0.0.1:{port}"
+    return start(settings, port=free_port(), name=APP, proxy_location="HeadOnly")
 
 
 def warm_up(url: str, models: list[str], prompt: str, timeout_s: float = 300.0) -> None:
@@ -290,7 +285,11 @@ def results_block(summary: dict, command: str) -> str:
     return report_markdown(summary, plot_name=None) + f"\n\nRegenerate with:\n\n```\n{command}\n```"
 
 
-def main_with_args(args, argv: list[str]) -> int:
+def prepare(args):
+    """Everything checked and computed before the cluster starts: the plan, the outputs, the prompts and their float32
+    greedy answers alone (the reference of every greedy request), the entries."""
+    from types import SimpleNamespace
+
     plan = _plan(args)
     max_tokens = parse_ints(args.max_tokens, "--max-tokens", 1)
     out = output_dir(args.out, "--out")
@@ -302,20 +301,17 @@ def main_with_args(args, argv: list[str]) -> int:
             check_block(Path(args.readme), "soak-results")
         except (OSError, ValueError) as e:
             fail(f"--readme: {e}")
-    from decoding.config import ConfigError, SpecConfig
-    from decoding.engine import SpecDecoder
-    from evaluation import soak as S
-
-    t_start = time.monotonic()
-
     if shutil.which("redis-server") is None:
         fail("redis-server is not installed (apt-get install -y redis-server): the soak's registry runs on it")
+    from decoding.config import ConfigError, SpecConfig
+    from decoding.engine import SpecDecoder
+
+    t_start = time.monotonic()
     try:
         dec = SpecDecoder(SpecConfig(model=args.model, dtype="float32", threads=args.threads))
     except ConfigError as e:
         fail(str(e))
-    need = max(max(max_tokens), plan.slow_max_tokens)
-    prompts = pick_prompts(dec, args.pool, args.max_prompt_tokens, need)
+    prompts = pick_prompts(dec, args.pool, args.max_prompt_tokens, max(max(max_tokens), plan.slow_max_tokens))
     print(
         f"soak: {len(prompts)} prompts; computing their float32 greedy answers alone (the reference of every greedy request)",
         file=sys.stderr,
@@ -323,81 +319,85 @@ def main_with_args(args, argv: list[str]) -> int:
     refs = References(dec, prompts, max(max_tokens), plan.slow_max_tokens)
     plan.slow_prompt_idx = refs.long_prompt
     print(f"soak: references ready after {time.monotonic() - t_start:.0f}s", file=sys.stderr)
-    depth = len(dec.loaded.model.model.layers)
-    configs = entries(args.model, depth)
+    configs = entries(args.model, len(dec.loaded.model.model.layers))
+    return SimpleNamespace(plan=plan, max_tokens=max_tokens, out=out, docs=docs, prompts=prompts, refs=refs, configs=configs)
+
+
+def run_soak(args, prep):
+    """The soak on its own cluster and redis: deploy, warm up, load with faults; both are stopped however it ends."""
+    from cluster.registry import Entry, open_registry
     from cluster.runtime import PATIENT_SERVE
+    from evaluation import soak as S
 
     for key, value in PATIENT_SERVE.items():  # a busy machine starts Serve's proxy slowly (read by the cluster's processes)
         os.environ.setdefault(key, value)
-
-    redis = S.RedisServer()
-    cluster = S.SoakCluster()
+    redis, cluster = S.RedisServer(), S.SoakCluster()
     try:
         redis.start()
-        from cluster.registry import Entry, open_registry
-
         with open_registry(redis.url) as reg:
-            for name, cfg in configs.items():
+            for name, cfg in prep.configs.items():
                 reg.put(Entry(name, cfg, metrics={"speedup": 1.0}, source={"tool": "specray soak"}))
         t0 = time.monotonic()
         cluster.start()
         print(f"soak: cluster of {1 + cluster.worker_nodes} nodes up in {time.monotonic() - t0:.0f}s; deploying the app", file=sys.stderr)
         engine = [args.model, "soak/ngram", "soak/suffix"]
         url = deploy(redis.url, args.model, args.threads, args.max_queued_requests, ["soak/ngram", "soak/suffix"])
-        warm_up(url, engine + ["soak/pearl"], prompts[0])
+        warm_up(url, engine + ["soak/pearl"], prep.prompts[0])
         print(
-            f"soak: serving at {url} after {time.monotonic() - t0:.0f}s; load for {plan.duration_s:.0f}s, {len(plan.schedule)} fault(s)",
+            f"soak: serving at {url} after {time.monotonic() - t0:.0f}s; load for {prep.plan.duration_s:.0f}s, "
+            f"{len(prep.plan.schedule)} fault(s)",
             file=sys.stderr,
         )
         mix = S.Mix(
             models={args.model: 0.3, "soak/ngram": 0.3, "soak/suffix": 0.25, "soak/pearl": 0.15},
             placed=("soak/pearl",),
-            max_tokens=tuple(max_tokens),
+            max_tokens=tuple(prep.max_tokens),
         )
-        soak = S.Soak(
-            url,
-            plan,
-            mix,
-            prompts,
-            cluster,
-            redis,
-            engine=engine,
-            placed=["soak/pearl"],
-            expected=refs,
-            publish=publisher(redis.url, configs["soak/ngram"].to_dict()),
-            workdir=out / "publish",
-        )
-        soak.run()
-    except RuntimeError as e:  # the cluster, redis or the app did not come up
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 1
+        publish = publisher(redis.url, prep.configs["soak/ngram"].to_dict())
+        kw = {"engine": engine, "placed": ["soak/pearl"], "expected": prep.refs, "publish": publish, "workdir": prep.out / "publish"}
+        return S.Soak(url, prep.plan, mix, prep.prompts, cluster, redis, **kw).run()
     finally:  # the whole test cluster goes (Serve's actors with it), then redis
         t_down = time.monotonic()
         cluster.shutdown()
         redis.close()
         print(f"soak: cluster and redis stopped in {time.monotonic() - t_down:.0f}s", file=sys.stderr)
+
+
+def report(args, argv: list[str], soak, prep) -> int:
+    """The analysis, its files, the docs copy and the README block; exit 0 when nothing was lost and the service drained."""
+    from evaluation import soak as S
+    from evaluation.report import replace_block
+
     summary = S.analyse(soak, growth_from_s=args.growth_from_s)
     summary["run"]["model"] = args.model
     summary["run"]["command"] = "specray soak " + " ".join(argv)
-    paths = S.write_outputs(soak, summary, out)
-    ch = summary["checks"]
-    code = 0 if ch["violations"] == 0 and ch["drained"] else 1
+    paths = S.write_outputs(soak, summary, prep.out)
     print(S.report_markdown(summary, plot_name=None))
     print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
-    if docs is not None:
-        docs.mkdir(parents=True, exist_ok=True)
+    if prep.docs is not None:
+        prep.docs.mkdir(parents=True, exist_ok=True)
         for key in ("report", "plot", "summary", "requests", "processes", "faults"):
-            shutil.copy(paths[key], docs / paths[key].name)
+            shutil.copy(paths[key], prep.docs / paths[key].name)
     if args.readme:
-        from evaluation.report import replace_block
-
         body = results_block(summary, summary["run"]["command"])
-        if docs is not None:
-            body += f"\n\n![latency, RSS and fds over the soak]({os.path.relpath(docs / 'soak.png', Path(args.readme).resolve().parent)})"
+        if prep.docs is not None:
+            plot = os.path.relpath(prep.docs / "soak.png", Path(args.readme).resolve().parent)
+            body += f"\n\n![latency, RSS and fds over the soak]({plot})"
         replace_block(Path(args.readme), "soak-results", body)
     if args.json:
         print(json.dumps(summary, default=str))
-    return code
+    checks = summary["checks"]
+    return 0 if checks["violations"] == 0 and checks["drained"] else 1
+
+
+def main_with_args(args, argv: list[str]) -> int:
+    prep = prepare(args)
+    try:
+        soak = run_soak(args, prep)
+    except RuntimeError as e:  # the cluster, redis or the app did not come up
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 1
+    return report(args, argv, soak, prep)
 
 
 def main(argv=None) -> int:

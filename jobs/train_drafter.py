@@ -27,7 +27,7 @@ from pathlib import Path
 
 from decoding.config import DEVICE_RE
 from evaluation.workloads import DEFAULT_PROMPTS, WorkloadError, load_prompts, select
-from jobs.common import Parser, fail, output_dir, path_name, run_cli
+from jobs.common import Parser, command, fail, output_dir, path_name
 
 RECIPE_NAMES = ("kangaroo", "medusa", "hydra", "feature", "distill", "eagle")
 LOSS_NAMES = ("kl", "tvdpp", "ce")
@@ -262,8 +262,7 @@ def train_from_data(args, knobs: dict) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    return run_cli(build_parser(), main_with_args, argv)
+main = command(build_parser, main_with_args)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ Connects to ``--address``/``RAY_ADDRESS`` when given, else starts a local Ray.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ from pathlib import Path
 from decoding.config import SpecConfig
 from decoding.paths import specray_home
 from evaluation.workloads import DEFAULT_PROMPTS, WorkloadError, load_prompts, select, split_held_out
-from jobs.common import Parser, add_config_args, config_from_args, fail, output_dir, path_name, run_cli
+from jobs.common import Parser, add_config_args, command, config_from_args, fail, output_dir, path_name
 
 DEFAULT_METHODS = "ngram,early-exit,sps"
 
@@ -177,87 +176,53 @@ def load_workload(settings) -> list:
         fail(str(e))
 
 
-def model_depth(base: SpecConfig) -> int:
-    """Decoder layers of the target (the bound of the layer knobs); loads the model in this process (cached)."""
-    from decoding.model.adapter import ModelAdapter
-    from decoding.model.models import load_model
+def settings_for(args):
+    """The settings of a new search, or the saved ones of the experiment ``--resume`` names."""
+    from tuning.search import TuneSettings, can_restore
 
-    return len(ModelAdapter(load_model(base.model, base.dtype).model).layers)
+    if not args.resume:
+        return settings_from_args(args)
+    exp = Path(args.resume).resolve()
+    if not can_restore(exp):
+        fail(f"--resume: {exp} is not a specray tune experiment that can be restored (no {exp}/specray_tune.json or Tune state)")
+    settings = TuneSettings.load(exp)
+    settings.storage, settings.name = str(exp.parent), exp.name  # the directory may have moved
+    return settings
 
 
-def build_space(settings, depth: int):
-    from tuning.space import SearchSpace
+def check_publish_name(name: str | None) -> None:
+    if name:
+        from cluster.registry import InvalidName, validate_name
 
-    base = settings.base_config
-    ranges = {k: {kk: tuple(vv) if isinstance(vv, list) else vv for kk, vv in v.items()} for k, v in settings.ranges.items()}
-    space = SearchSpace.build(settings.methods, depth, fixed=settings.fixed, ranges=ranges, draft_model=base.draft_model)
-    space.check_base(base)
-    return space
+        try:
+            validate_name(name)
+        except InvalidName as e:
+            fail(f"--publish: {e}")
 
 
 # ---- the run -------------------------------------------------------------------------------------
-def trial_statuses(grid) -> list[str]:
-    analysis = getattr(grid, "_experiment_analysis", None)
-    trials = getattr(analysis, "trials", None) or []
-    return [str(t.status) for t in trials]
-
-
-def was_interrupted(statuses: list[str], settings, wall_s: float) -> bool:
-    """A trial left unfinished, or fewer trials than asked with time budget left: Tune stopped on Ctrl-C (or SIGUSR1).
-
-    >>> from types import SimpleNamespace as S
-    >>> was_interrupted(["TERMINATED"] * 3, S(num_samples=3, time_budget_s=None), 10.0)
-    False
-    >>> was_interrupted(["TERMINATED"], S(num_samples=3, time_budget_s=None), 10.0)
-    True
-    >>> was_interrupted(["TERMINATED"], S(num_samples=3, time_budget_s=5.0), 10.0)  # the budget ended it
-    False
-    """
-    if any(s not in ("TERMINATED", "ERROR") for s in statuses):
-        return True
-    budget_spent = settings.time_budget_s is not None and wall_s >= settings.time_budget_s
-    return len(statuses) < settings.num_samples and not budget_spent
-
-
 def run(args, callbacks=None) -> tuple[int, dict]:
     """Search (or resume), write results, verify and publish as asked; returns (exit code, summary)."""
     try:
-        import ray  # noqa: F401
         from ray import tune  # noqa: F401
     except ImportError:
         fail("specray tune needs Ray Tune: pip install 'specray[cluster]'")
+    from cluster.runtime import connect, shutdown_if_started_here
     from tuning import results as res
-    from tuning.search import TuneSettings, can_restore, new_tuner, restore_tuner
+    from tuning.report import render
+    from tuning.search import build_space, model_depth, new_tuner, restore_tuner, trial_statuses, was_interrupted
     from tuning.trainable import TrialSetup
 
-    if args.resume:
-        exp = Path(args.resume).resolve()
-        if not can_restore(exp):
-            fail(f"--resume: {exp} is not a specray tune experiment that can be restored (no {exp}/specray_tune.json or Tune state)")
-        settings = TuneSettings.load(exp)
-        settings.storage, settings.name = str(exp.parent), exp.name  # the directory may have moved
-    else:
-        settings = settings_from_args(args)
+    settings = settings_for(args)
     base = settings.base_config
     prompts, held_out = split_held_out(load_workload(settings), settings.holdout)
     if not prompts:
         fail("no prompts selected")
-    if not args.resume and settings.experiment_path.exists() and any(settings.experiment_path.iterdir()):
-        fail(f"{settings.experiment_path} already exists: choose another --name, or --resume it")
-    publish_name = args.publish
-    if publish_name:
-        from cluster.registry import InvalidName, validate_name
-
-        try:
-            validate_name(publish_name)
-        except InvalidName as e:
-            fail(f"--publish: {e}")
-
-    depth = model_depth(base)  # fails early (one line) on a bad model
-    space = build_space(settings, depth)
-
-    from cluster.runtime import connect, shutdown_if_started_here
-
+    exp = settings.experiment_path
+    if not args.resume and exp.exists() and any(exp.iterdir()):
+        fail(f"{exp} already exists: choose another --name, or --resume it")
+    check_publish_name(args.publish)
+    space = build_space(settings, model_depth(base))  # fails early (one line) on a bad model
     ray_info = connect(args.address)
     print(
         f"specray tune {settings.name}: {len(prompts)} prompts to tune on, {len(held_out)} held out, {settings.num_samples} trials, "
@@ -268,242 +233,48 @@ def run(args, callbacks=None) -> tuple[int, dict]:
         print(line, file=sys.stderr)
     setup = TrialSetup(space, base, prompts, warmup=settings.warmup, cpus_per_trial=settings.cpus_per_trial)
     t0 = time.time()
-    tuner = restore_tuner(settings.experiment_path, setup, settings) if args.resume else new_tuner(settings, setup, callbacks, args.verbose)
+    tuner = restore_tuner(exp, setup, settings) if args.resume else new_tuner(settings, setup, callbacks, args.verbose)
     grid = tuner.fit()
     wall = time.time() - t0
     interrupted = was_interrupted(trial_statuses(grid), settings, wall)
     rows = res.rows_from_grid(grid, space, base)
-    exp = settings.experiment_path
-    meta = {
-        "experiment": str(exp),
-        "model": base.model,
-        "dtype": base.dtype,
-        "max_new_tokens": base.max_new_tokens,
-        "workload": settings.workload,
-        "prompts_file": settings.prompts_file,
-        "categories": sorted({p.category for p in prompts}, key=[p.category for p in prompts].index),
-        "prompts": len(prompts),
-        "held_out_prompts": len(held_out),
-        "space": space.to_dict(),
-        "searcher": settings.searcher,
-        "trials": len(rows),
-        "num_samples": settings.num_samples,
-        "wall_s": wall,
-        "trials_per_hour": 3600.0 * len(rows) / wall if wall > 0 else None,
-        "resumed": bool(args.resume),
-        "interrupted": interrupted,
-        "finished": res.now(),
-        "title": f"{settings.name}: {base.model} on {settings.workload}",
-    }
-    written = res.write_outputs(rows, exp, meta)  # on disk before anything is published
-    best = written["best"]
-    summary = {**meta, "files": {k: str(v) for k, v in written["paths"].items()}, "best": None, "verify": None, "published": None}
-    winner = None
-    if best is not None:
-        # the config as the trial ran it (threads = the trial's CPUs); published with the user's threads setting
-        winner = SpecConfig.from_json(best["config_json"])
-        summary["best"] = {"trial_id": best["trial_id"], "config": winner.to_dict(), **{k: best.get(k) for k in res.WINNER_METRICS}}
-
-    code = 0
+    summary, best, winner = res.write_run(rows, settings, space, prompts, held_out, wall, bool(args.resume), interrupted)
     if interrupted:
         summary["resume"] = f"specray tune --resume {exp}"
-    elif best is not None and (args.verify_best if args.verify_best is not None else publish_name is not None):
-        summary["verify"] = verify(winner, space, base, held_out or prompts, settings.warmup, settings.verify_repeats, bool(held_out))
-        doc = res.best_document(best, meta)
-        doc["verify"] = summary["verify"]
-        res.write_json(doc, written["paths"]["best_json"])
+    elif best is not None and (args.verify_best if args.verify_best is not None else args.publish is not None):
+        from tuning.verify import verify
 
+        summary["verify"] = verify(winner, space, base, held_out or prompts, settings.warmup, settings.verify_repeats, bool(held_out))
+        res.write_verify(best, summary)
     render(summary, rows, file=sys.stdout, as_json=args.json)
+    code = 0
     if interrupted:
         print(f"interrupted: {len(rows)} trial(s) kept in {exp}; continue with: specray tune --resume {exp}", file=sys.stderr)
         code = 130
-    elif publish_name is not None:
-        code = do_publish(publish_name, winner, best, summary, settings, base, args.registry)
+    elif args.publish is not None:
+        code = publish(args.publish, winner, best, summary, settings, args.registry)
     shutdown_if_started_here()
     return code, summary
 
 
-def verify(winner: SpecConfig, space, base: SpecConfig, prompts, warmup: int, repeats: int = 1, held_out: bool = False) -> dict:
-    """The winner vs AR, and the untuned defaults of its method vs AR, measured again here (interleaved per prompt),
-    on the held-out prompts when there are any, ``repeats`` passes: each figure comes with its noise band (the
-    slowest and fastest pass), and the winner ``beats_defaults`` only when its band lies above the defaults'."""
-    from tuning.resources import hosts_actors
-    from tuning.trainable import decoder_for, measure
-
-    default = next(p for p in space.default_points(base) if p["method"] == winner.method)
-    default_cfg = space.to_config(default, base).replace(threads=winner.threads, device=winner.device)  # same host, same device
-    extra = {"defaults": default_cfg} if default_cfg != winner else {}
-    if extra and hosts_actors(winner.to_dict()) and not _room_for_two_pairs(winner):
-        print("the cluster holds one draft/target worker pair at a time: the defaults are not re-measured", file=sys.stderr)
-        extra = {}
-    split = "held-out" if held_out else "tuning"
-    if not held_out:
-        print("no held-out prompts (--holdout 0, or no category has 2 prompts): re-measuring on the tuning prompts", file=sys.stderr)
-    print(f"verifying the winner outside Tune on {len(prompts)} {split} prompts, {repeats} pass(es)...", file=sys.stderr)
-    m = measure(winner, prompts, warmup=warmup, extra=extra, build=decoder_for, repeats=repeats)
-    d = m.get("extra", {}).get("defaults", m)
-    keys = (
-        "speedup",
-        "speedup_band_low",
-        "speedup_band_high",
-        "tokens_per_s",
-        "ar_tokens_per_s",
-        "mean_accepted_tokens",
-        "identical_fraction",
-        "suspicious",
-        "fidelity_ok",
-    )
-    beats = None
-    if extra and m.get("speedup_band_low") is not None and d.get("speedup_band_high") is not None:
-        beats = m["speedup_band_low"] > d["speedup_band_high"]
-    return {
-        "prompts": split,
-        "prompt_count": len(prompts),
-        "repeats": repeats,
-        "winner": {k: m.get(k) for k in keys},
-        "defaults": {"config": default_cfg.to_dict(), **{k: d.get(k) for k in keys}},
-        "winner_is_defaults": not extra,
-        "winner_over_defaults": (m["speedup"] / d["speedup"]) if m.get("speedup") and d.get("speedup") else None,
-        "beats_defaults": beats,
-    }
-
-
-def _room_for_two_pairs(cfg: SpecConfig) -> bool:
-    import ray
-
-    from cluster.placement import PlacementError, plan_placement
-
-    try:
-        plan = plan_placement(cfg, ray.nodes())
-    except PlacementError:
-        return False
-    need = sum(b.get("CPU", 0.0) for b in plan.bundles)
-    return ray.available_resources().get("CPU", 0.0) >= 2 * need
-
-
-def do_publish(
-    name: str, winner: SpecConfig | None, best: dict | None, summary: dict, settings, base: SpecConfig, registry: str | None
-) -> int:
+def publish(name: str, winner: SpecConfig | None, best: dict | None, summary: dict, settings, registry: str | None) -> int:
+    """The winner into the registry; exit code 1 without a winner, 2 when the registry fails (the results stay on disk)."""
     from cluster.registry import RegistryError, default_name
-    from tuning import results as res
+    from tuning.results import publish_winner
 
     files = summary["files"]
     kept = f"results kept in {files['parquet']}, best config in {files['best_json']}"
     if winner is None:
         print(f"error: nothing to publish: no trial passed the fidelity check; {kept}", file=sys.stderr)
         return 1
-    name = name or default_name(base.model, settings.workload, winner.method)
-    published = winner.replace(threads=base.threads)
-    metrics = {k: best.get(k) for k in res.WINNER_METRICS}
-    metrics["tuning"] = {
-        "experiment": summary["experiment"],
-        "trial_id": best["trial_id"],
-        "trials": summary["trials"],
-        "workload": settings.workload,
-        "prompts": summary["prompts"],
-        "categories": summary["categories"],
-    }
-    if summary.get("verify"):
-        metrics["verify"] = summary["verify"]
-        metrics["speedup_verified"] = summary["verify"]["winner"]["speedup"]
-    source = {"tool": "specray tune", "experiment": summary["experiment"], "trials_parquet": files["parquet"]}
+    name = name or default_name(settings.base_config.model, settings.workload, winner.method)
     try:
-        location, version = res.publish(name, published, metrics, registry, source)
+        summary["published"] = publish_winner(name, winner, best, summary, settings.base_config, registry)
     except RegistryError as e:
         print(f"error: publishing {name!r} failed: {e}; nothing lost: {kept}", file=sys.stderr)
         return 2
-    summary["published"] = {"name": name, "version": version, "registry": location}
-    print(f"published {name} v{version} to {location}")
+    print(f"published {name} v{summary['published']['version']} to {summary['published']['registry']}")
     return 0
-
-
-# ---- the report -----------------------------------------------------------------------------------
-def _f(x, fmt="{:.2f}"):
-    return "-" if x is None else fmt.format(x)
-
-
-def render(summary: dict, rows: list[dict], file=None, as_json: bool = False, top: int = 10) -> None:
-    file = file or sys.stdout
-    if as_json:
-        print(json.dumps(summary, indent=2, default=str), file=file)
-        return
-    from tuning.space import METHOD_KNOBS
-
-    print("", file=file)
-    print(
-        f"specray tune {Path(summary['experiment']).name}: {summary['trials']} trials in {summary['wall_s']:.0f}s "
-        f"({_f(summary['trials_per_hour'], '{:.0f}')} trials/hour), {summary['prompts']} prompts, {summary['model']} {summary['dtype']}"
-        + (" (INTERRUPTED)" if summary["interrupted"] else ""),
-        file=file,
-    )
-    head = ["trial", "method", "knobs", "prompts", "speedup", "tau", "identical", "suspicious", "note"]
-    ranked = sorted(rows, key=lambda r: (bool(r["best"]), r.get("score") or 0.0), reverse=True)
-    table = []
-    for r in ranked[:top]:
-        knobs = " ".join(f"{k.field}={r[k.field]}" for k in METHOD_KNOBS.get(r["method"], ()) if r.get(k.field) is not None)
-        note = "BEST" if r["best"] else ""
-        if r.get("error"):
-            note = "error"
-        elif not r.get("valid"):
-            note = "invalid: " + str(r.get("invalid_reason"))[:40]
-        elif not r.get("fidelity_ok"):
-            note = "FAILED FIDELITY"
-        elif not r.get("complete"):
-            note = (note + " stopped early").strip()
-        if r.get("pareto"):
-            note = (note + " pareto").strip()
-        ident = f"{r['identical']}/{r['compared']}" if r.get("compared") else "-"
-        table.append(
-            [
-                str(r["trial_id"]),
-                str(r["method"]),
-                knobs,
-                f"{r.get('prompts') or 0}/{r.get('prompts_total') or summary['prompts']}",
-                _f(r.get("speedup")),
-                _f(r.get("mean_accepted_tokens")),
-                ident,
-                _f(r.get("suspicious"), "{}"),
-                note,
-            ]
-        )
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *table, strict=False)]
-    for line in [head] + table:
-        print("  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=False)).rstrip(), file=file)
-    if len(rows) > top:
-        print(f"... {len(rows) - top} more in {summary['files']['parquet']}", file=file)
-    best = summary["best"]
-    print("", file=file)
-    if best is None:
-        print("no winner: no trial ran to a speedup with its greedy output faithful to AR", file=file)
-    else:
-        print(
-            f"best: trial {best['trial_id']} {best['config']['method']}: speedup {_f(best['speedup'])}x over AR, "
-            f"tau {_f(best['mean_accepted_tokens'])}, identical {_f(best['identical_fraction'])}, suspicious {best['suspicious']}",
-            file=file,
-        )
-        v = summary.get("verify")
-        if v:
-            where = f"on {v.get('prompt_count', '?')} {v.get('prompts', 'tuning')} prompts x {v.get('repeats', 1)} pass(es)"
-
-            def band(fig: dict) -> str:
-                lo, hi = fig.get("speedup_band_low"), fig.get("speedup_band_high")
-                return f" [{_f(lo)}, {_f(hi)}]" if lo is not None and hi is not None else ""
-
-            if v["winner_is_defaults"]:
-                print(f"verified outside Tune {where}: winner {_f(v['winner']['speedup'])}x{band(v['winner'])} over AR "
-                      "(the winner is the untuned defaults)", file=file)  # fmt: skip
-            else:
-                verdict = {True: "beyond the noise band", False: "within the noise band", None: "no band (1 pass)"}[v.get("beats_defaults")]
-                print(
-                    f"verified outside Tune {where}: winner {_f(v['winner']['speedup'])}x{band(v['winner'])} over AR; untuned "
-                    f"defaults {_f(v['defaults']['speedup'])}x{band(v['defaults'])}; winner / defaults "
-                    f"{_f(v['winner_over_defaults'])} ({verdict})",
-                    file=file,
-                )
-        print("best config (JSON):", file=file)
-        print(json.dumps(best["config"], sort_keys=True), file=file)
-    for k, p in summary["files"].items():
-        print(f"{k}: {p}", file=file)
 
 
 def main_with_args(args) -> int:
@@ -511,8 +282,7 @@ def main_with_args(args) -> int:
     return code
 
 
-def main(argv=None) -> int:
-    return run_cli(build_parser(), main_with_args, argv)
+main = command(build_parser, main_with_args)
 
 
 if __name__ == "__main__":

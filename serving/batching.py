@@ -20,6 +20,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from decoding.decoder import GenerationLost
 from decoding.loop.loop import Batch, Sequence
 
 log = logging.getLogger("ray.serve")
@@ -27,7 +28,7 @@ log = logging.getLogger("ray.serve")
 DoneCallback = Callable[[Sequence, Exception | None], None]
 
 
-class EngineFailed(RuntimeError):
+class EngineFailed(GenerationLost):
     """The batch a sequence was in failed; the sequence was ended (the request may be retried)."""
 
 
@@ -136,11 +137,3 @@ class EngineLoop:
         done = self._done.pop(id(seq), None)
         if done is not None:
             done(seq, error)
-
-
-def run_alone(target, seq: Sequence) -> Sequence:
-    """Decode one sequence in a batch of its own (drafters that keep the target cache to themselves)."""
-    batch = Batch(target, max_rows=1)
-    batch.add(seq)
-    batch.run()
-    return seq

@@ -1,6 +1,15 @@
-"""The OpenAI wire format: request validation, error bodies, response and chunk shapes.
+"""The OpenAI wire format as pydantic models: the one validator of a request body, and every answer's shape.
 
-Pure functions on dicts (no Ray, no HTTP server), so every rule is unit-testable.
+- :func:`parse_body`: a body's JSON decoded strictly (depth, huge integers, NaN, lone surrogates: a 400 naming the
+  place), which is all that is checked before the models;
+- :class:`CompletionRequest`, :class:`ChatCompletionRequest`: the field rules and specray's refusals (validators
+  whose error type is the OpenAI code); FastAPI validates each body with them and hands the handler the model, whose
+  ``to_request()`` is what specray acts on (:class:`GenerationRequest`); :func:`validation_error` turns pydantic's
+  errors into OpenAI's 400;
+- responses, chunks and errors are built as :class:`CompletionResponse`, :class:`ChatCompletionChunk`,
+  :class:`ErrorResponse`, ... (also what ``/openapi.json`` describes).
+
+No Ray, no HTTP server, so every rule is unit-testable.
 
 >>> p = parse_completion({"model": "m", "prompt": "Hi", "max_tokens": 8})
 >>> (p.model, p.prompt, p.max_tokens, p.stream, p.stop)
@@ -18,7 +27,8 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
+from pydantic_core import PydanticCustomError
 
 from decoding import limits as L
 from decoding.errors import ConfigError
@@ -48,7 +58,7 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return ErrorResponse(error=ErrorBody(message=self.message, type=self.type, param=self.param, code=self.code)).model_dump()
 
 
 def _default_type(status: int) -> str:
@@ -67,12 +77,12 @@ def invalid(param: str | None, message: str, code: str | None = None) -> ApiErro
 
 @dataclass
 class GenerationRequest:
-    """A validated completions or chat request (the fields specray acts on)."""
+    """What specray acts on, from a validated request model (:meth:`CompletionRequest.to_request`): no checks left."""
 
     endpoint: str  # "completions" | "chat"
     model: str
     prompt: str | None = None  # completions
-    messages: list | None = None  # chat
+    messages: list | None = None  # chat: [{"role", "content"}] with the text parts joined
     max_tokens: int | None = None  # None: the configuration's max_new_tokens, capped by the context
     temperature: float | None = None  # None: the configuration's
     top_p: float | None = None
@@ -118,7 +128,7 @@ def _path(parts: list) -> str:
     return out or "the body"
 
 
-def check_json_value(body) -> None:
+def _check_json_value(body) -> None:
     """Refuse nesting deeper than :data:`MAX_JSON_DEPTH` and strings that are not valid Unicode (lone surrogates
     from ``\\ud800`` escapes): both would only fail later, deep inside the server. Iterative, so depth costs no stack."""
     todo = [(body, [], 1)]
@@ -150,7 +160,11 @@ def _check_text(s: str, where: list) -> None:
 
 
 def parse_body(raw: bytes) -> dict:
-    """The JSON object of a request body, or a 400 naming what is wrong with it (never a 500)."""
+    """The JSON of a request body, decoded strictly, or a 400 naming what is wrong with it (never a 500): JSON nested
+    deeper than :data:`MAX_JSON_DEPTH`, integer literals over :data:`MAX_INT_DIGITS` digits, NaN/Infinity and lone
+    UTF-16 surrogates are refused (JSON text that Python's own decoder would pass on to fail later), and so is a body
+    that is not an object. What its fields must be is the request models' business (``serving.ingress`` reads every
+    body with this, then FastAPI validates it with them)."""
     try:
         body = json.loads(raw or b"", parse_int=_int_literal, parse_constant=_reject_constant)
     except RecursionError:
@@ -161,12 +175,27 @@ def parse_body(raw: bytes) -> dict:
         raise invalid(None, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise invalid(None, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
-    check_json_value(body)
+    _check_json_value(body)
     return body
 
 
-# ---- request models (FastAPI validates bodies with them; /openapi.json describes them) ----------------
+# ---- request models: the one validator of a request body -------------------------------------------------------
+# FastAPI validates every body with them and hands the handler the model; /openapi.json describes them. The field
+# rules are declared on the fields; specray's refusals (parameters it does not implement, prompts it cannot run) are
+# the models' validators, raising errors whose type is the OpenAI error code (see validation_error).
 _STRICT = ConfigDict(strict=True, extra="allow")
+UNSUPPORTED_PARAMETER, UNSUPPORTED_VALUE, INVALID_VALUE = "unsupported_parameter", "unsupported_value", "invalid_value"
+_CODES = (UNSUPPORTED_PARAMETER, UNSUPPORTED_VALUE, INVALID_VALUE)
+
+
+def _refuse(code: str, message: str):
+    """A refusal inside a model validator: the error type is the OpenAI ``code``, the message is said as it is."""
+    raise PydanticCustomError(code, message)
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
 
 
 class _Sampling(BaseModel):
@@ -186,17 +215,100 @@ class _Sampling(BaseModel):
     presence_penalty: float | None = Field(None, description="only 0")
     frequency_penalty: float | None = Field(None, description="only 0")
     response_format: dict | None = Field(None, description='only {"type": "text"}')
+    logit_bias: dict | None = Field(None, description="not supported")
+    logprobs: bool | int | None = Field(None, description="not supported")
+    top_logprobs: int | None = Field(None, description="not supported")
 
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n):
+        if n is not None and n != 1:
+            _refuse(UNSUPPORTED_VALUE, f"only n=1 is supported, got {n}")
+        return n
 
-class StreamOptions(BaseModel):
-    model_config = _STRICT
-    include_usage: bool = False
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop):
+        try:
+            L.check_sampling(stop=stop)
+        except ConfigError as e:
+            _refuse(INVALID_VALUE, f"'stop' {str(e).partition(': ')[2]}")
+        return stop
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v, info):
+        if v:  # would change the output and is not implemented: refused rather than ignored
+            _refuse(UNSUPPORTED_PARAMETER, f"'{info.field_name}' is not supported (only 0)")
+        return v
+
+    @field_validator("logit_bias", "logprobs", "top_logprobs")
+    @classmethod
+    def _not_supported(cls, v, info):
+        if v:
+            _refuse(UNSUPPORTED_PARAMETER, f"'{info.field_name}' is not supported")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v):
+        if v is not None and v != {"type": "text"}:
+            _refuse(UNSUPPORTED_PARAMETER, 'only response_format {"type": "text"} is supported')
+        return v
+
+    def _request(self, endpoint: str, **fields) -> GenerationRequest:
+        stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return GenerationRequest(
+            endpoint=endpoint,
+            model=self.model,
+            max_tokens=self.max_tokens,
+            temperature=None if self.temperature is None else float(self.temperature),
+            top_p=None if self.top_p is None else float(self.top_p),
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=stop,
+            stream=bool(self.stream),
+            include_usage=bool(self.stream_options and self.stream_options.include_usage),
+            user=self.user,
+            **fields,
+        )
 
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``."""
 
     prompt: str | list[str] = Field(description="one prompt (a list of one string is accepted)")
+    echo: bool | None = Field(None, description="not supported")
+    suffix: str | None = Field(None, description="not supported")
+    best_of: int | None = Field(None, description="only 1")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                _refuse(UNSUPPORTED_VALUE, "only a single string prompt is supported (no batches or token lists)")
+            prompt = prompt[0]
+        if not prompt.strip():
+            _refuse(INVALID_VALUE, "'prompt' is empty")
+        return prompt
+
+    @field_validator("echo", "suffix")
+    @classmethod
+    def _not_supported_here(cls, v, info):
+        if v:
+            _refuse(UNSUPPORTED_PARAMETER, f"'{info.field_name}' is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_one(cls, v):
+        if v is not None and v != 1:
+            _refuse(UNSUPPORTED_VALUE, "only best_of=1 is supported")
+        return v
+
+    def to_request(self) -> GenerationRequest:
+        return self._request("completions", prompt=self.prompt)
 
 
 class TextPart(BaseModel):
@@ -204,11 +316,30 @@ class TextPart(BaseModel):
     type: str
     text: str | None = None
 
+    @model_validator(mode="after")
+    def _text(self):
+        if self.type != "text" or not isinstance(self.text, str):
+            _refuse(UNSUPPORTED_VALUE, "only text content parts are supported")
+        return self
+
 
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: str
-    content: str | list[TextPart] | None = None
+    content: list[TextPart] | str | None = None  # parts first: a refused part is the error said, not "not a string"
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role):
+        if role not in CHAT_ROLES:
+            _refuse(INVALID_VALUE, f"role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        return role
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
 
 
 class ChatCompletionRequest(_Sampling):
@@ -216,11 +347,29 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=L.MAX_TOKENS_MAX)
+    tools: list | None = Field(None, description="not supported")
+    functions: list | None = Field(None, description="not supported")
 
+    @field_validator("messages")
+    @classmethod
+    def _some_text(cls, messages):
+        if not any(m.text.strip() for m in messages):
+            _refuse(INVALID_VALUE, "every message is empty")
+        return messages
 
-_Sampling.model_rebuild()
-CompletionRequest.model_rebuild()
-ChatCompletionRequest.model_rebuild()
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            _refuse(UNSUPPORTED_PARAMETER, "tool calling is not supported")
+        return v
+
+    def to_request(self) -> GenerationRequest:
+        req = self._request("chat", messages=[{"role": m.role, "content": m.text} for m in self.messages])
+        if self.max_completion_tokens is not None:
+            req.max_tokens = self.max_completion_tokens
+        return req
+
 
 # what a field must be, for the message when a value has the wrong type (unions give one error per member)
 _EXPECTED = {
@@ -234,200 +383,50 @@ _NESTED = {"role", "content", "include_usage", "type", "text"}
 
 
 def validation_error(errors: list[dict]) -> ApiError:
-    """A 400 in OpenAI's shape from pydantic's (or FastAPI's) errors: the first one, its field named as a path."""
+    """A 400 in OpenAI's shape from pydantic's (or FastAPI's) errors: the first one, its field named as a path; a
+    refusal of specray's (:data:`_CODES`) keeps its code and its words."""
     e = errors[0]
-    loc = [p for p in e.get("loc", ()) if p != "body"]
+    kind = e.get("type", "")
+    if kind == "json_invalid":
+        why = (e.get("ctx") or {}).get("error") or e.get("msg")
+        return invalid(None, f"the request body is not valid JSON: {why}", code="invalid_json")
     parts: list = []
-    for p in loc:
+    for p in (p for p in e.get("loc", ()) if p != "body"):
         if isinstance(p, int) or (parts and p in _NESTED) or not parts:
             parts.append(p)
     param = _path(parts) if parts else None
-    kind = e.get("type", "")
+    if param is None:
+        return invalid(None, "the request body must be a JSON object with the request's fields", code="invalid_json")
+    msg = str(e.get("msg", "invalid value"))
+    if kind in _CODES:
+        return invalid(param, msg, code=kind)
     if kind == "missing":
         return invalid(param, f"'{param}' is required", code="missing_required_parameter")
     last = next((p for p in reversed(parts) if isinstance(p, str)), None)
-    if param is None:
-        return invalid(None, "the request body must be a JSON object with the request's fields", code="invalid_json")
     if kind.endswith("_type") or kind in ("union_tag_invalid", "model_attributes_type", "dict_type", "list_type"):
-        want = _EXPECTED.get(last) or e.get("msg", "invalid").removeprefix("Input should be ").lower()
+        want = _EXPECTED.get(last) or msg.removeprefix("Input should be ").lower()
         return invalid(param, f"'{param}' must be {want}", code="invalid_type")
-    if kind == "json_invalid":
-        return invalid(None, f"the request body is not valid JSON: {e.get('msg')}", code="invalid_json")
-    msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
-    return invalid(param, f"'{param}': {msg}")
+    return invalid(param, f"'{param}': {msg.removeprefix('Value error, ')}")
 
 
-def _validate(model: type[BaseModel], body: dict) -> BaseModel:
+def _validate(model: type[BaseModel], body) -> BaseModel:
     try:
         return model.model_validate(body)
     except ValidationError as e:
         raise validation_error(e.errors(include_url=False, include_input=False)) from None
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-def _type_error(name: str, want: str, v) -> ApiError:
-    return invalid(name, f"'{name}' must be {want}, got {type(v).__name__} {json.dumps(v)[:60]}", code="invalid_type")
-
-
-def _common(body: dict, endpoint: str) -> GenerationRequest:
-    model = body.get("model")
-    if model is None:
-        raise invalid("model", "'model' is required", code="missing_required_parameter")
-    if not isinstance(model, str) or not model:
-        raise _type_error("model", "a non-empty string", model)
-    req = GenerationRequest(endpoint=endpoint, model=model)
-
-    max_key = "max_tokens"
-    max_tokens = body.get("max_tokens")
-    if endpoint == "chat" and body.get("max_completion_tokens") is not None:
-        max_key, max_tokens = "max_completion_tokens", body["max_completion_tokens"]
-    if max_tokens is not None:
-        if not _is_int(max_tokens):
-            raise _type_error(max_key, "an integer", max_tokens)
-        if not 1 <= max_tokens <= L.MAX_TOKENS_MAX:
-            raise invalid(max_key, f"'{max_key}' must be in [1, {L.MAX_TOKENS_MAX}], got {max_tokens}")
-        req.max_tokens = max_tokens
-
-    for name in ("temperature", "top_p"):
-        v = body.get(name)
-        if v is not None and not _is_number(v):
-            raise _type_error(name, "a number", v)
-    for name in ("top_k", "seed"):
-        v = body.get(name)
-        if v is not None and not _is_int(v):
-            raise _type_error(name, "an integer", v)
-    try:
-        L.check_sampling(body.get("temperature"), body.get("top_p"), body.get("top_k"), body.get("seed"))
-    except ConfigError as e:
-        raise invalid(e.field, f"'{e.field}' {str(e).partition(': ')[2]}") from None
-    req.temperature = None if body.get("temperature") is None else float(body["temperature"])
-    req.top_p = None if body.get("top_p") is None else float(body["top_p"])
-    req.top_k = body.get("top_k")
-    req.seed = body.get("seed")
-    n = body.get("n")
-    if n is not None:
-        if not _is_int(n):
-            raise _type_error("n", "an integer", n)
-        if n != 1:
-            raise invalid("n", f"only n=1 is supported, got {n}", code="unsupported_value")
-    stream = body.get("stream")
-    if stream is not None:
-        if not isinstance(stream, bool):
-            raise _type_error("stream", "a boolean", stream)
-        req.stream = stream
-    so = body.get("stream_options")
-    if so is not None:
-        if not isinstance(so, dict):
-            raise _type_error("stream_options", "an object", so)
-        iu = so.get("include_usage", False)
-        if not isinstance(iu, bool):
-            raise _type_error("stream_options.include_usage", "a boolean", iu)
-        req.include_usage = iu
-    stop = body.get("stop")
-    if stop is not None:
-        try:
-            L.check_sampling(stop=stop)
-        except ConfigError as e:
-            raise invalid("stop", f"'stop' {str(e).partition(': ')[2]}", code="invalid_type" if "must be" in str(e) else None) from None
-        req.stop = [stop] if isinstance(stop, str) else list(stop)
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise _type_error("user", "a string", user)
-    req.user = user
-    # parameters that would change the output and are not implemented: refuse rather than ignore
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = body.get(name)
-        if v is not None:
-            if not _is_number(v):
-                raise _type_error(name, "a number", v)
-            if v != 0:
-                raise invalid(name, f"'{name}' is not supported (only 0)", code="unsupported_parameter")
-    if body.get("logit_bias"):
-        raise invalid("logit_bias", "'logit_bias' is not supported", code="unsupported_parameter")
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise invalid("response_format", 'only response_format {"type": "text"} is supported', code="unsupported_parameter")
-    for name in ("logprobs", "top_logprobs"):
-        v = body.get(name)
-        if v not in (None, False, 0):
-            raise invalid(name, f"'{name}' is not supported", code="unsupported_parameter")
-    return req
-
-
 def parse_completion(body: dict) -> GenerationRequest:
-    """A validated completions request: the model's field rules (:class:`CompletionRequest`), then specray's."""
-    _validate(CompletionRequest, body)
-    req = _common(body, "completions")
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise invalid("prompt", "'prompt' is required", code="missing_required_parameter")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        raise invalid("prompt", "only a single string prompt is supported (no batches or token lists)", code="unsupported_value")
-    if not isinstance(prompt, str):
-        raise _type_error("prompt", "a string", prompt)
-    if not prompt.strip():
-        raise invalid("prompt", "'prompt' is empty")
-    if body.get("echo"):
-        raise invalid("echo", "'echo' is not supported", code="unsupported_parameter")
-    if body.get("suffix"):
-        raise invalid("suffix", "'suffix' is not supported", code="unsupported_parameter")
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != 1:
-        raise invalid("best_of", "only best_of=1 is supported", code="unsupported_value")
-    req.prompt = prompt
-    return req
-
-
-def _message_text(i: int, content) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        parts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise invalid(f"messages[{i}].content[{j}]", "only text content parts are supported", code="unsupported_value")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise _type_error(f"messages[{i}].content", "a string or a list of text parts", content)
+    """A validated completions request (:class:`CompletionRequest`): what FastAPI does with a body, for a dict."""
+    return _validate(CompletionRequest, body).to_request()
 
 
 def parse_chat(body: dict) -> GenerationRequest:
-    """A validated chat request: the model's field rules (:class:`ChatCompletionRequest`), then specray's."""
-    _validate(ChatCompletionRequest, body)
-    req = _common(body, "chat")
-    messages = body.get("messages")
-    if messages is None:
-        raise invalid("messages", "'messages' is required", code="missing_required_parameter")
-    if not isinstance(messages, list):
-        raise _type_error("messages", "a list of messages", messages)
-    if not messages:
-        raise invalid("messages", "'messages' must not be empty")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise _type_error(f"messages[{i}]", "an object", m)
-        role = m.get("role")
-        if role not in CHAT_ROLES:
-            raise invalid(f"messages[{i}].role", f"role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
-        clean.append({"role": role, "content": _message_text(i, m.get("content"))})
-    if not any(m["content"].strip() for m in clean):
-        raise invalid("messages", "every message is empty")
-    if body.get("tools") or body.get("functions"):
-        raise invalid("tools", "tool calling is not supported", code="unsupported_parameter")
-    req.messages = clean
-    return req
+    """A validated chat request (:class:`ChatCompletionRequest`): what FastAPI does with a body, for a dict."""
+    return _validate(ChatCompletionRequest, body).to_request()
 
 
-# ---- response models (what /openapi.json describes; the builders below produce these shapes) -------------
+# ---- response models: every answer is built as one of them ----------------------------------------------------
 class ErrorBody(BaseModel):
     message: str
     type: str
@@ -445,47 +444,84 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class _Answer(BaseModel):
+    """A response or chunk: ``usage`` and ``specray`` are left out of its JSON when it carries none."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    usage: Usage | None = None
+    specray: dict | None = Field(None, description="specray's figures: method, tokens/s, accepted tokens per forward, ...")
+
+    @model_serializer(mode="wrap")
+    def _without_empty_extras(self, handler):
+        out = handler(self)
+        for key in ("usage", "specray"):
+            if out.get(key) is None:
+                out.pop(key, None)
+        return out
+
+
 class CompletionChoice(BaseModel):
-    index: int
+    index: int = 0
     text: str
     logprobs: None = None
-    finish_reason: str | None
+    finish_reason: str | None = None
 
 
 class AssistantMessage(BaseModel):
-    role: str
+    role: str = "assistant"
     content: str
 
 
 class ChatChoice(BaseModel):
-    index: int
+    index: int = 0
     message: AssistantMessage
     logprobs: None = None
-    finish_reason: str | None
+    finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
-    """A non-streamed completion; with ``stream: true`` the answer is server-sent ``text_completion`` chunks."""
+class ChatDelta(BaseModel):
+    """What a chat chunk adds: the role once, then content; an empty delta ends the stream."""
 
-    id: str
-    object: str
-    created: int
-    model: str
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _given_only(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Answer):
+    """A non-streamed completion; with ``stream: true`` the answer is server-sent :class:`CompletionChunk` events."""
+
+    object: str = "text_completion"
     choices: list[CompletionChoice]
-    usage: Usage
-    specray: dict = Field(description="specray's figures: method, tokens/s, accepted tokens per forward, ...")
 
 
-class ChatCompletionResponse(BaseModel):
-    """A non-streamed chat completion; with ``stream: true`` the answer is server-sent ``chat.completion.chunk`` events."""
+class ChatCompletionResponse(_Answer):
+    """A non-streamed chat completion; with ``stream: true`` the answer is server-sent :class:`ChatCompletionChunk` events."""
 
-    id: str
-    object: str
-    created: int
-    model: str
+    object: str = "chat.completion"
     choices: list[ChatChoice]
-    usage: Usage
-    specray: dict
+
+
+class CompletionChunk(_Answer):
+    object: str = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ChatCompletionChunk(_Answer):
+    object: str = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
 
 
 ERROR_RESPONSES = {
@@ -501,66 +537,42 @@ ERROR_RESPONSES = {
 
 
 # ---- responses -------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
 
 
-def completion_response(rid: str, model: str, created: int, text: str, finish_reason: str, use: dict, stats: dict) -> dict:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": use,
-        "specray": stats,
-    }
+def completion_response(rid: str, model: str, created: int, text: str, finish_reason: str, use: Usage, stats: dict) -> CompletionResponse:
+    choice = CompletionChoice(text=text, finish_reason=finish_reason)
+    return CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=use, specray=stats)
 
 
-def chat_response(rid: str, model: str, created: int, text: str, finish_reason: str, use: dict, stats: dict) -> dict:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": use,
-        "specray": stats,
-    }
+def chat_response(rid: str, model: str, created: int, text: str, finish_reason: str, use: Usage, stats: dict) -> ChatCompletionResponse:
+    choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
+    return ChatCompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=use, specray=stats)
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None = None, **extra) -> dict:
-    out = {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-    }
-    out.update(extra)
-    return out
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None = None, **extra) -> CompletionChunk:
+    choice = CompletionChoice(text=text, finish_reason=finish_reason)
+    return CompletionChunk(id=rid, created=created, model=model, choices=[choice], **extra)
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None = None, **extra) -> dict:
-    out = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-    }
-    out.update(extra)
-    return out
+def chat_chunk(rid: str, model: str, created: int, delta: ChatDelta, finish_reason: str | None = None, **extra) -> ChatCompletionChunk:
+    choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+    return ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice], **extra)
 
 
-def usage_chunk(rid: str, model: str, created: int, endpoint: str, use: dict, stats: dict) -> dict:
-    obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use, "specray": stats}
+def usage_chunk(rid: str, model: str, created: int, endpoint: str, use: Usage, stats: dict) -> _Answer:
+    """The last chunk of a stream asked for ``stream_options.include_usage``: no choices, the usage and specray's figures."""
+    kind = ChatCompletionChunk if endpoint == "chat" else CompletionChunk
+    return kind(id=rid, created=created, model=model, choices=[], usage=use, specray=stats)
 
 
-def sse(data: dict | str) -> bytes:
+def sse(data: BaseModel | dict | str) -> bytes:
     """One server-sent event: ``data: <json>`` and a blank line."""
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    if isinstance(data, BaseModel):
+        payload = data.model_dump_json()
+    else:
+        payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return f"data: {payload}\n\n".encode()
 
 

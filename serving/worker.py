@@ -1,12 +1,8 @@
-"""The model side of serving: SpecDecoders per configuration, generation in threads, streamed events.
+"""The model side of serving: one request pipeline over decoders, whatever runs them.
 
-``ModelWorker`` is a plain class (``serving.app`` wraps it in ``serve.deployment``).
-One replica hosts a decoder per configuration, loaded on first use and kept
-in an LRU; model weights are shared between configurations of the same model
-and dtype (``decoding.model.models`` caches loads per process).
-
-A request is a dict (``GenerationRequest.to_worker()`` plus ``request_id``,
-``model`` and ``config``); :meth:`ModelWorker.stream` yields events:
+:class:`Worker` is the pipeline (``serving.app`` wraps its two kinds in ``serve.deployment``): a request is a dict
+(``GenerationRequest.to_worker()`` plus ``request_id``, ``model`` and ``config``) and :meth:`Worker.stream` yields
+events:
 
 - ``{"type": "start", "prompt_tokens", "max_tokens"}`` once the prompt is encoded and fits;
 - ``{"type": "delta", "text", "tokens"}`` as steps commit tokens (several steps coalesce
@@ -14,14 +10,16 @@ A request is a dict (``GenerationRequest.to_worker()`` plus ``request_id``,
 - ``{"type": "end", "finish_reason", "completion_tokens", "stats"}``;
 - ``{"type": "error", "status", "message", "param", "code"}`` instead of any of them.
 
-Generation is batched: a replica runs one :class:`serving.batching.EngineLoop`
-per model and dtype, a thread that steps one ``decoding.loop.loop.Batch`` whose rows
-are the in-flight requests, whatever their configuration's drafter. A request
-becomes a ``Sequence`` with its own drafter, sampling and seeded generator;
-its ``on_step`` callback hands tokens to the event loop with
-``call_soon_threadsafe`` and ends the row (returns a finish reason) at a stop
-sequence or once the consumer is gone. Drafters that decode one sequence at a
-time (TriForce in process) run alone in a thread.
+The steps: admit (the decoder of the request's configuration), tokenise and check the context, sample (a fork of
+the decoder when the request's sampling differs from the entry's), pump events (a sequence of the decoder whose
+``on_step`` hands tokens to the event loop with ``call_soon_threadsafe`` and ends the row, returning a finish reason,
+at a stop sequence or once the consumer is gone).
+
+:class:`ModelWorker` hosts a decoder per configuration in process, loaded on first use and kept in an LRU (weights
+shared between configurations of one model and dtype: ``decoding.model.models`` caches loads per process); it runs
+one :class:`serving.batching.EngineLoop` per model and dtype, a thread that steps one batch whose rows are the
+in-flight requests, whatever their drafter. Sequences that decode alone (TriForce in process) run in a thread pool.
+An actor entry's replica (``serving.placement.PlacedWorker``) is the same pipeline over one decoder on two workers.
 """
 
 from __future__ import annotations
@@ -34,25 +32,274 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import kernels
-from actors.devices import placed
+from cluster.decoders import open_decoder
 from decoding.config import SpecConfig
+from decoding.decoder import GenerationLost
 from decoding.errors import ConfigError
-from decoding.methods import METHOD_TABLE, runs_on_actors
-from serving.batching import EngineFailed, EngineLoop, run_alone
+from decoding.methods import METHOD_TABLE
+from serving.batching import EngineLoop
 from serving.protocol import prompt_surely_exceeds
 from serving.textstream import TextAssembler
 
 log = logging.getLogger("ray.serve")
 
 
-def encode_chat(tokenizer, messages: list[dict]):
-    """Ids [1, T] of a conversation with the generation prompt (``decoding.engine.encode_chat``)."""
-    from decoding.engine import encode_chat as chat_ids
+class _Refused(Exception):
+    """A request that ends with one error event before it starts."""
 
-    return chat_ids(tokenizer, messages, field="messages", hint="; use /v1/completions")
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.event = {"type": "error", "status": status, "message": message, "param": param, "code": code}
 
 
-class ModelWorker:
+def _failure(error: Exception) -> tuple[int, str]:
+    """(status, message) of a generation that failed: 503 when the runtime lost it (a retry may succeed), 400 when the
+    request could not run, else 500."""
+    if isinstance(error, GenerationLost):
+        return 503, str(error)
+    if isinstance(error, ConfigError | ValueError):
+        return 400, str(error)
+    return 500, f"generation failed: {type(error).__name__}: {error}"
+
+
+class Worker:
+    """The request pipeline (see the module docstring); a subclass says which decoder a configuration runs on."""
+
+    def __init__(self, alone_threads: int, request_log_size: int = 1024):
+        self._pool = ThreadPoolExecutor(max_workers=alone_threads, thread_name_prefix="specray-gen")
+        self._records: OrderedDict[str, dict] = OrderedDict()
+        self._log_size = request_log_size
+        self._lock = threading.Lock()
+        self.active = 0
+        self.totals = {"completed": 0, "cancelled": 0, "stopped": 0, "error": 0, "tokens": 0}
+
+    # ---- what a kind of worker decides -------------------------------------------------------
+    async def _decoder(self, cfg: SpecConfig):
+        """The decoder ``cfg`` runs on."""
+        raise NotImplementedError
+
+    def _config(self, entry: SpecConfig, req: dict) -> SpecConfig:
+        """The configuration a request of ``entry`` runs (the entry's own, unless a worker adjusts it)."""
+        return entry
+
+    def _submit(self, dec, seq, done) -> None:
+        """Start ``seq``: alone, in the pool (a worker that batches sends batchable sequences to its batch)."""
+
+        def alone() -> None:
+            try:
+                dec.run(seq)
+            except Exception as e:
+                log.exception("specray: generation %s failed", seq.tag)
+                done(seq, e)
+                return
+            done(seq, None)
+
+        self._pool.submit(alone)
+
+    def _lost(self, error: Exception) -> None:
+        """A generation failed with ``error`` (a worker may act on a runtime it cannot serve with any more)."""
+
+    def _placement(self, stats: dict) -> dict:
+        """A request's ``stats["placement"]`` as this worker reports it."""
+        return stats.get("placement", {})
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+    def _record(self, rid: str, **fields) -> None:
+        with self._lock:
+            rec = self._records.setdefault(rid, {"request_id": rid})
+            rec.update(fields)
+            self._records.move_to_end(rid)
+            while len(self._records) > self._log_size:
+                self._records.popitem(last=False)
+
+    def request_record(self, request_id: str) -> dict | None:
+        with self._lock:
+            rec = self._records.get(request_id)
+            return dict(rec) if rec else None
+
+    # ---- the pipeline -----------------------------------------------------------------------
+    async def stream(self, req: dict):
+        """Async generator of events for one request (see the module docstring)."""
+        t_arrive = time.perf_counter()
+        try:
+            cfg, dec = await self._admit(req)
+            load_s = time.perf_counter() - t_arrive
+            prompt_ids, max_tokens = self._tokenize(dec, cfg, req)
+            view = self._sampled(dec, cfg, req)
+        except _Refused as e:
+            yield e.event
+            return
+        async for event in self._pump(req, cfg, dec, view, prompt_ids, max_tokens, load_s):
+            yield event
+
+    async def _admit(self, req: dict):
+        """(configuration, decoder) of a request; a configuration that cannot be served is a 400, a model that does
+        not load a 500."""
+        try:
+            cfg = self._config(SpecConfig.from_dict(req["config"]), req)
+            return cfg, await self._decoder(cfg)
+        except ConfigError as e:
+            raise _Refused(400, f"model {req.get('model')!r} cannot be served: {e}", param="model") from None
+        except Exception as e:  # a broken model directory, out of memory, ...
+            log.exception("specray: loading %s failed", req.get("model"))
+            raise _Refused(500, f"loading model {req.get('model')!r} failed: {e}", code="model_load_failed") from None
+
+    @staticmethod
+    def _tokenize(dec, cfg: SpecConfig, req: dict):
+        """(prompt ids [1, T], max new tokens): the prompt refused before tokenizing when it surely cannot fit, then
+        checked against the model's context with the request's (or the entry's) max tokens."""
+        param = "messages" if req.get("messages") is not None else "prompt"
+        context = dec.max_context
+        text = req["messages"] if param == "messages" else req["prompt"]
+        chars = sum(len(m["content"]) for m in text) if param == "messages" else len(text)
+        if prompt_surely_exceeds(dec.tokenizer, chars, context):  # refuse before tokenizing a huge text
+            message = f"the prompt ({chars} characters) cannot fit the model's context of {context} tokens"
+            raise _Refused(400, message, param, "context_length_exceeded")
+        try:
+            prompt_ids = dec.encode(text, chat=False)
+        except ConfigError as e:
+            raise _Refused(400, str(e), param) from None
+        except Exception as e:  # the tokenizer refused the text (e.g. a lone surrogate): the request's fault
+            log.warning("specray: %s: the tokenizer refused the %s: %s", req.get("request_id"), param, e)
+            raise _Refused(400, f"'{param}' cannot be tokenized", param, "invalid_value") from None
+        prompt_len = int(prompt_ids.shape[1])
+        max_tokens = req.get("max_tokens")
+        if max_tokens is None:
+            max_tokens = min(cfg.max_new_tokens, context - prompt_len)
+            if max_tokens < 1:
+                message = f"the prompt ({prompt_len} tokens) fills the model's context of {context} tokens"
+                raise _Refused(400, message, param, "context_length_exceeded")
+        elif prompt_len + max_tokens > context:
+            message = f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {context} tokens"
+            raise _Refused(400, message, "max_tokens", "context_length_exceeded")
+        return prompt_ids, max_tokens
+
+    @staticmethod
+    def _sampled(dec, cfg: SpecConfig, req: dict):
+        """The decoder with the request's sampling: a fork (same weights, its own drafter and sampling) when it
+        differs from the configuration's."""
+        pick = {name: getattr(cfg, name) if req.get(name) is None else req[name] for name in ("temperature", "top_p", "top_k")}
+        if all(pick[name] == getattr(cfg, name) for name in pick):
+            return dec
+        try:
+            return dec.fork(**pick)
+        except ConfigError as e:
+            raise _Refused(400, str(e), "model") from None
+
+    async def _pump(self, req: dict, cfg: SpecConfig, dec, view, prompt_ids, max_tokens: int, load_s: float):
+        """Start the request's sequence and turn what its steps commit into events."""
+        rid = req.get("request_id", "?")
+        run = _Run(asyncio.get_running_loop(), TextAssembler(dec.decode, req.get("stop") or []))
+        try:
+            seq = view.sequence(prompt_ids, max_new_tokens=max_tokens, seed=req.get("seed"), on_step=run.on_step, tag=rid)
+        except ConfigError as e:
+            yield {"type": "error", "status": 400, "message": str(e), "param": "model"}
+            return
+        yield {"type": "start", "prompt_tokens": int(prompt_ids.shape[1]), "max_tokens": max_tokens}
+        with self._lock:
+            self.active += 1
+        self._record(rid, model=req.get("model"), state="running", tokens=0, max_tokens=max_tokens, started=time.time())
+
+        def done(seq, error: Exception | None) -> None:  # in the engine's or the pool's thread
+            stats = None
+            if error is None:
+                try:
+                    stats = self._stats(cfg, view, seq, load_s)
+                except Exception as e:  # the figures need a worker that is gone
+                    error = e
+            if error is not None:
+                self._lost(error)
+            self._finished(rid, run, seq, error)
+            run.post("end", seq, error, stats)
+
+        self._submit(view, seq, done)
+        try:
+            async for event in run.events():
+                yield event
+        finally:
+            run.cancel.set()  # the consumer is gone (or done): the row ends at its next step
+            if not run.ended.is_set():
+                self._record(rid, cancel_requested=time.time())
+
+    def _finished(self, rid: str, run: _Run, seq, error: Exception | None) -> None:
+        outcome = "error" if error is not None else {"stopped": "stopped", "cancelled": "cancelled"}.get(seq.finish_reason, "completed")
+        run.outcome = outcome
+        wall = time.perf_counter() - run.t_start
+        with self._lock:
+            self.active -= 1
+            self.totals[outcome] += 1
+            self.totals["tokens"] += run.tokens
+        self._record(rid, state=outcome, tokens=run.tokens, steps=run.steps, wall_s=wall, finished=time.time())
+
+    def _stats(self, cfg: SpecConfig, dec, seq, load_s: float) -> dict:
+        gen = seq.result()
+        out = dec.stats(gen)
+        out["placement"] = self._placement(out)
+        out["drafted_tokens"] = sum(r.drafted for r in gen.steps)
+        out["accepted_tokens"] = sum(r.accepted for r in gen.steps)
+        out["batch_rows_mean"] = sum(r.rows for r in gen.steps) / len(gen.steps) if gen.steps else 1.0
+        out["k_chosen"] = [r.k for r in gen.steps] if cfg.adaptive_k else None
+        out["adaptive_k"] = cfg.adaptive_k
+        out["method"] = cfg.method
+        out["outcome"] = {"stopped": "stopped", "cancelled": "cancelled"}.get(seq.finish_reason, "completed")
+        out["load_s"] = load_s
+        return out
+
+
+class _Run:
+    """One running request between the thread that steps it and the event loop that streams it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, assembler: TextAssembler):
+        self.loop, self.assembler = loop, assembler
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancel, self.ended = threading.Event(), threading.Event()
+        self.tokens = self.steps = 0
+        self.outcome = "completed"
+        self.t_start = time.perf_counter()
+
+    def post(self, *item) -> None:
+        if item[0] == "end":
+            self.ended.set()
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def on_step(self, new_ids: list[int]) -> str | None:  # in the thread that steps the sequence
+        if self.cancel.is_set():
+            return "cancelled"
+        self.tokens += len(new_ids)
+        self.steps += 1
+        self.post("delta", self.assembler.feed(new_ids), len(new_ids))
+        return "stopped" if self.assembler.stopped else None
+
+    async def events(self):
+        while True:
+            item = await self.queue.get()
+            if item[0] == "delta":
+                text, ntok = item[1], item[2]
+                while not self.queue.empty():  # coalesce the deltas that are already there
+                    nxt = self.queue.get_nowait()
+                    if nxt[0] != "delta":
+                        self.queue.put_nowait(nxt)  # the end stays last: nothing is queued after it
+                        break
+                    text, ntok = text + nxt[1], ntok + nxt[2]
+                yield {"type": "delta", "text": text, "tokens": ntok}
+                continue
+            _, seq, error, stats = item
+            if error is not None:
+                status, message = _failure(error)
+                yield {"type": "error", "status": status, "message": message, "code": "generation_failed"}
+                return
+            tail = self.assembler.finish()
+            if tail:
+                yield {"type": "delta", "text": tail, "tokens": 0}
+            reason = seq.finish_reason
+            finish = "stop" if self.outcome == "stopped" else (reason if reason in ("stop", "length") else "length")
+            yield {"type": "end", "finish_reason": finish, "completion_tokens": self.tokens, "stats": stats}
+            return
+
+
+class ModelWorker(Worker):
+    """The model replica: decoders in process per configuration (an LRU), one batch engine per model and dtype."""
+
     def __init__(
         self,
         max_ongoing_requests: int = 4,
@@ -69,29 +316,22 @@ class ModelWorker:
 
             torch.set_num_threads(threads)
         kernels.install()
+        super().__init__(alone_threads=max_ongoing_requests, request_log_size=request_log_size)
         self.max_batch_rows, self.max_step_tokens, self.adaptive_k = max_batch_rows, max_step_tokens, adaptive_k
         self._engines: dict[tuple[str, str], EngineLoop] = {}
         self._engine_lock = threading.Lock()
         self.max_loaded = max_loaded_configs
         self._decoders: OrderedDict[str, object] = OrderedDict()
         self._load_locks: dict[str, asyncio.Lock] = {}
-        self._pool = ThreadPoolExecutor(max_workers=max_ongoing_requests, thread_name_prefix="specray-gen")
-        self._records: OrderedDict[str, dict] = OrderedDict()
-        self._log_size = request_log_size
-        self._lock = threading.Lock()
-        self.active = 0
-        self.totals = {"completed": 0, "cancelled": 0, "stopped": 0, "error": 0, "tokens": 0}
         for cfg in preload or []:
             self._load_sync(SpecConfig.from_dict(cfg))
 
     # ---- decoders ---------------------------------------------------------
     def _load_sync(self, cfg: SpecConfig):
-        from decoding.engine import SpecDecoder
-
         key = cfg.to_json()
         if key not in self._decoders:
             t0 = time.perf_counter()
-            self._decoders[key] = SpecDecoder(placed(cfg))  # device=auto: the replica's GPU (model_num_gpus), else CPU
+            self._decoders[key] = open_decoder(cfg, in_process=True)  # the replica hosts the models it serves
             log.info("specray: loaded %s/%s (%s) in %.1fs", cfg.model, cfg.method, cfg.dtype, time.perf_counter() - t0)
         self._decoders.move_to_end(key)
         while len(self._decoders) > self.max_loaded:
@@ -111,20 +351,6 @@ class ModelWorker:
 
     def loaded_configs(self) -> list[dict]:
         return [SpecConfig.from_json(k).to_dict() for k in self._decoders]
-
-    # ---- bookkeeping ------------------------------------------------------
-    def _record(self, rid: str, **fields) -> None:
-        with self._lock:
-            rec = self._records.setdefault(rid, {"request_id": rid})
-            rec.update(fields)
-            self._records.move_to_end(rid)
-            while len(self._records) > self._log_size:
-                self._records.popitem(last=False)
-
-    def request_record(self, request_id: str) -> dict | None:
-        with self._lock:
-            rec = self._records.get(request_id)
-            return dict(rec) if rec else None
 
     def stats(self) -> dict:
         with self._lock:
@@ -152,214 +378,23 @@ class ModelWorker:
                     threading.Thread(target=measure, name="specray-calibrate", daemon=True).start()
             return engine
 
-    def served_config(self, cfg: SpecConfig, seeded_sampling: bool = False) -> SpecConfig:
+    def _submit(self, dec, seq, done) -> None:
+        if dec.batches(seq):
+            self._engine(dec).submit(seq, done)
+        else:
+            super()._submit(dec, seq, done)
+
+    def _config(self, entry: SpecConfig, req: dict) -> SpecConfig:
         """Served entries draft k=auto (the goodput choice, capped at the entry's k) unless the settings say otherwise;
         trees and methods that keep a fixed schedule (pearl, triforce) keep their k. So does a sampled request with a
         seed: under k=auto its draft lengths follow the load, and so would its tokens (same distribution, other
         draws); with the entry's k the same seed gives the same text whatever else the replica is doing."""
-        if seeded_sampling:
-            return cfg
-        if self.adaptive_k and not cfg.adaptive_k and METHOD_TABLE[cfg.method].serves_auto_k and cfg.tree == "chain":
-            return cfg.replace(adaptive_k=True)
-        return cfg
-
-    async def stream(self, req: dict):
-        """Async generator of events for one request (see the module docstring)."""
-        rid = req.get("request_id", "?")
-        t_arrive = time.perf_counter()
-        try:
-            entry = SpecConfig.from_dict(req["config"])
-            temperature = entry.temperature if req.get("temperature") is None else req["temperature"]
-            cfg = self.served_config(entry, seeded_sampling=req.get("seed") is not None and temperature > 0)
-            dec = await self._decoder(cfg)
-        except ConfigError as e:
-            yield {"type": "error", "status": 400, "message": f"model {req.get('model')!r} cannot be served: {e}", "param": "model"}
-            return
-        except Exception as e:  # a broken model directory, out of memory, ...
-            log.exception("specray: loading %s failed", req.get("model"))
-            yield {
-                "type": "error",
-                "status": 500,
-                "message": f"loading model {req.get('model')!r} failed: {e}",
-                "code": "model_load_failed",
-            }
-            return
-        load_s = time.perf_counter() - t_arrive
-
-        param = "messages" if req.get("messages") is not None else "prompt"
-        context = dec.loaded.max_context
-        chars = sum(len(m["content"]) for m in req["messages"]) if param == "messages" else len(req["prompt"])
-        if prompt_surely_exceeds(dec.tokenizer, chars, context):  # refuse before tokenizing a huge text
-            yield {
-                "type": "error",
-                "status": 400,
-                "message": f"the prompt ({chars} characters) cannot fit the model's context of {context} tokens",
-                "param": param,
-                "code": "context_length_exceeded",
-            }
-            return
-        try:
-            if param == "messages":
-                prompt_ids = encode_chat(dec.tokenizer, req["messages"])
-            else:
-                prompt_ids = dec.encode(req["prompt"], chat=False)
-        except ConfigError as e:
-            yield {"type": "error", "status": 400, "message": str(e), "param": param}
-            return
-        except Exception as e:  # the tokenizer refused the text (e.g. a lone surrogate): the request's fault
-            log.warning("specray: %s: the tokenizer refused the %s: %s", rid, param, e)
-            yield {"type": "error", "status": 400, "message": f"'{param}' cannot be tokenized", "param": param, "code": "invalid_value"}
-            return
-        prompt_len = int(prompt_ids.shape[1])
-        max_tokens = req.get("max_tokens")
-        if max_tokens is None:
-            max_tokens = min(cfg.max_new_tokens, context - prompt_len)
-            if max_tokens < 1:
-                yield {
-                    "type": "error",
-                    "status": 400,
-                    "message": f"the prompt ({prompt_len} tokens) fills the model's context of {context} tokens",
-                    "param": "messages" if req.get("messages") else "prompt",
-                    "code": "context_length_exceeded",
-                }
-                return
-        elif prompt_len + max_tokens > context:
-            yield {
-                "type": "error",
-                "status": 400,
-                "message": f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {context} tokens",
-                "param": "max_tokens",
-                "code": "context_length_exceeded",
-            }
-            return
-
-        # a per-request view of the decoder: same weights and tokenizer, its own drafter and sampling
-        temperature = cfg.temperature if req.get("temperature") is None else req["temperature"]
-        top_p = cfg.top_p if req.get("top_p") is None else req["top_p"]
-        top_k = cfg.top_k if req.get("top_k") is None else req["top_k"]
-        sampling = (temperature, top_p, top_k)
-        same = sampling == (cfg.temperature, cfg.top_p, cfg.top_k)
-        view = dec if same else dec.fork(temperature=temperature, top_p=top_p, top_k=top_k)
-
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        cancel = threading.Event()
-        assembler = TextAssembler(dec.decode, req.get("stop") or [])
-        progress = {"tokens": 0, "steps": 0, "first_token_s": None}
-        t_start = time.perf_counter()
-
-        def on_step(new_ids: list[int]) -> str | None:  # runs in the engine thread
-            if cancel.is_set():
-                return "cancelled"
-            progress["tokens"] += len(new_ids)
-            progress["steps"] += 1
-            if progress["first_token_s"] is None:
-                progress["first_token_s"] = time.perf_counter() - t_start
-            text = assembler.feed(new_ids)
-            loop.call_soon_threadsafe(queue.put_nowait, ("delta", text, len(new_ids)))
-            return "stopped" if assembler.stopped else None
-
-        def done(seq, error: Exception | None) -> None:  # runs in the engine (or the alone) thread
-            outcome = {"stopped": "stopped", "cancelled": "cancelled", "error": "error"}.get(seq.finish_reason, "completed")
-            if error is not None:
-                outcome = "error"
-                if isinstance(error, EngineFailed):
-                    err = (503, str(error))
-                elif isinstance(error, ConfigError | ValueError):
-                    err = (400, str(error))
-                else:
-                    err = (500, f"generation failed: {type(error).__name__}: {error}")
-            else:
-                err = None
-            ended.set()
-            wall = time.perf_counter() - t_start
-            with self._lock:
-                self.active -= 1
-                self.totals[outcome] += 1
-                self.totals["tokens"] += progress["tokens"]
-            self._record(rid, state=outcome, tokens=progress["tokens"], steps=progress["steps"], wall_s=wall, finished=time.time())
-            loop.call_soon_threadsafe(queue.put_nowait, ("end", outcome, seq, err, wall))
-
-        try:
-            seq = view.sequence(prompt_ids, max_new_tokens=max_tokens, seed=req.get("seed"), on_step=on_step, tag=rid)
-        except ConfigError as e:
-            yield {"type": "error", "status": 400, "message": str(e), "param": "model"}
-            return
-        yield {"type": "start", "prompt_tokens": prompt_len, "max_tokens": max_tokens}
-        with self._lock:
-            self.active += 1
-        self._record(rid, model=req.get("model"), state="running", tokens=0, max_tokens=max_tokens, started=time.time())
-        ended = threading.Event()
-        if seq.drafter.batchable:
-            self._engine(dec).submit(seq, done)
-        else:
-
-            def alone() -> None:
-                try:
-                    run_alone(dec.target, seq)
-                except Exception as e:
-                    log.exception("specray: generation %s failed", rid)
-                    done(seq, e)
-                    return
-                done(seq, None)
-
-            loop.run_in_executor(self._pool, alone)
-        try:
-            while True:
-                item = await queue.get()
-                if item[0] == "delta":
-                    text, ntok = item[1], item[2]
-                    while not queue.empty():  # coalesce the deltas that are already there
-                        nxt = queue.get_nowait()
-                        if nxt[0] != "delta":
-                            queue.put_nowait(nxt)  # the end stays last: nothing is queued after it
-                            break
-                        text, ntok = text + nxt[1], ntok + nxt[2]
-                    yield {"type": "delta", "text": text, "tokens": ntok}
-                    continue
-                _, outcome, seq, error, wall = item
-                if error is not None:
-                    yield {"type": "error", "status": error[0], "message": error[1], "code": "generation_failed"}
-                    return
-                tail = assembler.finish()
-                if tail:
-                    yield {"type": "delta", "text": tail, "tokens": 0}
-                stats = self._stats(cfg, seq, outcome, load_s)
-                finish = "stop" if outcome == "stopped" else (seq.finish_reason if seq.finish_reason in ("stop", "length") else "length")
-                yield {"type": "end", "finish_reason": finish, "completion_tokens": progress["tokens"], "stats": stats}
-                return
-        finally:
-            cancel.set()  # the consumer is gone (or done): the row ends at its next step
-            if not ended.is_set():
-                self._record(rid, cancel_requested=time.time())
-
-    @staticmethod
-    def _stats(cfg, seq, outcome, load_s) -> dict:
-        gen = seq.result()
-        s = gen.stats
-        out = {
-            "new_tokens": s.new_tokens,
-            "wall_s": s.wall_s,
-            "tokens_per_s": s.tokens_per_s,
-            "prefill_s": s.prefill_s,
-            "target_forwards": s.target_forwards,
-            "mean_accepted_tokens": s.mean_accepted_tokens,
-            "acceptance_rate": s.acceptance_rate,
-            "per_position_acceptance": s.per_position_acceptance,
-            "draft_s": s.draft_s,
-            "verify_s": s.verify_s,
-            "drafted_tokens": sum(r.drafted for r in gen.steps),
-            "accepted_tokens": sum(r.accepted for r in gen.steps),
-            "batch_rows_mean": sum(r.rows for r in gen.steps) / len(gen.steps) if gen.steps else 1.0,
-            "k_chosen": [r.k for r in gen.steps] if cfg.adaptive_k else None,
-            "adaptive_k": cfg.adaptive_k,
-        }
-        out["method"] = cfg.method
-        if runs_on_actors(cfg.method, cfg.placement):
-            out["placement"] = "local"  # served in the replica with the sequential schedule (same output, lossless)
-        out["outcome"] = outcome
-        out["load_s"] = load_s
-        return out
+        temperature = entry.temperature if req.get("temperature") is None else req["temperature"]
+        if req.get("seed") is not None and temperature > 0:
+            return entry
+        if self.adaptive_k and not entry.adaptive_k and METHOD_TABLE[entry.method].serves_auto_k and entry.tree == "chain":
+            return entry.replace(adaptive_k=True)
+        return entry
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy (and Serve replaces it)."""

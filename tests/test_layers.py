@@ -100,6 +100,46 @@ def test_no_circles_between_decodings_rooms():
     assert not circles, "circles between decoding/'s rooms:\n" + "\n".join(circles)
 
 
+# decoding/'s rooms from the ground up: a room imports only rooms before it (no arrow back up)
+DECODING_ROOMS = [
+    # the ground: errors, $SPECRAY_HOME, kernel dispatch, warping, the sampling limits, tree descriptions, builder registry
+    "decoding.errors",
+    "decoding.paths",
+    "decoding.accel",
+    "decoding.sampling",
+    "decoding.limits",
+    "decoding.treespec",
+    "decoding.builders",
+    # the declarations: the table of methods and the configuration (torch-free)
+    "decoding.methods",
+    "decoding.config",
+    # the rooms
+    "decoding.model",
+    "decoding.trees",
+    "decoding.drafters",
+    "decoding.loop",
+    "decoding.decoder",
+    "decoding.schedules",
+    "decoding.engine",
+]
+
+
+def test_decodings_rooms_import_downward_only():
+    """Every room has a place in :data:`DECODING_ROOMS` and imports only rooms below it, lazily or not; so the
+    declarations (config, methods) import nothing but the ground."""
+    up = []
+    for m, deps in import_graph().items():
+        room = room_of(m)
+        if room is None:
+            continue
+        assert room in DECODING_ROOMS, f"{room} has no place in DECODING_ROOMS"
+        for d in deps:
+            dep = room_of(d)
+            if dep not in (None, room) and DECODING_ROOMS.index(dep) > DECODING_ROOMS.index(room):
+                up.append(f"{m} imports {d}")
+    assert not up, "imports back up between decoding/'s rooms:\n" + "\n".join(sorted(up))
+
+
 def test_the_checks_catch_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text(

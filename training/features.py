@@ -21,9 +21,12 @@ from decoding.model.adapter import ModelAdapter
 class TargetFeatures:
     """Runs ``target_hf`` (any dtype or quantisation: the target as it runs) to get the ``layers`` a recipe needs."""
 
-    def __init__(self, target_hf, layers: list[int]):
+    def __init__(self, target_hf, layers: list[int], max_context: int | None = None):
         self.adapter = ModelAdapter(target_hf)
         self.layers = sorted(set(int(x) for x in layers))
+        # the target sees at most this many tokens up to the window's end (None: the whole text before it); longer
+        # texts start later (positions counted from there): cheaper features for long prompts, a mild approximation
+        self.max_context = max_context
         self.tokens_run = 0  # target positions computed so far (training's share of the target's work)
 
     def window(self, ex: dict, window: int, generator: torch.Generator | None) -> tuple[int, int]:
@@ -55,9 +58,13 @@ class TargetFeatures:
     def example(self, ex: dict, window: int, generator: torch.Generator | None = None, device: torch.device | None = None) -> dict:
         """The window's example with the target's hidden states (float32, on ``device``) of its rows."""
         start, end = self.window(ex, window, generator)
-        tokens = ex["tokens"][:end]
-        hidden = {layer: h.to(device) for layer, h in self._hidden(tokens, start).items()}
-        return {**ex, "tokens": tokens.to(device), "start": start, "hidden": hidden}
+        lo = 0 if self.max_context is None else max(0, min(start, end - self.max_context))
+        tokens = ex["tokens"][lo:end]
+        hidden = {layer: h.to(device) for layer, h in self._hidden(tokens, start - lo).items()}
+        out = {**ex, "tokens": tokens.to(device), "start": start - lo, "hidden": hidden}
+        if "answer_from" in ex:
+            out["answer_from"] = ex["answer_from"] - lo
+        return out
 
 
 def examples_from_rows(rows: list[dict], min_answer: int = 2) -> list[dict]:

@@ -103,7 +103,9 @@ def _worker(config: dict) -> None:
         d = config["distill"]
         examples, eval_examples = distill_training_set(Path(config["data_dir"]), d["max_sequences"], d["eval_sequences"])
         features = TargetFeatures(
-            load_model(config["model"], "bfloat16", next(target.parameters()).device, d["quant"]).model, config["layers"]
+            load_model(config["model"], "bfloat16", next(target.parameters()).device, d["quant"]).model,
+            config["layers"],
+            d.get("max_context"),
         )
         weights_dtype = torch.bfloat16
     else:

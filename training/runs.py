@@ -33,6 +33,7 @@ class DataRun:
     max_sequences: int | None = None
     eval_sequences: int = 64
     eval_every: int = 0
+    max_context: int | None = 768  # tokens the target sees up to a window's end when it computes features
 
 
 # The drafters shipped for the bundled model: name -> how it is trained (``specray ship-drafters``). Exit layers of the
@@ -90,12 +91,17 @@ def train_on_data(
     if on_cluster:
         from training.ray_train import train_on_cluster
 
-        distill = {"max_sequences": run.max_sequences, "eval_sequences": run.eval_sequences, "quant": features_quant}
+        distill = {
+            "max_sequences": run.max_sequences,
+            "eval_sequences": run.eval_sequences,
+            "quant": features_quant,
+            "max_context": run.max_context,
+        }
         training = train_on_cluster(spec, model, Path(data), layers, out, workers=workers, strategy=strategy, extra=extra, distill=distill)
     else:
         from training.trainer import train
 
-        features = TargetFeatures(load_model(model, "bfloat16", device, features_quant).model, layers)
+        features = TargetFeatures(load_model(model, "bfloat16", device, features_quant).model, layers, run.max_context)
         training = train(
             spec,
             target,

@@ -184,46 +184,25 @@ def plot_pareto(rows: Sequence[dict], path: Path, title: str = "") -> Path:
 
     fig, ax = plt.subplots(figsize=(7, 5))
     measured = [r for r in rows if r.get("speedup") is not None and r.get("mean_accepted_tokens") is not None]
-    methods = list(dict.fromkeys(r["method"] for r in measured))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, m in enumerate(methods):
+
+    def xy(pts):
+        return [r["mean_accepted_tokens"] for r in pts], [r["speedup"] for r in pts]
+
+    for i, m in enumerate(dict.fromkeys(r["method"] for r in measured)):
         pts = [r for r in measured if r["method"] == m and r.get("fidelity_ok") and r.get("valid") and not r.get("error")]
         if pts:
-            ax.scatter(
-                [r["mean_accepted_tokens"] for r in pts],
-                [r["speedup"] for r in pts],
-                color=colors[i % len(colors)],
-                alpha=0.6,
-                label=m,
-                s=[60 if r.get("complete") else 25 for r in pts],
-            )
+            sizes = [60 if r.get("complete") else 25 for r in pts]
+            ax.scatter(*xy(pts), color=colors[i % len(colors)], alpha=0.6, label=m, s=sizes)
     failed = [r for r in measured if not r.get("fidelity_ok")]
     if failed:
-        ax.scatter(
-            [r["mean_accepted_tokens"] for r in failed],
-            [r["speedup"] for r in failed],
-            marker="x",
-            color="red",
-            s=70,
-            label="failed fidelity (never chosen)",
-        )
+        ax.scatter(*xy(failed), marker="x", color="red", s=70, label="failed fidelity (never chosen)")
     front = pareto_front(rows)
     if front:
-        ax.plot(
-            [r["mean_accepted_tokens"] for r in front],
-            [r["speedup"] for r in front],
-            color="black",
-            marker="o",
-            markerfacecolor="none",
-            markersize=11,
-            linewidth=1,
-            label="Pareto front",
-        )
+        ax.plot(*xy(front), color="black", marker="o", markerfacecolor="none", markersize=11, linewidth=1, label="Pareto front")
     best = select_best(rows)
     if best is not None and best.get("mean_accepted_tokens") is not None:
-        ax.scatter(
-            [best["mean_accepted_tokens"]], [best["speedup"]], marker="*", s=260, color="gold", edgecolor="black", zorder=5, label="best"
-        )
+        ax.scatter(*xy([best]), marker="*", s=260, color="gold", edgecolor="black", zorder=5, label="best")
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
     ax.set_xlabel("mean accepted tokens per target forward (tau)")
     ax.set_ylabel("speedup over AR (same trial)")
@@ -287,6 +266,52 @@ def write_outputs(rows: list[dict], out: Path, meta: dict) -> dict:
     return {"paths": paths, "best": best}
 
 
+def write_run(rows: list[dict], settings, space, prompts: list, held_out: list, wall: float, resumed: bool, interrupted: bool):
+    """Everything a finished (or interrupted) search writes under its experiment folder (:func:`write_outputs`), and
+    its summary: (summary, the best row or None, the winner's ``SpecConfig`` as its trial ran it or None)."""
+    base = settings.base_config
+    exp = settings.experiment_path
+    categories = [p.category for p in prompts]
+    meta = {
+        "experiment": str(exp),
+        "model": base.model,
+        "dtype": base.dtype,
+        "max_new_tokens": base.max_new_tokens,
+        "workload": settings.workload,
+        "prompts_file": settings.prompts_file,
+        "categories": sorted(set(categories), key=categories.index),
+        "prompts": len(prompts),
+        "held_out_prompts": len(held_out),
+        "space": space.to_dict(),
+        "searcher": settings.searcher,
+        "trials": len(rows),
+        "num_samples": settings.num_samples,
+        "wall_s": wall,
+        "trials_per_hour": 3600.0 * len(rows) / wall if wall > 0 else None,
+        "resumed": resumed,
+        "interrupted": interrupted,
+        "finished": now(),
+        "title": f"{settings.name}: {base.model} on {settings.workload}",
+    }
+    written = write_outputs(rows, exp, meta)  # on disk before anything is published
+    best = written["best"]
+    summary = {**meta, "files": {k: str(v) for k, v in written["paths"].items()}, "best": None, "verify": None, "published": None}
+    winner = None
+    if best is not None:
+        # the config as the trial ran it (threads = the trial's CPUs); published with the user's threads setting
+        winner = SpecConfig.from_json(best["config_json"])
+        summary["best"] = {"trial_id": best["trial_id"], "config": winner.to_dict(), **{k: best.get(k) for k in WINNER_METRICS}}
+    return summary, best, winner
+
+
+def write_verify(best: dict, summary: dict) -> Path:
+    """best.json again, with the winner's verification (``tuning.verify``) in it."""
+    meta = {k: v for k, v in summary.items() if k not in ("files", "best", "verify", "published")}
+    doc = best_document(best, meta)
+    doc["verify"] = summary["verify"]
+    return write_json(doc, Path(summary["files"]["best_json"]))
+
+
 # ---- publishing ---------------------------------------------------------------------------------
 def publish(
     name: str,
@@ -308,6 +333,28 @@ def publish(
         return reg.location, version
     finally:
         reg.close()
+
+
+def publish_winner(name: str, winner: SpecConfig, best: dict, summary: dict, base: SpecConfig, registry: str | None) -> dict:
+    """Put the winner into the registry under ``name`` (with the user's threads setting, not the trial's), its figures,
+    how it was tuned and its verification; returns ``{"name", "version", "registry"}``. Raises
+    ``cluster.registry.RegistryError`` (the results stay on disk)."""
+    files = summary["files"]
+    metrics = {k: best.get(k) for k in WINNER_METRICS}
+    metrics["tuning"] = {
+        "experiment": summary["experiment"],
+        "trial_id": best["trial_id"],
+        "trials": summary["trials"],
+        "workload": summary["workload"],
+        "prompts": summary["prompts"],
+        "categories": summary["categories"],
+    }
+    if summary.get("verify"):
+        metrics["verify"] = summary["verify"]
+        metrics["speedup_verified"] = summary["verify"]["winner"]["speedup"]
+    source = {"tool": "specray tune", "experiment": summary["experiment"], "trials_parquet": files["parquet"]}
+    location, version = publish(name, winner.replace(threads=base.threads), metrics, registry, source)
+    return {"name": name, "version": version, "registry": location}
 
 
 def _plain(d: dict) -> dict:

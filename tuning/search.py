@@ -168,3 +168,43 @@ def can_restore(experiment: Path) -> bool:
     from ray import tune
 
     return (Path(experiment) / SETTINGS_FILE).is_file() and tune.Tuner.can_restore(str(Path(experiment).resolve()))
+
+
+def model_depth(base: SpecConfig) -> int:
+    """Decoder layers of the target (the bound of the layer knobs); loads the model in this process (cached)."""
+    from decoding.model.adapter import ModelAdapter
+    from decoding.model.models import load_model
+
+    return len(ModelAdapter(load_model(base.model, base.dtype).model).layers)
+
+
+def build_space(settings: TuneSettings, depth: int) -> SearchSpace:
+    """The settings' search space for a target of ``depth`` layers, checked against the base config."""
+    base = settings.base_config
+    ranges = {k: {kk: tuple(vv) if isinstance(vv, list) else vv for kk, vv in v.items()} for k, v in settings.ranges.items()}
+    space = SearchSpace.build(settings.methods, depth, fixed=settings.fixed, ranges=ranges, draft_model=base.draft_model)
+    space.check_base(base)
+    return space
+
+
+def trial_statuses(grid) -> list[str]:
+    analysis = getattr(grid, "_experiment_analysis", None)
+    trials = getattr(analysis, "trials", None) or []
+    return [str(t.status) for t in trials]
+
+
+def was_interrupted(statuses: list[str], settings, wall_s: float) -> bool:
+    """A trial left unfinished, or fewer trials than asked with time budget left: Tune stopped on Ctrl-C (or SIGUSR1).
+
+    >>> from types import SimpleNamespace as S
+    >>> was_interrupted(["TERMINATED"] * 3, S(num_samples=3, time_budget_s=None), 10.0)
+    False
+    >>> was_interrupted(["TERMINATED"], S(num_samples=3, time_budget_s=None), 10.0)
+    True
+    >>> was_interrupted(["TERMINATED"], S(num_samples=3, time_budget_s=5.0), 10.0)  # the budget ended it
+    False
+    """
+    if any(s not in ("TERMINATED", "ERROR") for s in statuses):
+        return True
+    budget_spent = settings.time_budget_s is not None and wall_s >= settings.time_budget_s
+    return len(statuses) < settings.num_samples and not budget_spent

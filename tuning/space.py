@@ -242,12 +242,17 @@ class SearchSpace:
         return space
 
     def default_points(self, base: SpecConfig) -> list[dict]:
-        """One sample per method at the base config's (untuned) values, clamped into the space: the searcher tries them first."""
+        """One sample per method at its untuned values (the base config's, with the method's own defaults for what
+        the user did not set), clamped into the space: the searcher tries them first."""
         points = []
         for m in self.methods:
+            try:
+                untuned = base.replace(method=m)
+            except ConfigError:  # e.g. trained without a drafter: its knobs' values are the base's
+                untuned = base
             point = {"method": m}
             for knob in self.knobs[m]:
-                point[f"{m}/{knob.field}"] = knob.clamp(getattr(base, knob.field))
+                point[f"{m}/{knob.field}"] = knob.clamp(getattr(untuned, knob.field))
             points.append(point)
         return points
 
@@ -275,7 +280,9 @@ class SearchSpace:
         method, values = self.knob_values(sample)
         fit = METHOD_TABLE[method].fit  # e.g. one ngram bound fixed by the user, a chain-only trained artifact
         if fit is not None:
-            values = fit(values, base)
+            from decoding.drafters import artifacts  # what the trained artifacts are: the hooks ask it
+
+            values = fit(values, base, artifacts)
         return base.replace(method=method, **values)
 
     def check_base(self, base: SpecConfig) -> None:

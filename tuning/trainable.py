@@ -134,7 +134,6 @@ def measure(
     on_prompt: Callable[[int, dict], None] | None = None,
     warmup: int = 1,
     extra: dict[str, SpecConfig] | None = None,
-    build: Callable[[SpecConfig], object] | None = None,
     repeats: int = 1,
 ) -> dict:
     """Run ``cfg`` and AR on ``prompts``, interleaved; returns the final figures (see :func:`figures`).
@@ -145,15 +144,17 @@ def measure(
     ``on_prompt(n, figures)`` is called after each prompt with the figures over
     the first ``n`` prompts. ``extra`` adds named configs run in the same rotation
     (the returned dict then has ``extra`` = name -> their figures); the driver's
-    re-measurement uses it to compare the winner with the untuned defaults.
-    ``build(cfg)`` makes the non-baseline decoders (see :func:`decoder_for`).
+    re-measurement uses it to compare the winner with the untuned defaults. Each config runs on the decoder
+    ``cluster.decoders.open_decoder`` gives it: ``pearl`` / ``placement=actors`` on two model workers in the trial's
+    own placement group (the target beside the trial in bundle 0, the draft in bundle 1; see :mod:`tuning.resources`),
+    or in a new group outside a trial.
     """
     from evaluation.runner import PromptRunner
 
     if not prompts:
         raise ConfigError("prompts", "no prompts to measure on")
-    configs = {bm.BASELINE: cfg.replace(method=bm.BASELINE), CANDIDATE: cfg, **(extra or {})}
-    runner = PromptRunner(configs, build=build)
+    configs = {bm.BASELINE: cfg.replace(method=bm.BASELINE, placement="local"), CANDIDATE: cfg, **(extra or {})}
+    runner = PromptRunner(configs)
     try:
         threads = runner.ar.threads
         if warmup:
@@ -171,28 +172,6 @@ def measure(
         return result
     finally:
         runner.close()
-
-
-def decoder_for(cfg: SpecConfig):
-    """The decoder a trial (or the re-measurement) runs ``cfg`` with.
-
-    In process for one-process configs; for ``pearl`` / ``placement=actors``
-    two model workers placed in the trial's own placement group (the target
-    beside the trial in bundle 0, the draft in bundle 1; see
-    :mod:`tuning.resources`), or in a new group outside a trial.
-    """
-    from tuning.resources import hosts_actors
-
-    if not hosts_actors(cfg.to_dict()):
-        from decoding.engine import SpecDecoder
-
-        return SpecDecoder(cfg)
-    from ray.util import get_current_placement_group
-
-    from cluster.placement import build_actor_decoder
-
-    group = get_current_placement_group()
-    return build_actor_decoder(cfg, placement_group=group, caller_holds_first=group is not None)
 
 
 def _with_extra(gens, steps, total, cfg, threads, extra) -> dict:
@@ -239,6 +218,6 @@ def trainable(config: dict, setup: TrialSetup) -> None:
         tune.report(invalid(str(e), total))
         return
     try:
-        measure(cfg, setup.prompts, on_prompt=lambda n, m: tune.report(m), warmup=setup.warmup, build=decoder_for)
+        measure(cfg, setup.prompts, on_prompt=lambda n, m: tune.report(m), warmup=setup.warmup)
     except ConfigError as e:  # a knob only the loaded model can check (build_drafter)
         tune.report(invalid(str(e), total, cfg))

@@ -140,7 +140,14 @@ def _candidates(logits: torch.Tensor, n: int, state: DecodeState, stochastic: bo
 
 
 def _draft_tree(
-    step, root_logits: torch.Tensor, shape: Tree | Dynamic, k: int, state: DecodeState, feed_last: bool, path_probs: list | None = None
+    step,
+    root_logits: torch.Tensor,
+    shape: Tree | Dynamic,
+    k: int,
+    state: DecodeState,
+    feed_last: bool,
+    path_probs: list | None = None,
+    order: list | None = None,
 ):
     """Grow a token tree of drafts; shared by every model-based tree drafter (the tree analogue of ``_draft_chain``).
 
@@ -161,7 +168,9 @@ def _draft_tree(
     With ``feed_last`` every node is fed (early exit needs all their hidden states), else the deepest ones are not.
     Returns (tokens [B, j], probs [B, j, V] or None, tree over j+1 nodes, fed: nodes 1..fed were fed). For a
     ``Dynamic`` shape ``path_probs`` (a list) receives each node's path probability, in node order (non-increasing:
-    every prefix of the nodes is a tree).
+    every prefix of the nodes is a tree). ``order`` (a list) receives, per returned node (the root first), the index it
+    had while drafting: level-wise trees rerank their nodes, and a drafter that kept per-node state in drafting order
+    (early exit's hidden states) gathers it by this.
     """
     parents, toks, probs = [-1], [], []  # the drafted tree so far: node i's parent, token [B] and q row [B, V]
     fed = 0
@@ -207,6 +216,8 @@ def _draft_tree(
             grows = any(node_of_slot.get(slot_parent[child], -1) >= lo for child in next_level)
             if grows or feed_last:
                 logits_of_node.update(feed(lo, hi))
+    elif shape.width > 0:
+        return _draft_levels(feed, add, parents, toks, root_logits, shape, k, state, feed_last, path_probs, order)
     else:
         import heapq
 
@@ -241,9 +252,45 @@ def _draft_tree(
             feed(fed + 1, len(parents))
         if path_probs is not None:
             path_probs[:] = path_p
+    if order is not None:
+        order[:] = list(range(len(parents)))
     bsz = root_logits.shape[0]
     out = torch.stack(toks, 1) if toks else torch.zeros(bsz, 0, dtype=torch.long, device=root_logits.device)
     return out, (torch.stack(probs, 1) if probs else None), Tree.from_parents(parents), fed
+
+
+def _draft_levels(feed, add, parents, toks, root_logits, shape: Dynamic, k: int, state: DecodeState, feed_last: bool, path_probs, order):
+    """``_draft_tree`` for ``Dynamic(width=w)``: EAGLE-2's level-by-level growth. Each level takes the w most probable
+    children (by path probability) of the nodes of the level before, which were fed together in one forward; then
+    all drafted nodes are ranked by path probability (a child never above its parent; ties: shallower first) and the
+    best ``budget`` form the tree, in that order. The reranked nodes are not where they were fed, so ``fed`` is 0."""
+    width, path_p, depth = shape.width, [1.0], [0]
+    level, logits_of = [0], {0: root_logits}
+    for d in range(1, k + 1):
+        cands = []
+        for node in level:
+            tokens, _, scores, valid = _candidates(logits_of[node], min(width, shape.max_rank), state, stochastic=False)
+            cands += [(path_p[node] * float(scores[r]), node, tokens[:, r]) for r in range(int(valid.sum()))]
+        if not cands:
+            break
+        cands.sort(key=lambda c: -c[0])
+        level = []
+        for p, parent, tok in cands[:width]:
+            level.append(add(parent, tok, None))
+            path_p.append(p)
+            depth.append(d)
+        if d < k or feed_last:
+            logits_of.update(feed(level[0], level[-1] + 1))
+    kept = sorted(range(1, len(parents)), key=lambda i: (-path_p[i], depth[i]))[: shape.budget if k > 0 else 0]
+    new_index = {0: 0, **{old: i + 1 for i, old in enumerate(kept)}}
+    kept_parents = [-1] + [new_index[parents[i]] for i in kept]
+    if path_probs is not None:
+        path_probs[:] = [1.0] + [path_p[i] for i in kept]
+    if order is not None:
+        order[:] = [0] + kept
+    bsz = root_logits.shape[0]
+    out = torch.stack([toks[i - 1] for i in kept], 1) if kept else torch.zeros(bsz, 0, dtype=torch.long, device=root_logits.device)
+    return out, None, Tree.from_parents(kept_parents), 0
 
 
 def _tree_forward(adapter: ModelAdapter, cache: KVCache, root_slot: int, tree: Tree, lo: int, hi: int, **kw) -> torch.Tensor:
@@ -312,10 +359,12 @@ class DraftModelDrafter(Drafter):
 
 
 def max_nodes_of(shape: Tree | Dynamic | None, k: int) -> int:
+    """The most draft nodes a proposal of this shape writes into a cache (level-wise trees draft ``width`` nodes per
+    level before they keep the best ``budget``)."""
     if isinstance(shape, Tree):
         return shape.size - 1
     if isinstance(shape, Dynamic):
-        return shape.budget
+        return max(shape.budget, shape.width * k)
     return k
 
 
@@ -346,8 +395,12 @@ class EarlyExitDrafter(Drafter):
                 hiddens.append(_tree_forward(t, cache, n - 1, tree, lo, hi, input_ids=toks, last=L))
                 return t.logits(hiddens[-1])
 
-            tokens, probs, tree, _ = _draft_tree(tree_step, t.logits(hiddens[0])[:, -1], self.tree, k, state, feed_last=True)
-            return Proposal(tokens=tokens, probs=probs, hidden=torch.cat(hiddens, 1), layer=L, tree=tree)
+            order: list[int] = []
+            tokens, probs, tree, _ = _draft_tree(tree_step, t.logits(hiddens[0])[:, -1], self.tree, k, state, feed_last=True, order=order)
+            hidden = torch.cat(hiddens, 1)[:, order]  # drafting order -> the tree's node order
+            if order != list(range(len(order))):  # the shallow layers' keys at the tree slots follow the same order
+                cache.compact(n - 1, torch.tensor(order, dtype=torch.long, device=hidden.device) + (n - 1))
+            return Proposal(tokens=tokens, probs=probs, hidden=hidden, layer=L, tree=tree)
 
         def step(tok, i, need_logits):
             hiddens.append(t.forward(cache, n + i, input_ids=tok[:, None], last=L))
@@ -464,5 +517,3 @@ def _no_drafter(cfg, target, device, memory) -> None:
 def _ngram_drafter(cfg, target, device, memory) -> Drafter:
     shape = tree_shape(cfg)
     return NgramDrafter(cfg.ngram_max, cfg.ngram_min, tree_budget=None if shape is None else max_nodes_of(shape, cfg.k))
-
-

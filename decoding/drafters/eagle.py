@@ -163,51 +163,67 @@ class EagleDrafter(Drafter):
         self.cache.rollback(self.fed)
         return out[:, -1:]
 
+    def _trimmed(self) -> torch.Tensor | None:
+        """The head's token ids [M] when it drafts over its own vocabulary (a trained VocabHead), else None."""
+        head = self.adapter.lm_head
+        return head.vocab if isinstance(head, VocabHead) else None
+
+    def _logits(self, h: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+        """Draft logits of hidden states [B, t, H]: over the head's M tokens (indices into ``vocab``), else over V."""
+        if vocab is None:
+            return self.adapter.logits(h)
+        return self.adapter.lm_head.trimmed(self.adapter.norm(h)).float()
+
     @torch.inference_mode()
     def propose(self, state: DecodeState, k: int) -> Proposal:
         a, n = self.adapter, state.tokens.shape[1]
         root = self._catch_up(state)
-        root_logits = a.logits(root)[:, -1]
         if k <= 0:
             return Proposal.empty(state.tokens.shape[0], state.tokens.device)
         if self.tree is None:
+            # greedy chains draft over the head's tokens; sampled ones need q over the whole vocabulary
+            vocab = self._trimmed() if state.sampling.greedy else None
             prev = [root]
 
             def step(tok, i, need_logits):
-                prev.append(a.forward(self.cache, n - 1 + i, hidden=self.net.inputs(prev[-1], tok[:, None])))
-                return a.logits(prev[-1])[:, -1]
+                ids = tok if vocab is None else vocab[tok]
+                prev.append(a.forward(self.cache, n - 1 + i, hidden=self.net.inputs(prev[-1], ids[:, None])))
+                return self._logits(prev[-1], vocab)[:, -1]
 
-            tokens, probs, _ = _draft_chain(step, root_logits, k, state, self.threshold, feed_last=False)
-            return Proposal(tokens=tokens, probs=probs)
-
-        tokens, parents, path_p = self.draft_tree(state, k, root, root_logits)
+            tokens, probs, _ = _draft_chain(step, self._logits(root, vocab)[:, -1], k, state, self.threshold, feed_last=False)
+            return Proposal(tokens=tokens if vocab is None else vocab[tokens], probs=probs)
+        tokens, parents, path_p = self.draft_tree(state, k, root)
         if self.chooser is not None and isinstance(self.tree, Dynamic):
-            keep = self.chooser.prefix(path_p)  # best-first order: every prefix is a tree
+            keep = self.chooser.prefix(path_p)  # every prefix is a tree (best-first, or reranked levels)
             self.last = {"drafted": len(tokens), "verified": keep, "expected": 1 + sum(path_p[:keep])}
             tokens, parents = tokens[:keep], parents[:keep]
         ids = torch.tensor([tokens], dtype=torch.long, device=state.tokens.device)
         return Proposal(tokens=ids, probs=self._probs, tree=Tree.from_parents([-1] + parents))
 
-    def draft_tree(self, state: DecodeState, k: int, root=None, root_logits=None) -> tuple[list[int], list[int], list[float]]:
+    def draft_tree(self, state: DecodeState, k: int, root=None) -> tuple[list[int], list[int], list[float]]:
         """A token tree of up to ``k`` levels in ``self.tree``'s shape: (tokens, parents indexing [pending, nodes...],
-        path probabilities) per node, in node order (for a ``Dynamic`` shape: best-first, every prefix a tree). Feeds
-        the committed positions first unless ``root`` (o_{n-2}) and ``root_logits`` are given."""
+        path probabilities) per node, in node order (for ``Dynamic`` shapes by non-increasing path probability: every
+        prefix is a tree). Feeds the committed positions first unless ``root`` (o_{n-2}) is given. The candidates are
+        the draft's top tokens (deterministic), so the head drafts over its own M tokens."""
         a, n = self.adapter, state.tokens.shape[1]
         if root is None:
             root = self._catch_up(state)
-            root_logits = a.logits(root)[:, -1]
+        vocab = self._trimmed() if isinstance(self.tree, Dynamic) or state.sampling.greedy else None
         outputs = {0: root}  # node -> its output feature [B, 1, H] (node 0: the pending token's pair at slot n-2)
 
         def tree_step(toks, lo, hi, tree):
             parents = tree.parents.tolist()
             g = torch.cat([outputs[parents[i]] for i in range(lo, hi)], 1)
-            h = _tree_forward(a, self.cache, n - 2, tree, lo, hi, hidden=self.net.inputs(g, toks))
+            ids = toks if vocab is None else vocab[toks]
+            h = _tree_forward(a, self.cache, n - 2, tree, lo, hi, hidden=self.net.inputs(g, ids))
             outputs.update({i: h[:, j : j + 1] for j, i in enumerate(range(lo, hi))})
-            return a.logits(h)
+            return self._logits(h, vocab)
 
         path_p: list[float] = []
-        shape = self.tree or Dynamic(budget=k)
-        tokens, probs, tree, _ = _draft_tree(tree_step, root_logits, shape, k, state, feed_last=False, path_probs=path_p)
-        self._probs = probs
-        nodes = tokens[0].tolist()
+        shape = self.tree or Dynamic(budget=k, width=8)
+        tokens, probs, tree, _ = _draft_tree(
+            tree_step, self._logits(root, vocab)[:, -1], shape, k, state, feed_last=False, path_probs=path_p
+        )
+        self._probs = probs if vocab is None else None
+        nodes = (tokens if vocab is None else vocab[tokens])[0].tolist()
         return nodes, tree.parents.tolist()[1:], path_p[1:] if path_p else [1.0] * len(nodes)

@@ -495,28 +495,28 @@ class FeatureRecipe(Recipe):
         return FeatureDrafter(module, confidence_threshold)
 
 
-class MedusaRecipe(Recipe):
-    name = "medusa"
+class HeadsRecipe(Recipe):
+    """``num_heads`` heads on the last hidden state, the i-th predicting token t+i+1: Medusa's (independent) or Hydra's
+    (each head also reads the tokens drafted before it); they draft trees."""
+
     drafts_trees = True
     knobs = {"num_heads": 4}
+    heads: type[torch.nn.Module]
+    drafter_class: type[Drafter]
 
     def build(self, hf_model, knobs):
-        return MedusaHeads(hf_model.config.hidden_size, knobs["num_heads"], hf_model.lm_head.weight.dtype)
+        return self.heads(hf_model.config.hidden_size, knobs["num_heads"], hf_model.lm_head.weight.dtype)
 
     def drafter(self, module, knobs, confidence_threshold, tree=None):
-        return MedusaDrafter(module, confidence_threshold, tree)
+        return self.drafter_class(module, confidence_threshold, tree)
 
 
-class HydraRecipe(Recipe):
-    name = "hydra"
-    drafts_trees = True
-    knobs = {"num_heads": 4}
+class MedusaRecipe(HeadsRecipe):
+    name, heads, drafter_class = "medusa", MedusaHeads, MedusaDrafter
 
-    def build(self, hf_model, knobs):
-        return HydraHeads(hf_model.config.hidden_size, knobs["num_heads"], hf_model.lm_head.weight.dtype)
 
-    def drafter(self, module, knobs, confidence_threshold, tree=None):
-        return HydraDrafter(module, confidence_threshold, tree)
+class HydraRecipe(HeadsRecipe):
+    name, heads, drafter_class = "hydra", HydraHeads, HydraDrafter
 
 
 class EagleRecipe(Recipe):

@@ -68,9 +68,11 @@ class KVCache:
         t = key.shape[2]
         if isinstance(self.cursor, torch.Tensor):  # ragged rows: row b writes at cursor[b] .. cursor[b]+T
             end = self._ragged_end
-            index = self._ragged_index  # [B, H, T, D] slot of each written element
-            self.k[layer_idx].scatter_(2, index, key)
-            self.v[layer_idx].scatter_(2, index, value)
+            rows, slots = self._ragged_rows, self._ragged_slots  # [B, 1], [B, T]: row b writes at slots[b]
+            # an indexed write, not scatter_: torch's CPU scatter_ into a 16-bit cache took 5 ms a call here (SmolLM2,
+            # 16 rows; 300 ms of a batched step over 30 layers), the indexed write 8 us
+            self.k[layer_idx][rows, :, slots] = key.transpose(1, 2)  # the indexed dims lead: [B, T, H, D]
+            self.v[layer_idx][rows, :, slots] = value.transpose(1, 2)
             return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
         end = self.cursor + t
         if end > self.max_len:
@@ -86,13 +88,15 @@ class KVCache:
             raise IndexError(f"KV cache full: writing positions up to {end} of {self.max_len}")
         k0 = self.k[0]
         slots = starts.to(k0.device)[:, None] + torch.arange(t, device=k0.device)  # [B, T]
-        self._ragged_index = slots[:, None, :, None].expand(k0.shape[0], k0.shape[1], t, k0.shape[3])
+        self._ragged_rows = torch.arange(k0.shape[0], device=k0.device)[:, None]
+        self._ragged_slots = slots
         self._ragged_end = end
         self.cursor = starts
         return end
 
     def compact(self, start: int, slots: torch.Tensor) -> None:
-        """Move the KV at ``slots`` ([m] ascending, >= start) to the contiguous slots start..start+m, every layer.
+        """Move the KV at ``slots`` ([m], each >= start, any order: they are read before anything is written) to the
+        contiguous slots start..start+m, every layer.
 
         After a tree verification the accepted branch sits at scattered tree slots; this makes it the
         committed prefix again (one gather + copy per layer; a no-op when the branch is already in place).

@@ -28,13 +28,14 @@ the draft's path probability under a budget; see ``decoding.drafters.drafters``)
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING
 
 import torch
+
+from decoding.treespec import TreeError, parse_acceptance, parse_paths, validate_paths  # noqa: F401 (the trees' own names)
 
 if TYPE_CHECKING:
     from decoding.config import SpecConfig
@@ -43,10 +44,6 @@ if TYPE_CHECKING:
 # target accepts). A generic, steeply falling profile, not a measurement: measure your drafter's vector with
 # ``python -m jobs.bench_trees --calibrate`` and pass it as ``tree_acceptance``.
 DEFAULT_ACCEPTANCE = (0.55, 0.12, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01)
-
-
-class TreeError(ValueError):
-    """A malformed tree description (the config layer names the field)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -153,12 +150,18 @@ class Tree:
 
 @dataclass(frozen=True)
 class Dynamic:
-    """DySpec's shape: no fixed tree; the drafter grows one per step, best-first by the draft's path
-    probability, up to ``budget`` draft nodes (and the step's draft length as the depth limit).
-    ``max_rank``: the most children a node may get."""
+    """A tree the drafter grows per step by the draft's path probability, up to ``budget`` draft nodes (the step's
+    draft length is the depth limit). ``max_rank``: the most children a node may get.
+
+    ``width`` 0 (``tree=dyspec``, DySpec): best-first, each candidate popped in order of path probability (a node's
+    children are scored once it is fed, so a narrow draft feeds about one node per forward). ``width`` > 0
+    (``tree=levels``, EAGLE-2's dynamic tree): level by level, the ``width`` most probable children of the level
+    before are fed in one forward; at the end every drafted node is reranked by path probability and the best
+    ``budget`` kept, so a tree of depth D costs D-1 draft forwards."""
 
     budget: int
     max_rank: int = 8
+    width: int = 0
 
 
 def tree_mask(parents: torch.Tensor) -> torch.Tensor:
@@ -185,59 +188,6 @@ def tree_mask(parents: torch.Tensor) -> torch.Tensor:
 def chain(k: int) -> Tree:
     """The degenerate tree: k drafts in a row."""
     return Tree.from_parents(list(range(-1, k)))
-
-
-def validate_paths(paths) -> list[list[int]]:
-    """Check a path list: non-empty lists of non-negative ints whose parent path and previous sibling are present.
-
-    >>> validate_paths([[0], [0, 1]])
-    Traceback (most recent call last):
-    ...
-    decoding.trees.trees.TreeError: path [0, 1] needs its previous sibling [0, 0]
-    """
-    if not isinstance(paths, list | tuple) or not paths:
-        raise TreeError("expected a non-empty list of paths, e.g. [[0], [1], [0, 0]]")
-    seen = set()
-    for p in paths:
-        if not isinstance(p, list | tuple) or not p:
-            raise TreeError(f"every path is a non-empty list of child ranks, got {p!r}")
-        if not all(isinstance(r, int) and not isinstance(r, bool) for r in p):
-            raise TreeError(f"ranks are integers, got {p!r}")
-        if any(r < 0 for r in p):
-            raise TreeError(f"ranks are >= 0, got {list(p)}")
-        seen.add(tuple(p))
-    for p in seen:
-        if len(p) > 1 and p[:-1] not in seen:
-            raise TreeError(f"path {list(p)} has no parent path {list(p[:-1])}")
-        if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in seen:
-            raise TreeError(f"path {list(p)} needs its previous sibling {list(p[:-1] + (p[-1] - 1,))}")
-    return [list(p) for p in paths]
-
-
-def parse_paths(text: str) -> list[list[int]]:
-    """Paths from JSON text (the config's ``tree_paths``); raises TreeError."""
-    try:
-        paths = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise TreeError(f"not valid JSON ({e})") from None
-    return validate_paths(paths)
-
-
-def parse_acceptance(text: str) -> list[float]:
-    """A per-rank acceptance vector from JSON or comma text: ``[0.6, 0.1]`` or ``0.6,0.1``; raises TreeError.
-
-    >>> parse_acceptance("0.6, 0.1")
-    [0.6, 0.1]
-    """
-    try:
-        values = json.loads(text) if text.strip().startswith("[") else [float(x) for x in text.split(",") if x.strip()]
-    except (json.JSONDecodeError, ValueError):
-        raise TreeError(f"expected numbers like [0.6, 0.1], got {text!r}") from None
-    if not values or not all(isinstance(v, int | float) and 0.0 <= v <= 1.0 for v in values):
-        raise TreeError(f"expected probabilities in [0, 1], got {text!r}")
-    if sum(values) > 1.0 + 1e-6:
-        raise TreeError(f"per-rank acceptance probabilities sum to {sum(values):.3f} > 1")
-    return [float(v) for v in values]
 
 
 def sequoia_paths(acceptance: Sequence[float], budget: int, max_depth: int) -> list[list[int]]:
@@ -312,6 +262,9 @@ def expected_accepted(acceptance: Sequence[float], paths: Sequence[Sequence[int]
     return round(total, 6)
 
 
+LEVEL_WIDTH = 8  # tree=levels: nodes fed per level (EAGLE-2's top-k)
+
+
 @lru_cache(maxsize=64)
 def build_shape(tree: str, k: int, paths: str = "", budget: int = 16, acceptance: str = "") -> Tree | Dynamic | None:
     """The tree shape a config describes: a ``Tree`` (static, sequoia), ``Dynamic`` (dyspec) or None (chain).
@@ -326,6 +279,8 @@ def build_shape(tree: str, k: int, paths: str = "", budget: int = 16, acceptance
         return Tree.from_paths(sequoia_paths(acc, budget, k))
     if tree == "dyspec":
         return Dynamic(budget)
+    if tree == "levels":
+        return Dynamic(budget, width=LEVEL_WIDTH)
     return None
 
 

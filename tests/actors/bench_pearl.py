@@ -92,7 +92,7 @@ def main():
             t["identical"] += out.token_ids == ref
             t["rounds"] += getattr(out, "rounds", [])
             if name in decs and args.method == "triforce":
-                stats = dec.stats_of(out)
+                stats = dec.stats(out)
                 t["levels"].append(stats["levels"])
                 t["rss"] = stats["peak_rss_mb"]
         refs.append(ref)

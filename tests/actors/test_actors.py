@@ -55,7 +55,7 @@ def test_greedy_identical_to_ar(workers, ar_reference, method):
         if out.token_ids != ref:
             mismatched.append(qid)
         rounds += len(out.rounds)
-        stats = dec.stats_of(out)
+        stats = dec.stats(out)
         assert stats["rpc"]["rounds"] == len(out.rounds) and stats["placement"]["transport"] == "calls"
     assert not mismatched, f"{method} over actors diverged from AR on {mismatched}"
     assert rounds < len(ar_reference) * NEW  # every round committed at least one token, some more

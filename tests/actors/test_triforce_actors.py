@@ -43,7 +43,7 @@ def test_greedy_identical_to_ar(workers, long_prompt_and_ar, schedule):
     dec = ActorDecoder(BASE.replace(triforce_schedule=schedule), target, draft, placement)
     out = dec.generate_ids(ids)
     assert out.token_ids == ref
-    stats = dec.stats_of(out)
+    stats = dec.stats(out)
     levels = stats["levels"]
     assert levels["middle_drafted"] > 0 and levels["middle_steps"] > 0
     # the middle level's cache is the retrieval view: far smaller than the prompt's full KV

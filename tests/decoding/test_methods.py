@@ -175,3 +175,55 @@ def test_the_table_stays_in_decoding_and_torch_free():
     code = "import sys, decoding.config, decoding.methods; print(sorted(m for m in ('torch', 'ray') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"  # the config (and the table it imports) load without torch or ray
+
+
+# ---- a configuration: the common fields plus the options its method reads ---------------------------------------
+def test_every_option_belongs_to_one_group_and_every_knob_to_its_methods_options():
+    import dataclasses
+
+    from decoding.config import COMMON, OPTION_DEFAULTS
+    from decoding.methods import OPTION_GROUPS
+
+    grouped = [name for names in OPTION_GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(OPTION_DEFAULTS) and len(grouped) == len(set(grouped))
+    fields = {f.name for f in dataclasses.fields(SpecConfig) if not f.name.startswith("_")}
+    assert fields == set(COMMON) | set(OPTION_DEFAULTS)
+    for entry in METHOD_TABLE.values():
+        assert {k.field for k in entry.knobs} <= set(entry.fields), entry.name
+        assert set(entry.defaults) <= set(entry.fields), entry.name
+
+
+def test_a_config_serialises_its_methods_options_and_what_was_given():
+    ngram = SpecConfig(method="ngram", k=6)
+    assert "exit_layer" not in ngram.to_dict() and ngram.to_dict()["ngram_max"] == 3
+    given = SpecConfig(method="ngram", exit_layer=10)  # given explicitly: kept, whatever the method
+    assert given.to_dict()["exit_layer"] == 10 and given.replace(method="early-exit").exit_layer == 10
+    assert set(SpecConfig().to_dict()) == {"method", "model", "temperature", "top_p", "top_k", "seed", "max_new_tokens"} | {
+        "dtype",
+        "quant",
+        "threads",
+        "device",
+        "extra",
+    }
+    flat = {**SpecConfig(method="ngram").to_dict(), "exit_layer": 24, "triforce_budget": 1024, "placement": "local"}
+    assert SpecConfig.from_dict(flat) == SpecConfig(method="ngram")  # a registry entry of the flat era reads the same
+
+
+def test_per_method_defaults_apply_to_what_was_not_set():
+    eagle = SpecConfig(method="eagle")
+    assert (eagle.k, eagle.tree, eagle.tree_budget) == (6, "dyspec", 32)
+    assert (SpecConfig().k, SpecConfig(method="ngram").tree) == (4, "chain")  # other methods keep theirs
+    assert SpecConfig().replace(method="eagle").tree == "dyspec"  # a method change brings its defaults
+    assert SpecConfig().with_overrides(["method=eagle"]).tree_budget == 32
+    assert SpecConfig(k=3).replace(method="eagle").k == 3  # what the user set stays
+    assert eagle.replace(method="ngram").tree == "chain"
+    assert SpecConfig(method="eagle", tree="chain").tree == "chain"
+    assert SpecConfig().for_method("eagle").k == 6
+
+
+def test_an_option_given_for_another_method_is_still_checked():
+    with pytest.raises(ConfigError) as e:
+        SpecConfig(method="ar", ngram_min=0)
+    assert e.value.field == "ngram_min"
+    with pytest.raises(ConfigError, match="unknown field"):
+        SpecConfig.from_dict({"method": "ngram", "_given": []})

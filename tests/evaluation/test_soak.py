@@ -273,7 +273,9 @@ def test_a_shorter_greedy_request_is_checked_against_the_prefix_of_the_reference
     dec = SpecDecoder(SpecConfig(model=str(tiny_model_dir), dtype="float32"))
     prompts = ["the cat sat on the mat", "one two three"]
     refs = References(dec, prompts, max_tokens=12, long_tokens=20)
-    rec = S.RequestRecord(0, "load", "m", "chat", False, 0.0, None, 5, 1, 60.0)
+    rec = S.RequestRecord(
+        idx=0, kind="load", model="m", endpoint="chat", stream=False, temperature=0.0, seed=None, max_tokens=5, prompt_idx=1, timeout_s=60.0
+    )
     alone = dec.decode(dec.generate_ids(dec.encode(prompts[1], chat=True), max_new_tokens=5).token_ids)
     assert refs(rec) == alone
     rec.max_tokens = 13  # longer than the chat reference was run for

@@ -1,55 +1,10 @@
-"""specray bench-serve: its figures from request records, its README table, and one short real run through HTTP."""
+"""specray bench-serve and bench-http: short real runs through HTTP on the tiny model."""
 
 import json
 
 import pytest
 
-from jobs.bench_serve import main, percentile, results_table, summarize_wave, update_readme
-
-
-def test_wave_figures():
-    reqs = [
-        {"ok": True, "tokens": 10, "ttft_s": 0.5, "itl_s": [0.1, 0.1, 0.3]},
-        {"ok": True, "tokens": 20, "ttft_s": 2.0, "itl_s": [0.2]},
-        {"ok": False, "tokens": 0, "ttft_s": None, "itl_s": []},
-    ]
-    fig = summarize_wave(reqs, wall=2.0, slo_ttft=1.0, slo_itl=0.5)
-    assert fig["completed"] == 2 and fig["requests"] == 3 and fig["tokens"] == 30
-    assert fig["tokens_per_s"] == 15.0 and fig["requests_per_s"] == 1.0
-    assert fig["goodput_tokens_per_s"] == 5.0  # only the first met the TTFT objective
-    assert fig["ttft_p50_s"] == 1.25 and fig["itl_p99_s"] == pytest.approx(percentile([0.1, 0.1, 0.3, 0.2], 99))
-    assert percentile([], 50) is None
-
-
-def test_readme_block_is_rewritten_in_place(tmp_path):
-    summary = {
-        "model": "m",
-        "dtype": "bfloat16",
-        "threads": 2,
-        "max_tokens": 8,
-        "entries": {"ngram": {"k": 4, "adaptive_k": True}},
-        "rows": [
-            {
-                "method": m,
-                "concurrency": c,
-                "tokens_per_s": t,
-                "speedup_vs_batched_ar": t / a,
-                "vs_one_stream_ar": a / 10.0,
-                "ttft_p99_s": 0.5,
-                "itl_p99_s": 0.1,
-            }
-            for c, a, n in [(1, 10.0, 14.0), (16, 60.0, 59.0)]
-            for m, t in [("ar", a), ("ngram", n)]
-        ],
-        "in_process": {"specray_inprocess_ar": {"1": 11.0, "16": 70.0}, "hf_padded_generate": {"1": 10.0, "16": 50.0}},
-    }
-    table = results_table(summary)
-    assert "| 16 | 60.0 | 59.0 | 0.98x | 6.00x | 0.50 | 100 | 1.40x |" in table
-    readme = tmp_path / "README.md"
-    readme.write_text("# x\n\n<!-- load-results -->\nold\n<!-- /load-results -->\n\nafter\n")
-    update_readme(readme, summary, tmp_path / "load.png")
-    text = readme.read_text()
-    assert "old" not in text and table in text and text.endswith("after\n") and "ngram: k=4, adaptive_k=True" in text
+from jobs.bench_serve import main
 
 
 @pytest.mark.cluster
@@ -86,6 +41,17 @@ def test_a_short_sweep_through_http(tiny_model_dir, tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["in_process"]) == {"specray_inprocess_ar", "hf_padded_generate"}
     assert (out / "load.png").stat().st_size > 10_000 and (out / "load.parquet").exists() and (out / "requests.parquet").exists()
+
+
+@pytest.mark.cluster
+def test_http_overhead_and_a_few_streams(tiny_model_dir, capsys):
+    from jobs.bench_http import main as bench_http
+
+    args = ["--model", str(tiny_model_dir), "--method", "ngram", "--tokens", "6", "--repeats", "1", "--load", "3"]
+    assert bench_http(args) == 0
+    result = json.loads([ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")][-1])
+    assert result["identical_text"] and set(result["median_s"]) == {"in_process", "http", "http_stream"}
+    assert result["ratio_http"] > 0 and result["load"]["completed"] == 3 and result["load"]["tokens"] > 0
 
 
 def test_bad_flags_fail_in_one_line(capsys):

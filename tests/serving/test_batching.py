@@ -9,7 +9,7 @@ import torch
 from decoding.drafters.drafters import NgramDrafter
 from decoding.loop.loop import ContextTooLong, Sequence, generate
 from decoding.model.adapter import ModelAdapter
-from serving.batching import EngineFailed, EngineLoop, run_alone
+from serving.batching import EngineFailed, EngineLoop
 
 PROMPTS = [[3, 7, 3, 7, 3], [1, 2, 3, 4, 5, 6], [9, 9, 4, 9, 9, 4], [5], [2, 11, 6, 2, 11, 6, 2], [0, 4, 8]]
 
@@ -100,8 +100,3 @@ def test_close_fails_what_is_waiting(target):
     engine.close()
     with pytest.raises(EngineFailed, match="shut down"):
         engine.submit(Sequence(torch.tensor([PROMPTS[0]])), lambda s, e: None)
-
-
-def test_run_alone(target):
-    seq = run_alone(target, Sequence(torch.tensor([PROMPTS[0]]), drafter=NgramDrafter(2, 1), k=3, max_new_tokens=9))
-    assert seq.result().token_ids == generate(target, torch.tensor([PROMPTS[0]]), max_new_tokens=9).token_ids

@@ -154,3 +154,14 @@ def test_training_on_the_fly_from_token_ids(target, recipe, knobs, tmp_path):
     assert features.tokens_run > 30 * 2 * 6  # the target really ran for every draw
     art = load_artifact(str(tmp_path), target)
     assert art.module.lm_head.vocab.shape == (10,)
+
+
+def test_features_with_a_capped_context(target):
+    """max_context: the target sees at most that many tokens up to the window's end; positions start there."""
+    from training.features import TargetFeatures
+
+    tokens = torch.randint(0, 12, (60,), generator=torch.Generator().manual_seed(3))
+    capped = TargetFeatures(target, [3], max_context=30).example({"tokens": tokens, "answer_from": 50}, window=16)
+    assert capped["tokens"].tolist() == tokens[30:].tolist() and capped["start"] == 14 and capped["answer_from"] == 20
+    full = TargetFeatures(target, [3]).example({"tokens": tokens[30:], "answer_from": 20}, window=16)
+    assert torch.equal(capped["hidden"][3], full["hidden"][3])  # the same as a text that began there

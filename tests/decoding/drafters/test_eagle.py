@@ -98,7 +98,7 @@ def test_trimmed_head_trains_and_drafts_over_its_tokens(target):
     assert recipe.data_layers(recipe.check({}, 30), 30) == [2, 15, 30]
 
 
-@pytest.mark.parametrize("shape", ["chain", "dyspec"])
+@pytest.mark.parametrize("shape", ["chain", "dyspec", "levels"])
 def test_eagle_greedy_equals_ar(target, shape):
     """float32: greedy output identical to AR, chains and dynamic trees (the drafter is random: many rejections)."""
     model = copy.deepcopy(target)
@@ -106,7 +106,7 @@ def test_eagle_greedy_equals_ar(target, shape):
     adapter = ModelAdapter(model)
     prompt = torch.randint(VOCAB, (1, 12), generator=torch.Generator().manual_seed(4))
     ar = generate(adapter, prompt, max_new_tokens=40).token_ids
-    tree = Dynamic(budget=8) if shape == "dyspec" else None
+    tree = {"dyspec": Dynamic(budget=8), "levels": Dynamic(budget=8, width=4), "chain": None}[shape]
     out = generate(adapter, prompt, drafter=EagleDrafter(net, tree=tree), k=4, max_new_tokens=40)
     assert out.token_ids == ar
     assert out.stats.target_forwards <= 40
@@ -175,6 +175,7 @@ PROMPTS = ["Tell me about the sea.", "qzx vbn wrt plk"]  # the second offers not
     [
         {"method": "eagle", "tree": "dyspec", "tree_budget": 10, "k": 4},
         {"method": "eagle", "tree": "dyspec", "tree_budget": 10, "k": 4, "tree_fit": "budget"},
+        {"method": "eagle", "tree": "levels", "tree_budget": 10, "k": 4},
         {"method": "eagle", "k": 4},
         {"method": "hybrid", "k": 4},
         {"method": "sps", "k": 3},
@@ -280,9 +281,9 @@ def test_tune_snaps_exit_layers_to_shipped_adapters(monkeypatch, tmp_path, artif
     monkeypatch.setattr(arts, "SHIPPED", tmp_path)
     fit = method_of("early-exit").fit
     base = SpecConfig(model="tinyalias", method="early-exit")
-    assert fit({"exit_layer": 3}, base) == {"exit_layer": 3}  # nothing ships: the sample stands
+    assert fit({"exit_layer": 3}, base, arts) == {"exit_layer": 3}  # nothing ships: the sample stands
     for layer in (2, 6):
         shutil.copytree(artifacts["kangaroo-l2"], tmp_path / "tinyalias" / f"kangaroo-l{layer}")
     assert arts.shipped_exit_layers("tinyalias") == [2, 6]
-    assert [fit({"exit_layer": x}, base)["exit_layer"] for x in (1, 3, 4, 5, 20)] == [2, 2, 2, 6, 6]
-    assert fit({"exit_layer": 3}, base.replace(drafter="none")) == {"exit_layer": 3}  # the user opted out
+    assert [fit({"exit_layer": x}, base, arts)["exit_layer"] for x in (1, 3, 4, 5, 20)] == [2, 2, 2, 6, 6]
+    assert fit({"exit_layer": 3}, base.replace(drafter="none"), arts) == {"exit_layer": 3}  # the user opted out

@@ -3,7 +3,8 @@
 The modules are untrained initialisations (a copy of target layers, zero-initialised heads): losslessness does not
 depend on what a drafter learned, only on the drafter's cache bookkeeping, which these runs exercise. The feature
 head's initialisation drafts nothing acceptable, so it is first fitted for a few steps on these very AR outputs
-(over-fitting is the point: accepted drafts exercise its cache bookkeeping).
+(over-fitting is the point: accepted drafts exercise its cache bookkeeping). The EAGLE head runs as shipped for the
+bundled model (method ``eagle``'s default drafter).
 """
 
 import pytest
@@ -22,6 +23,7 @@ KNOBS = {
     "hydra": {"num_heads": 3},
     "feature": {},
     "distill": {"draft_layers": 4},
+    "eagle": {},  # the shipped head of the bundled model (method eagle's default drafter)
 }
 
 pytestmark = pytest.mark.slow
@@ -55,12 +57,16 @@ def fit_briefly(loaded, ar_outputs, out):
 
 @pytest.mark.parametrize("recipe", list(KNOBS))
 def test_trained_drafter_is_token_identical_to_ar(recipe, ar_outputs, smollm2_fp32, tmp_path):
-    if recipe == "feature":
-        fit_briefly(smollm2_fp32, ar_outputs, tmp_path)
+    if recipe == "eagle":
+        dec = SpecDecoder(BASE.replace(method="eagle"))
     else:
-        module = get_recipe(recipe).build(smollm2_fp32.model, KNOBS[recipe])
-        save_artifact(tmp_path, recipe, KNOBS[recipe], module, smollm2_fp32.model, "smollm2-135m", training={"steps": 0})
-    dec = SpecDecoder(BASE.replace(method="trained", drafter=str(tmp_path), k=3, confidence_threshold=0.1 if recipe == "kangaroo" else 0.0))
+        if recipe == "feature":
+            fit_briefly(smollm2_fp32, ar_outputs, tmp_path)
+        else:
+            module = get_recipe(recipe).build(smollm2_fp32.model, KNOBS[recipe])
+            save_artifact(tmp_path, recipe, KNOBS[recipe], module, smollm2_fp32.model, "smollm2-135m", training={"steps": 0})
+        threshold = 0.1 if recipe == "kangaroo" else 0.0
+        dec = SpecDecoder(BASE.replace(method="trained", drafter=str(tmp_path), k=3, confidence_threshold=threshold))
     accepted = 0
     for q in PROMPTS:
         out = dec.generate_ids(dec.encode(q["turns"][0], chat=True))

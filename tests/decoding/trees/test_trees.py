@@ -301,11 +301,14 @@ def tree_drafters(model):
         "sps-dyspec": DraftModelDrafter(ModelAdapter(model, num_layers=1), tree=Dynamic(6)),
         "early-exit-static": EarlyExitDrafter(exit_layer=1, tree=STATIC),
         "early-exit-dyspec": EarlyExitDrafter(exit_layer=1, tree=Dynamic(6)),
+        # level-wise (EAGLE-2) trees rerank their nodes: early exit's hidden states must follow the new order
+        "sps-levels": DraftModelDrafter(ModelAdapter(model, num_layers=1), tree=Dynamic(6, width=3)),
+        "early-exit-levels": EarlyExitDrafter(exit_layer=1, tree=Dynamic(6, width=3)),
         "ngram-trie": NgramDrafter(ngram_max=2, ngram_min=1, tree_budget=6),
     }
 
 
-NAMES = ["sps-static", "sps-dyspec", "early-exit-static", "early-exit-dyspec", "ngram-trie"]
+NAMES = ["sps-static", "sps-dyspec", "early-exit-static", "early-exit-dyspec", "sps-levels", "early-exit-levels", "ngram-trie"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -324,7 +327,7 @@ def test_tree_lengths_exact(tiny_model, name, max_new):
     assert len(out.token_ids) == max_new
 
 
-@pytest.mark.parametrize("name", ["sps-static", "early-exit-dyspec", "ngram-trie"])
+@pytest.mark.parametrize("name", ["sps-static", "early-exit-dyspec", "early-exit-levels", "ngram-trie"])
 def test_sampled_distribution_with_trees_matches_target(tiny_model, name):
     counts = sample_counts(tiny_model, tree_drafters(tiny_model)[name], SAMPLING)
     p = chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING))
@@ -378,3 +381,26 @@ def test_tune_space_searches_tree_shape_and_budget():
         )
     cfg = space.to_config({"method": "sps", "sps": {"k": 3, "tree": "sequoia", "tree_budget": 12}}, SpecConfig())
     assert (cfg.tree, cfg.tree_budget, cfg.k) == ("sequoia", 12, 3)
+
+
+def test_level_wise_trees_feed_one_forward_per_level_and_rerank(tiny_model):
+    """Dynamic(width=w): depth-1 draft forwards of at most w nodes each, the kept nodes ranked by path probability
+    (non-increasing; every parent before its children), at most ``budget`` of them."""
+    from decoding.drafters.drafters import DecodeState, _draft_tree
+    from decoding.loop.loop import GREEDY
+
+    target = ModelAdapter(tiny_model)
+    widths = []
+
+    def step(toks, lo, hi, tree):
+        widths.append(hi - lo)
+        return torch.randn(1, hi - lo, 12, generator=torch.Generator().manual_seed(lo))
+
+    state = DecodeState(PROMPT, target, target.new_cache(1, 64), GREEDY, None, 64)
+    root = torch.randn(1, 12, generator=torch.Generator().manual_seed(99))
+    path, order = [], []
+    tokens, probs, tree, fed = _draft_tree(step, root, Dynamic(7, width=3), 4, state, feed_last=False, path_probs=path, order=order)
+    assert widths == [3, 3, 3] and fed == 0 and probs is None
+    assert tokens.shape[1] == 7 and tree.size == 8 and len(order) == 8 and order[0] == 0
+    assert path[1:] == sorted(path[1:], reverse=True)
+    assert all(p < i for i, p in enumerate(tree.parents.tolist()) if i)
