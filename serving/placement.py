@@ -156,9 +156,15 @@ class PlacedWorker(Worker):
                 raise err
             time.sleep(0.25)
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         """Serve calls this periodically: a worker restarting is noted (the next generation waits for it); one dead
-        for good, or restarting for longer than RESTART_WAIT_S, makes the replica exit, and Serve replaces it."""
+        for good, or restarting for longer than RESTART_WAIT_S, makes the replica exit, and Serve replaces it. The
+        pings wait off the event loop (a restarting worker answers unavailable after about 1.5 s)."""
+        import asyncio
+
+        await asyncio.get_running_loop().run_in_executor(None, self._check_workers)
+
+    def _check_workers(self) -> None:
         from actors.driver import WorkerDied
 
         states = self.dec.worker_states(timeout_s=5.0)

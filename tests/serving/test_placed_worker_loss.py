@@ -5,6 +5,8 @@ replica exit (Serve replaces it). The real thing, on a Ray cluster over HTTP: te
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from actors.driver import WorkerDied
@@ -73,7 +75,7 @@ def test_a_worker_dead_for_good_or_a_compiled_graph_makes_the_replica_exit(monke
     assert not w._lost(WorkerDied("the target worker died"))
     assert len(w.exits) == 1
     with pytest.raises(WorkerDied):
-        w.check_health()
+        w._check_workers()
 
 
 def test_a_restart_longer_than_the_wait_makes_the_replica_exit(monkeypatch):
@@ -89,7 +91,7 @@ def test_a_restart_longer_than_the_wait_makes_the_replica_exit(monkeypatch):
 def test_the_health_check_passes_while_workers_compute_or_restart(monkeypatch):
     dec = FakeDecoder([{"target": "busy", "draft": "alive"}, RESTARTING])
     w = replica(dec, monkeypatch)
-    w.check_health()
+    asyncio.run(w.check_health())
     assert w._restart_seen is None
-    w.check_health()  # restarting: noted, still healthy (Serve would otherwise replace the replica mid-restart)
+    asyncio.run(w.check_health())  # restarting: noted, still healthy (Serve would otherwise replace the replica mid-restart)
     assert w._restart_seen is not None and w.exits == []
