@@ -24,7 +24,7 @@ import time
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from decoding.config import SpecConfig
 from decoding.decoder import DecoderBase, GenerationLost, context_error, decode, encode
@@ -140,8 +140,10 @@ class TwoSidedSequence:
         self.prompt_ids, self.max_new_tokens, self.seed, self.on_step, self.tag = prompt_ids, max_new_tokens, seed, on_step, tag
         self.generation: TwoSidedGeneration | None = None
         self._cancelled: str | None = None
+        self.delivered = 0  # tokens handed to on_step: none, and a lost generation can run again unseen
 
     def step(self, tokens: list[int]) -> str | None:
+        self.delivered += len(tokens)
         reason = self.on_step(tokens) if self.on_step else None
         return reason or self._cancelled
 
@@ -245,6 +247,30 @@ class ActorDecoder(DecoderBase):
         if self.plan.level_stats:
             stats["levels"] = self.executor.wait(self.draft.level_stats.remote(), "draft worker")
         return stats
+
+    def worker_states(self, timeout_s: float = 2.0) -> dict[str, str]:
+        """Each worker's state by an empty call: "alive" (it answered), "busy" (no answer within ``timeout_s``: it
+        computes), "restarting" (Ray is starting it again after a crash: the call fails as unavailable) or "dead" (for
+        good: its restarts are spent, or it was killed)."""
+        refs = {role: getattr(self, role).ping.remote() for role in WORKER_ROLES}
+        states = {}
+        for role, ref in refs.items():
+            try:
+                ray.get(ref, timeout=timeout_s)
+                states[role] = "alive"
+            except GetTimeoutError:
+                states[role] = "busy"
+            except ActorUnavailableError:
+                states[role] = "restarting"
+            except RayActorError:
+                states[role] = "dead"
+        return states
+
+    def refresh_placement(self) -> None:
+        """Where each worker runs now (a restarted worker has a new process, on a new node after a node loss)."""
+        infos = self.executor.wait([getattr(self, role).info.remote() for role in WORKER_ROLES], "workers")
+        for role, info in zip(WORKER_ROLES, infos, strict=True):
+            self.placement[role] = {**(self.placement.get(role) or {}), **info}
 
     def rpc_probe(self, n: int = 50) -> dict:
         """Round-trip cost without compute: an empty call to one worker, and to both at once (PEARL's shape)."""

@@ -39,11 +39,19 @@ from decoding.model.models import load_model, resolve_device, set_threads
 from decoding.sampling import SamplingParams
 from decoding.schedules.two_sided import DraftRequest, DraftResult, DraftSide, VerifyRequest, VerifyResult, VerifySide
 
+# a worker whose process dies is started again by Ray in the same placement-group bundle, loading its model again
+# (its handle and actor id stay): a Serve replica keeps serving on it instead of being replaced with new workers
+# (serving.placement). Calls in flight at the death fail (ActorUnavailableError: the generation is lost); calls are
+# never retried. Once the restarts are spent, the next death is final (ActorDiedError).
+WORKER_RESTARTS = 3
 
-@ray.remote(max_restarts=0, max_task_retries=0)
+
+@ray.remote(max_restarts=WORKER_RESTARTS, max_task_retries=0)
 class ModelActor:
     """One model and its cache. ``role``: "target" (full model) or "draft" (``draft_model`` or the first ``draft_layers``;
-    for ``triforce`` the target model again, hosting the middle level over its own cache, and the bottom drafter)."""
+    for ``triforce`` the target model again, hosting the middle level over its own cache, and the bottom drafter).
+    Restarted after a crash (``WORKER_RESTARTS``) with the same arguments: every generation starts with a prefill, so a
+    restarted worker needs nothing else."""
 
     def __init__(self, role: str, cfg_json: str, threads: int | None = None):
         from decoding.config import SpecConfig

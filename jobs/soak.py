@@ -1,6 +1,6 @@
 """`specray soak` / `python -m jobs.soak`: steady load through real HTTP with faults injected, and nothing lost.
 
-    specray soak --duration-s 1800 --repeats 2 --out runs/soak --docs docs/soak --readme README.md
+    specray soak --duration-s 1800 --repeats 2 --out runs/soak --docs docs/soak --readme docs/soak.md
     specray soak --duration-s 120 --schedule 20:replica_kill,40:worker_kill --model /path/to/hf-model
 
 Builds its own test cluster on this machine (``evaluation.soak.SoakCluster``: a head that keeps Serve's
@@ -13,8 +13,8 @@ under ``--max-streams``) with the faults of ``--faults`` at evenly spread times 
 of ``--schedule``, and prints one progress line every ``--progress-s``.
 
 Writes under ``--out``: ``requests.parquet``, ``processes.parquet``, ``faults.parquet``, ``summary.json``,
-``report.md`` and ``soak.png``; ``--docs DIR`` copies the report and the plot there and ``--readme README.md``
-rewrites the README's ``<!-- soak-results -->`` block. Exit 0 when no request was lost, hung, answered twice,
+``report.md`` and ``soak.png``; ``--docs DIR`` copies them there and ``--readme FILE``
+rewrites the ``<!-- soak-results -->`` block of a Markdown file (docs/soak.md). Exit 0 when no request was lost, hung, answered twice,
 mixed or wrong and the service drained at the end; 1 otherwise; 2 (one line) on bad input.
 """
 
@@ -64,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--growth-from-s", type=float, default=300.0, help="RSS/fd growth is measured from here to the end (default 300)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/soak", help="output folder (default runs/soak)")
-    p.add_argument("--docs", metavar="DIR", help="also copy report.md, soak.png and summary.json here (e.g. docs/soak)")
-    p.add_argument("--readme", metavar="README.md", help="also rewrite the README's <!-- soak-results --> block")
+    p.add_argument("--docs", metavar="DIR", help="also copy the report, the plot, the summary and the Parquet files here (e.g. docs/soak)")
+    p.add_argument("--readme", metavar="FILE", help="also rewrite the <!-- soak-results --> block of this Markdown file (docs/soak.md)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
     return p
 
@@ -376,7 +376,7 @@ def report(args, argv: list[str], soak, prep) -> int:
     print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     if prep.docs is not None:
         prep.docs.mkdir(parents=True, exist_ok=True)
-        for key in ("report", "plot", "summary"):
+        for key in ("report", "plot", "summary", "requests", "processes", "faults"):
             shutil.copy(paths[key], prep.docs / paths[key].name)
     if args.readme:
         body = results_block(summary, summary["run"]["command"])

@@ -28,6 +28,8 @@ from serving.worker import Worker
 
 log = logging.getLogger("ray.serve")
 
+RESTART_WAIT_S = 120.0  # how long the replica waits for a crashed model worker to be back (its model loaded again)
+
 
 def deployment_name(entry: str) -> str:
     """A Serve deployment name for a registry entry: ``Placed-<entry with / as ->``.
@@ -93,6 +95,7 @@ class PlacedWorker(Worker):
         )
         self.load_s = time.perf_counter() - t0
         self._exiting = False
+        self._restart_seen: float | None = None  # when a worker was seen restarting (time.monotonic); None: both answer
         log.info("specray: %s placed (%s) in %.1fs: %s", name, self.plan.strategy, self.load_s, self.where())
 
     async def _decoder(self, cfg: SpecConfig):
@@ -109,23 +112,92 @@ class PlacedWorker(Worker):
     def stats(self) -> dict:
         return {"entry": self.name, "placement": self.where(), "totals": dict(self.totals)}
 
-    def check_health(self) -> None:
-        """Serve calls this periodically: a lost worker makes the replica unhealthy, and Serve replaces it (new group)."""
+    # ---- a lost worker ---------------------------------------------------------------------------
+    # A model worker whose process dies is started again by Ray in its bundle (actors.worker.WORKER_RESTARTS): the
+    # replica waits for it (a new process loading the model) instead of exiting, which would cost a new replica, a new
+    # placement group and both workers loaded from scratch. The generations it lost end as 503s, unless they had not
+    # delivered a token yet: those run again once the worker is back. A worker dead for good (its restarts spent, a
+    # compiled graph that cannot follow a restart) or not back within RESTART_WAIT_S: the replica exits and Serve
+    # replaces it (a new group).
+
+    def _run(self, dec, seq) -> None:
         from actors.driver import WorkerDied
 
+        self._await_workers()
         try:
-            self.dec.executor.wait([self.dec.target.ping.remote(), self.dec.draft.ping.remote()], "workers' health check")
+            dec.run(seq)
         except WorkerDied as e:
-            self._lost(e)
-            raise
+            if seq.delivered or not self._lost(e):
+                raise
+            log.warning("specray: %s: %s lost before its first token; it runs again once the workers are back", self.name, seq.tag)
+            self._await_workers()
+            dec.run(seq)
 
-    def _lost(self, err: Exception) -> None:
-        """A model worker is gone for good, so this replica can serve nothing more: it exits now and Serve, seeing the
-        crash, starts a replacement (a new group) at once, instead of after three failed health checks 5 s apart. The
-        requests it holds end as 503s (their error events, or the ingress's answer to a lost replica)."""
+    def _await_workers(self) -> None:
+        """Return once both workers answer (at once, unless a restart was seen); raise WorkerDied if one is dead for
+        good or not back within RESTART_WAIT_S (and then the replica exits)."""
         from actors.driver import WorkerDied
 
-        if isinstance(err, WorkerDied) and not self._exiting:
+        while self._restart_seen is not None:
+            states = self.dec.worker_states()
+            if all(v == "alive" for v in states.values()):
+                self.dec.refresh_placement()
+                back_s = time.monotonic() - self._restart_seen
+                log.info("specray: %s: workers back %.1fs after the loss: %s", self.name, back_s, self.where())
+                self._restart_seen = None
+                return
+            err = None
+            if "dead" in states.values():
+                err = WorkerDied(f"a model worker is dead for good: {states}")
+            elif time.monotonic() - self._restart_seen > RESTART_WAIT_S:
+                err = WorkerDied(f"a model worker was not back within {RESTART_WAIT_S:.0f}s: {states}")
+            if err is not None:
+                self._exit(err)
+                raise err
+            time.sleep(0.25)
+
+    async def check_health(self) -> None:
+        """Serve calls this periodically: a worker restarting is noted (the next generation waits for it); one dead
+        for good, or restarting for longer than RESTART_WAIT_S, makes the replica exit, and Serve replaces it. The
+        pings wait off the event loop (a restarting worker answers unavailable after about 1.5 s)."""
+        import asyncio
+
+        await asyncio.get_running_loop().run_in_executor(None, self._check_workers)
+
+    def _check_workers(self) -> None:
+        from actors.driver import WorkerDied
+
+        states = self.dec.worker_states(timeout_s=5.0)
+        if "restarting" not in states.values() and "dead" not in states.values():
+            return  # alive, or busy with a generation
+        if "dead" not in states.values() and self.dec.executor.transport != "compiled":
+            self._restart_seen = self._restart_seen or time.monotonic()
+            if time.monotonic() - self._restart_seen <= RESTART_WAIT_S:
+                return
+        err = WorkerDied(f"workers' health check: {states}")
+        self._exit(err)
+        raise err
+
+    def _lost(self, err: Exception) -> bool:
+        """A generation failed with ``err``. True when a model worker is restarting (the replica waits for it);
+        otherwise, for a worker lost for good, the replica exits."""
+        from actors.driver import WorkerDied
+
+        if not isinstance(err, WorkerDied) or self._exiting:
+            return False
+        states = self.dec.worker_states()
+        if "dead" not in states.values() and self.dec.executor.transport != "compiled":
+            self._restart_seen = self._restart_seen or time.monotonic()
+            log.warning("specray: %s: %s; waiting for the worker's restart (%s)", self.name, str(err).splitlines()[0], states)
+            return True
+        self._exit(err)
+        return False
+
+    def _exit(self, err: Exception) -> None:
+        """This replica can serve nothing more: it exits now and Serve, seeing the crash, starts a replacement (a new
+        group) at once, instead of after three failed health checks 5 s apart. The requests it holds end as 503s
+        (their error events, or the ingress's answer to a lost replica)."""
+        if not self._exiting:
             self._exiting = True
             log.error("specray: %s: %s; the replica exits so that Serve replaces it", self.name, str(err).splitlines()[0])
             threading.Timer(0.5, os._exit, args=(1,)).start()  # time for the error events already queued to leave

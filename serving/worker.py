@@ -88,7 +88,7 @@ class Worker:
 
         def alone() -> None:
             try:
-                dec.run(seq)
+                self._run(dec, seq)
             except Exception as e:
                 log.exception("specray: generation %s failed", seq.tag)
                 done(seq, e)
@@ -96,6 +96,10 @@ class Worker:
             done(seq, None)
 
         self._pool.submit(alone)
+
+    def _run(self, dec, seq) -> None:
+        """Run ``seq`` on ``dec`` (in the pool's thread)."""
+        dec.run(seq)
 
     def _lost(self, error: Exception) -> None:
         """A generation failed with ``error`` (a worker may act on a runtime it cannot serve with any more)."""
@@ -208,10 +212,10 @@ class Worker:
                     stats = self._stats(cfg, view, seq, load_s)
                 except Exception as e:  # the figures need a worker that is gone
                     error = e
-            if error is not None:
-                self._lost(error)
             self._finished(rid, run, seq, error)
             run.post("end", seq, error, stats)
+            if error is not None:  # after the error event is on its way: a worker may wait or exit on it
+                self._lost(error)
 
         self._submit(view, seq, done)
         try:

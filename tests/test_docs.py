@@ -75,10 +75,11 @@ def test_readme_links_every_docs_page_in_the_nav():
     assert all((REPO / "docs" / p).is_file() for p in pages)
 
 
-@pytest.mark.parametrize("name", ["bench-results", "load-results"])
-def test_readme_keeps_the_blocks_the_jobs_rewrite(name):
-    """`specray bench --readme README.md` and `specray bench-serve --readme README.md` rewrite these blocks."""
-    text = README.read_text()
+@pytest.mark.parametrize("page,name", [("README.md", "bench-results"), ("README.md", "load-results"), ("docs/soak.md", "soak-results")])
+def test_pages_keep_the_blocks_the_jobs_rewrite(page, name):
+    """`specray bench --readme README.md`, `specray bench-serve --readme README.md` and
+    `specray soak --readme docs/soak.md` rewrite these blocks."""
+    text = (REPO / page).read_text()
     assert text.count(f"<!-- {name} -->") == 1 and text.count(f"<!-- /{name} -->") == 1
     assert text.index(f"<!-- {name} -->") < text.index(f"<!-- /{name} -->")
 

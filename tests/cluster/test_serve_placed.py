@@ -154,44 +154,70 @@ def test_specray_serve_refuses_such_an_entry_in_one_line_before_serve_starts(ser
     assert httpx.get(served["url"] + "/health", timeout=30).status_code == 200  # the running app was left alone
 
 
-def wait_gone(pid: int, limit_s: float) -> float | None:
-    """Seconds until process ``pid`` is gone (None: still there after ``limit_s``)."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < limit_s:
-        if not os.path.exists(f"/proc/{pid}"):
-            return time.monotonic() - t0
-        time.sleep(0.1)
-    return None
+def first_success(url: str, body: dict, limit_s: float) -> tuple[httpx.Response | None, list[int]]:
+    """Post ``body`` until it succeeds (at most ``limit_s``); (the success or the last answer, the statuses seen)."""
+    deadline, attempt, seen = time.monotonic() + limit_s, None, []
+    while time.monotonic() < deadline:
+        attempt = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        seen.append(attempt.status_code)
+        if attempt.status_code == 200:
+            break
+        time.sleep(0.5)
+    return attempt, seen
 
 
-def test_a_killed_model_worker_answers_503_until_serve_replaces_the_replica(served, ar_text):
-    """Between a worker's death and the replica's replacement, a plain completion reaches the old replica: it must
-    answer a clean 503 (the replica used to ask the dead target worker to encode the prompt, and answered 500), and
-    the replica exits so that Serve replaces it at once."""
+RECOVERY_S = 30.0  # the soak's target for the first success after a worker kill
+
+
+def test_a_model_worker_killed_while_idle_is_restarted_and_the_next_request_waits_for_it(served, ar_text):
+    """A worker killed between requests: Ray starts it again in its bundle (actors.worker.WORKER_RESTARTS) and the
+    replica waits for it: the request sent right after the kill succeeds (its first try lost the worker before any
+    token and runs again), on the same replica. The replica used to exit, and Serve replaced it with a new group and
+    two new workers (15 s here, 45-51 s in the 30-minute soak on a loaded machine)."""
     url = served["url"]
     body = {"model": ENTRY, "prompt": PROMPT, "max_tokens": NEW, "temperature": 0}
     where = oai(url).completions.create(**body).model_extra["specray"]["placement"]["where"]
     os.kill(where["target"]["pid"], signal.SIGKILL)
     t_kill = time.monotonic()
-    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
-    print(f"\nright after the target worker was killed: {r.status_code} {r.text[:200]}")
-    assert r.status_code == 503, r.text
-    assert r.json()["error"]["type"] == "service_unavailable"
-    # the replica, useless without its worker, exits at once (Serve replaces it now, not after 3 failed health checks 5 s apart)
-    gone = wait_gone(where["replica"]["pid"], 5.0)
-    print(f"the replica's process exited {gone:.1f}s after the 503" if gone is not None else "the replica still runs 5s after the 503")
-    assert gone is not None
-    deadline, attempt = time.monotonic() + 120, None
-    while time.monotonic() < deadline:
-        attempt = httpx.post(url + "/v1/completions", json=body, timeout=60)
-        if attempt.status_code == 200:
-            break
-        assert attempt.status_code == 503, attempt.text  # clean while the replica is replaced, never a 500
-        time.sleep(1)
+    attempt, seen = first_success(url, body, 120)
+    took = time.monotonic() - t_kill
+    print(f"\nafter the target worker was killed while idle: {seen}, a success {took:.1f}s after the kill")
     assert attempt is not None and attempt.status_code == 200, attempt.text if attempt is not None else None
-    print(f"a request succeeded {time.monotonic() - t_kill:.1f}s after the kill")
+    assert set(seen) <= {200, 503}, seen  # clean while the worker restarts, never a 500
+    now = attempt.json()["specray"]["placement"]["where"]
     assert attempt.json()["choices"][0]["text"] == ar_text
-    assert attempt.json()["specray"]["placement"]["where"]["target"]["pid"] != where["target"]["pid"]
+    assert now["replica"]["pid"] == where["replica"]["pid"] and os.path.exists(f"/proc/{where['replica']['pid']}")  # same replica
+    assert now["target"]["pid"] != where["target"]["pid"] and now["draft"]["pid"] == where["draft"]["pid"]  # the target restarted
+    assert took < RECOVERY_S
+
+
+def test_a_model_worker_killed_under_a_stream_ends_it_cleanly_and_the_next_request_succeeds_within_30s(served, ar_text):
+    """The draft worker killed while a stream is being answered: the stream ends with an error event (or completed
+    first), never hangs; the next request succeeds within 30 s on the same replica, the draft worker restarted."""
+    url = served["url"]
+    body = {"model": ENTRY, "prompt": PROMPT, "max_tokens": 400, "temperature": 0}
+    where = oai(url).completions.create(**{**body, "max_tokens": NEW}).model_extra["specray"]["placement"]["where"]
+    events, t_kill = [], None
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if t_kill is None and '"text"' in line:  # the first tokens are out: kill the draft worker under it
+                    os.kill(where["draft"]["pid"], signal.SIGKILL)
+                    t_kill = time.monotonic()
+    assert t_kill is not None and r.status_code == 200 and events[-1] == "[DONE]", events[-3:]
+    last = json.loads(events[-2])
+    print(f"\nthe stream under which the draft worker was killed ended: {events[-2][:300]}")
+    assert last.get("error", {}).get("type") == "service_unavailable" or last["choices"][0]["finish_reason"] in ("stop", "length")
+    attempt, seen = first_success(url, {**body, "max_tokens": NEW}, 120)
+    took = time.monotonic() - t_kill
+    print(f"then: {seen}, a success {took:.1f}s after the kill")
+    assert attempt is not None and attempt.status_code == 200, attempt.text if attempt is not None else None
+    assert set(seen) <= {200, 503}, seen
+    now = attempt.json()["specray"]["placement"]["where"]
+    assert attempt.json()["choices"][0]["text"] == ar_text
+    assert now["replica"]["pid"] == where["replica"]["pid"] and now["draft"]["pid"] != where["draft"]["pid"]
+    assert took < RECOVERY_S
 
 
 def test_losing_the_replicas_node_fails_in_flight_requests_cleanly_and_serve_replaces_it(served, ar_text):

@@ -190,16 +190,30 @@ def test_resource_growth_per_process_and_per_role():
         rows.append({"t_s": t, "pid": 2, "role": "raylet", "rss_mb": 200.0, "fds": 40 + (t > 1500)})  # one more fd at the end
         rows.append({"t_s": t, "pid": 3 if t < 900 else 4, "role": "engine replica", "rss_mb": 1000.0, "fds": 60})  # replaced
         rows.append({"t_s": t, "pid": 100 + t, "role": "idle worker", "rss_mb": 50.0, "fds": 10})  # transient
+    # a worker killed at 310 s: its replacement loads its model (a low RSS) in its first minute, then stays flat
+    for t in range(0, 301, 30):
+        rows.append({"t_s": t, "pid": 5, "role": "model worker (target)", "rss_mb": 1100.0, "fds": 40})
+    for t in range(330, 1801, 30):
+        rows.append({"t_s": t, "pid": 6, "role": "model worker (target)", "rss_mb": 200.0 if t < 390 else 1100.0, "fds": 40})
     g = S.resource_growth(rows, 300, 1800)
     procs = {p["pid"]: p for p in g["processes"]}
-    assert set(procs) == {1, 2}  # 3 and 4 did not live through the window; idle workers come and go
+    assert set(procs) == {1, 2}  # 3 to 6 did not live through the window; idle workers come and go
     # medians of the samples in [300, 360] s and in [1740, 1800] s
     assert procs[1]["rss_growth_pct"] == pytest.approx(100 * (117.7 - 103.3) / 103.3, abs=0.01) and procs[2]["fds_growth"] == 1
+    lives = {p["pid"]: p for p in g["lives"]}
+    assert set(lives) == {1, 2, 3, 4, 6}  # 5 lived 30 s of the window; 6 is judged from a minute after its start
+    assert lives[6]["from_s"] == 390 and lives[6]["rss_growth_pct"] == 0.0 and lives[3]["to_s"] == 870
     roles = {r["role"]: r for r in g["roles"]}
     assert "idle worker" not in roles and roles["engine replica"]["rss_growth_pct"] == 0.0 and roles["engine replica"]["processes"] == 2
+    worker = roles["model worker (target)"]  # its total straddles the restart (a loading process): not a growth
+    assert worker["rss_growth_pct"] == 0.0 and worker["alive_to"] == 1 and worker["rss_sum_from_mb"] == 200.0
     targets = {t["target"].split(" (")[0]: t for t in S.resource_targets({"resources": g})}
     assert not targets["RSS growth < 5% for every process"]["met"] and "gcs" in targets["RSS growth < 5% for every process"]["value"]
     assert not targets["no fd growth in any process"]["met"]
+    assert targets["no role ends with more processes than it had"]["met"]
+    leaked = rows + [{"t_s": t, "pid": 7, "role": "model worker (target)", "rss_mb": 1100.0, "fds": 40} for t in range(900, 1801, 30)]
+    targets = {t["target"].split(" (")[0]: t for t in S.resource_targets({"resources": S.resource_growth(leaked, 300, 1800)})}
+    assert not targets["no role ends with more processes than it had"]["met"]
 
 
 def test_the_report_and_its_files(tmp_path):
@@ -213,7 +227,8 @@ def test_the_report_and_its_files(tmp_path):
     assert summary["faults_injected"] == {"replica_kill": 1} and summary["checks"]["violations"] == 0
     paths = S.write_outputs(soak, summary, tmp_path / "out")
     text = paths["report"].read_text()
-    assert "| replica_kill | 40 | 4.0 |" in text and "not injected" in text and "| redis | 1 | 10.0 | 10.0 | +0.0% | 8 | 8 |" in text
+    assert "| replica_kill | 40 | 4.0 |" in text and "not injected" in text
+    assert "| redis | 1 | 1 / 1 | 10.0 | 10.0 | +0.0% (pid 9) | +0 |" in text
     import pyarrow.parquet as pq
 
     assert pq.read_table(paths["requests"]).num_rows == 31 and pq.read_table(paths["processes"]).num_rows == 20
