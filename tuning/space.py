@@ -283,6 +283,9 @@ class SearchSpace:
             from decoding.drafters import artifacts  # what the trained artifacts are: the hooks ask it
 
             values = fit(values, base, artifacts)
+            # what a hook chose stays inside the searched range (a shipped exit adapter beyond this model's depth)
+            bounds = {knob.field: knob for knob in self.knobs[method]}
+            values = {k: bounds[k].clamp(v) if k in bounds else v for k, v in values.items()}
         return base.replace(method=method, **values)
 
     def check_base(self, base: SpecConfig) -> None:

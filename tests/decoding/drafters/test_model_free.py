@@ -204,7 +204,7 @@ def test_config_names_the_bad_field(field, value):
 def test_builder_makes_each_method_with_its_knobs(tiny_model):
     target = SimpleNamespace(model=tiny_model)
     memory = DraftMemory()
-    base = SpecConfig(tree_fit="budget", tree_budget=6, recycle_width=3, draft_memory="cold")
+    base = SpecConfig(tree_fit="budget", tree_budget=6, recycle_width=3, draft_memory="cold", drafter="none")
     rec = build_model_free(base.replace(method="recycling"), target, memory)
     assert isinstance(rec, RecyclingDrafter) and rec.width == 3 and rec.cold and rec.memory is memory
     suf = build_model_free(base.replace(method="suffix", suffix_factor=2.0), target, memory)
