@@ -266,6 +266,6 @@ def test_model_bottom_needs_a_draft_model(tiny_model_dir):
 
     loaded = load_model(str(tiny_model_dir), "float32")  # 2 layers
     with pytest.raises(ConfigError, match="draft_model"):
-        build_drafter(SpecConfig(method="triforce", triforce_bottom="model"), loaded)
+        build_drafter(SpecConfig(method="triforce", model=str(tiny_model_dir), triforce_bottom="model"), loaded)
     with pytest.raises(ConfigError, match="draft_layers"):
         build_drafter(SpecConfig(method="triforce", triforce_bottom="layers", draft_layers=2), loaded)
