@@ -441,6 +441,13 @@ class Recipe:
             raise ConfigError("tree", f"the {self.name} drafter drafts chains only (trees: {trees})")
 
 
+def _below_the_top(knobs: dict, field: str, depth: int) -> dict:
+    """A recipe's layer knob names a layer below the target's top one."""
+    if not 1 <= knobs[field] < depth:
+        raise ConfigError(field, f"must be in 1..{depth - 1} for a {depth}-layer model, got {knobs[field]}")
+    return knobs
+
+
 class KangarooRecipe(Recipe):
     name = "kangaroo"
     knobs = {"exit_layer": None, "draft_vocab": 0}  # draft_vocab > 0: a trained head over that many tokens
@@ -449,10 +456,7 @@ class KangarooRecipe(Recipe):
         return {"exit_layer": max(1, depth // 3), "draft_vocab": 0}
 
     def check(self, knobs, depth):
-        out = super().check(knobs, depth)
-        if not 1 <= out["exit_layer"] < depth:
-            raise ConfigError("exit_layer", f"must be in 1..{depth - 1} for a {depth}-layer model, got {out['exit_layer']}")
-        return out
+        return _below_the_top(super().check(knobs, depth), "exit_layer", depth)
 
     def data_layers(self, knobs, depth):
         return [knobs["exit_layer"], depth]
@@ -471,10 +475,7 @@ class DistillRecipe(Recipe):
     knobs = {"draft_layers": 4, "draft_vocab": 0}  # draft_vocab > 0: a trained head over that many tokens
 
     def check(self, knobs, depth):
-        out = super().check(knobs, depth)
-        if not 1 <= out["draft_layers"] < depth:
-            raise ConfigError("draft_layers", f"must be in 1..{depth - 1} for a {depth}-layer model, got {out['draft_layers']}")
-        return out
+        return _below_the_top(super().check(knobs, depth), "draft_layers", depth)
 
     def build(self, hf_model, knobs):
         return DraftNet(hf_model, list(range(knobs["draft_layers"])), draft_vocab=knobs.get("draft_vocab", 0))

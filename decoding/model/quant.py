@@ -16,12 +16,14 @@ bfloat16 each group's ``d`` and ``m + 8 d`` are rounded to bfloat16 (8 significa
 dense bfloat16 path are rounded the same way, one by one): :func:`reference_weight` is that weight exactly,
 and ``tests/decoding/model/test_quant.py`` checks the kernel against it and against the GGUF's own numbers.
 
-The kernel reads each weight once per input row, so it wins only for narrow inputs (one decoding token, a
-short verification); a linear routes inputs of more than ``max_rows`` rows to the dense weights of the same
-model (the GGUF's values de-quantised and rounded to the dtype) where a blocked GEMM reuses each weight
-across rows. Measured on this repository's 2-core CPU host (one thread, bfloat16): a 3072x576 projection
-takes 98 us as int4 against 142 us dense at one row, 170 vs 171 at four and 335 vs 232 at eight; the
-49152x576 Q8_0 head takes 1.6 ms (int4 pair) against 6.6 ms dense at one row.
+The kernel's cost grows with the input rows, so past ``max_rows`` rows a linear routes its input to the dense
+weights of the same model (the GGUF's values de-quantised and rounded to the dtype), where a blocked GEMM reuses
+each weight across rows. A lone projection whose weights sit in the cache favours the GEMM early (one thread,
+bfloat16: a 3072x576 projection takes 98 us as int4 against 142 us dense at one row, 170 vs 171 at four and 335
+vs 232 at eight), but a whole forward streams every weight from memory and the dense weights are four times the
+bytes: the bundled model's step over a 300-token cache (2 threads) costs 19-23 ms from one to four tokens on the
+packed path, and 31 / 36 / 46 / 55 ms at 5 / 8 / 12 / 16 tokens, against 47 / 45 / 62 / 60 ms on the dense one.
+Verification blocks of up to 16 tokens therefore stay packed (``MAX_ROWS``); prefill chunks go dense.
 
 ``quant`` (a ``SpecConfig`` field):
 
@@ -50,7 +52,7 @@ from decoding.errors import ConfigError
 # and models.DTYPES do for dtypes): the model room reads no declaration, whose table reaches down to the drafters
 QUANTS = ("auto", "none", "q4", "int8")
 GROUP = 32  # Q4_1 / Q8_0 block size, and the int4 kernel's group size
-MAX_ROWS = 4  # input rows up to which the packed kernels beat the dense GEMM here (see the module docstring)
+MAX_ROWS = 16  # input rows up to which a forward on the packed kernels beats the dense GEMM here (module docstring)
 Q4_1_BYTES, Q8_0_BYTES = 20, 34  # one block: float16 d, float16 m, 16 bytes of nibbles / float16 d, 32 int8
 
 

@@ -212,14 +212,14 @@ def test_a_config_serialises_its_methods_options_and_what_was_given():
 
 def test_per_method_defaults_apply_to_what_was_not_set():
     eagle = SpecConfig(method="eagle")
-    assert (eagle.k, eagle.tree, eagle.tree_budget) == (6, "dyspec", 32)
+    assert (eagle.k, eagle.tree) == (3, "chain")
     assert (SpecConfig().k, SpecConfig(method="ngram").tree) == (4, "chain")  # other methods keep theirs
-    assert SpecConfig().replace(method="eagle").tree == "dyspec"  # a method change brings its defaults
-    assert SpecConfig().with_overrides(["method=eagle"]).tree_budget == 32
-    assert SpecConfig(k=3).replace(method="eagle").k == 3  # what the user set stays
-    assert eagle.replace(method="ngram").tree == "chain"
-    assert SpecConfig(method="eagle", tree="chain").tree == "chain"
-    assert SpecConfig().for_method("eagle").k == 6
+    assert SpecConfig().replace(method="eagle").k == 3  # a method change brings its defaults (k is 4 elsewhere)
+    assert SpecConfig().with_overrides(["method=eagle"]).k == 3
+    assert SpecConfig(k=5).replace(method="eagle").k == 5  # what the user set stays
+    assert eagle.replace(method="ngram").k == 4  # leaving the method leaves its defaults
+    assert SpecConfig(method="eagle", tree="levels").tree == "levels"
+    assert SpecConfig().for_method("eagle").k == 3
 
 
 def test_an_option_given_for_another_method_is_still_checked():
