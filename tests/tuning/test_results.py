@@ -106,7 +106,7 @@ def test_parquet_has_one_row_per_trial_and_the_schema(tmp_path):
     back = {r["trial_id"]: r for r in t.to_pylist()}
     assert back["a"]["best"] is True and back["c"]["best"] is False and back["c"]["fidelity_ok"] is False
     assert back["a"]["ngram_max"] == 3 and back["a"]["exit_layer"] is None  # knobs a method does not read are null
-    assert back["b"]["exit_layer"] == 24 and back["b"]["ngram_max"] is None
+    assert back["b"]["exit_layer"] == 6 and back["b"]["ngram_max"] is None
     assert {k for k, r in back.items() if r["pareto"]} == {"a", "b"}  # a: faster, b: more accepted tokens
     png = out["paths"]["pareto"].read_bytes()
     assert png[:8] == PNG and len(png) > 5000
