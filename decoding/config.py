@@ -18,8 +18,8 @@ names the field.
 True
 >>> cfg.with_overrides(["k=3", "ngram_max=4"]).k
 3
->>> "exit_layer" in cfg.to_dict(), SpecConfig(method="eagle").tree, cfg.replace(method="eagle").k
-(False, 'dyspec', 6)
+>>> "exit_layer" in cfg.to_dict(), SpecConfig(method="eagle").k, cfg.replace(method="eagle").k
+(False, 3, 6)
 """
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ method is one :class:`Method` entry in :data:`METHOD_TABLE` and its drafter with
 (True, False, True)
 
 A configuration (``decoding.config.SpecConfig``) is the common fields plus options: each entry names the option
-groups (:data:`OPTION_GROUPS`) its method reads, and its own defaults of them (``eagle`` drafts a dynamic tree).
+groups (:data:`OPTION_GROUPS`) its method reads, and its own defaults of them (``eagle`` drafts a 3-token chain).
 
->>> method_of("eagle").defaults["tree"], "exit_layer" in method_of("ngram").fields, method_of("pearl").groups[-1]
-('dyspec', False, 'actors')
+>>> method_of("eagle").defaults["k"], "exit_layer" in method_of("ngram").fields, method_of("pearl").groups[-1]
+(3, False, 'actors')
 
 This module is torch-free declarations and imports only the ground module ``decoding.errors`` (``decoding.config``
 imports it); the ``fit`` hooks that ask about trained artifacts are handed ``decoding.drafters.artifacts`` by their
