@@ -225,7 +225,7 @@ def write_shard(path: Path, rows: list[dict]) -> None:
     table = pa.table({c: [r[c] for r in rows] for c in COLUMNS}, schema=schema)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    pq.write_table(table, tmp, compression="zstd")
+    pq.write_table(table, tmp, compression="zstd", compression_level=19)  # token ids: about 1 byte each
     os.replace(tmp, path)
 
 
