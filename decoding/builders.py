@@ -31,8 +31,8 @@ from decoding.errors import ConfigError
 
 if TYPE_CHECKING:
     from decoding.config import SpecConfig
+    from decoding.drafters.base import Drafter
     from decoding.drafters.draft_memory import DraftMemory
-    from decoding.drafters.drafters import Drafter
     from decoding.model.models import LoadedModel
 
     Builder = Callable[[SpecConfig, LoadedModel, object, DraftMemory | None], Drafter | None]

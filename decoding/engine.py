@@ -17,8 +17,8 @@ import torch
 from decoding.builders import builder_of
 from decoding.config import SpecConfig
 from decoding.decoder import DecoderBase, context_error, decode, encode
-from decoding.drafters import artifacts, drafters, model_free
-from decoding.drafters.drafters import Drafter
+from decoding.drafters import artifacts, base, model_free, ngram
+from decoding.drafters.base import Drafter
 from decoding.errors import ConfigError
 from decoding.loop.goodput import CALIBRATION_ROWS, CostModel
 from decoding.loop.loop import Batch, ContextTooLong, Generation, Sequence, generate_many
@@ -31,7 +31,7 @@ from decoding.schedules import triforce
 from decoding.trees.trees import tree_shape
 
 # the modules that define the methods' drafters: importing them registers their builders (decoding.builders)
-DRAFTER_MODULES = (drafters, model_free, artifacts, triforce)
+DRAFTER_MODULES = (base, ngram, model_free, artifacts, triforce)
 log = logging.getLogger(__name__)
 _COSTS: dict[tuple, CostModel] = {}
 _COSTS_LOCK = threading.Lock()

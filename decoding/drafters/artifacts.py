@@ -21,14 +21,9 @@ from pathlib import Path
 import torch
 
 from decoding.builders import builds
-from decoding.drafters.drafters import (
-    Drafter,
-    DraftModelDrafter,
-    EarlyExitDrafter,
-    draft_model_adapter,
-    first_layers_adapter,
-    model_depth,
-)
+from decoding.drafters.base import Drafter
+from decoding.drafters.draft_model import DraftModelDrafter, draft_model_adapter, first_layers_adapter, model_depth
+from decoding.drafters.early_exit import EarlyExitDrafter
 from decoding.drafters.trained import RECIPES, Recipe, TrimmedHead, get_recipe, trim_vocab
 from decoding.errors import ConfigError
 from decoding.model.adapter import ModelAdapter

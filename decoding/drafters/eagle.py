@@ -31,7 +31,8 @@ import copy
 import torch
 from torch import nn
 
-from decoding.drafters.drafters import DecodeState, Drafter, Proposal, _draft_chain, _draft_tree, _tree_forward, max_nodes_of
+from decoding.drafters.base import DecodeState, Drafter, Proposal
+from decoding.drafters.drafting import draft_chain, draft_tree, max_nodes_of, tree_forward
 from decoding.model.adapter import KVCache, ModelAdapter
 from decoding.trees.trees import Dynamic, Tree
 
@@ -190,7 +191,7 @@ class EagleDrafter(Drafter):
                 prev.append(a.forward(self.cache, n - 1 + i, hidden=self.net.inputs(prev[-1], ids[:, None])))
                 return self._logits(prev[-1], vocab)[:, -1]
 
-            tokens, probs, _ = _draft_chain(step, self._logits(root, vocab)[:, -1], k, state, self.threshold, feed_last=False)
+            tokens, probs, _ = draft_chain(step, self._logits(root, vocab)[:, -1], k, state, self.threshold, feed_last=False)
             return Proposal(tokens=tokens if vocab is None else vocab[tokens], probs=probs)
         tokens, parents, path_p = self.draft_tree(state, k, root)
         if self.chooser is not None and isinstance(self.tree, Dynamic):
@@ -215,13 +216,13 @@ class EagleDrafter(Drafter):
             parents = tree.parents.tolist()
             g = torch.cat([outputs[parents[i]] for i in range(lo, hi)], 1)
             ids = toks if vocab is None else vocab[toks]
-            h = _tree_forward(a, self.cache, n - 2, tree, lo, hi, hidden=self.net.inputs(g, ids))
+            h = tree_forward(a, self.cache, n - 2, tree, lo, hi, hidden=self.net.inputs(g, ids))
             outputs.update({i: h[:, j : j + 1] for j, i in enumerate(range(lo, hi))})
             return self._logits(h, vocab)
 
         path_p: list[float] = []
         shape = self.tree or Dynamic(budget=k, width=8)
-        tokens, probs, tree, _ = _draft_tree(
+        tokens, probs, tree, _ = draft_tree(
             tree_step, self._logits(root, vocab)[:, -1], shape, k, state, feed_last=False, path_probs=path_p
         )
         self._probs = probs if vocab is None else None

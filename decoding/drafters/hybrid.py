@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from decoding.drafters.drafters import DecodeState, Drafter, NgramDrafter, Proposal
+from decoding.drafters.base import DecodeState, Drafter, Proposal
+from decoding.drafters.ngram import NgramDrafter
 from decoding.drafters.recycling import RecyclingDrafter, verified_nodes
 from decoding.drafters.suffix import SuffixDrafter
 from decoding.trees.trees import Tree

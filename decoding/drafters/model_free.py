@@ -6,8 +6,9 @@ from typing import TYPE_CHECKING
 
 from decoding.builders import builds
 from decoding.drafters.artifacts import NO_DRAFTER, eagle_drafter
-from decoding.drafters.drafters import Drafter, NgramDrafter
+from decoding.drafters.base import Drafter
 from decoding.drafters.hybrid import HybridDrafter
+from decoding.drafters.ngram import NgramDrafter
 from decoding.drafters.recycling import RecyclingDrafter
 from decoding.drafters.suffix import SuffixDrafter
 from decoding.errors import ConfigError

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decoding.drafters.drafters import DecodeState, Drafter, Proposal
+from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.trees.trees import Tree, sequoia_tree
 
 # Per-rank acceptance of recycled candidates before any is measured: P(the rank-r candidate is the target's next

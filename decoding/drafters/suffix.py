@@ -29,7 +29,7 @@ from collections import deque
 
 import torch
 
-from decoding.drafters.drafters import DecodeState, Drafter, Proposal
+from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.trees.trees import Tree
 
 

@@ -36,17 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decoding.drafters.drafters import (
-    DecodeState,
-    Drafter,
-    DraftModelDrafter,
-    EarlyExitDrafter,
-    Proposal,
-    _draft_chain,
-    _draft_tree,
-    max_nodes_of,
-)
+from decoding.drafters.base import DecodeState, Drafter, Proposal
+from decoding.drafters.draft_model import DraftModelDrafter
+from decoding.drafters.drafting import draft_chain, draft_tree, max_nodes_of
 from decoding.drafters.eagle import EagleDrafter, EagleNet, VocabHead
+from decoding.drafters.early_exit import EarlyExitDrafter
 from decoding.errors import ConfigError
 from decoding.model.adapter import KVCache, ModelAdapter
 from decoding.trees.trees import Dynamic, Tree
@@ -251,7 +245,7 @@ class _HiddenHeadDrafter(Drafter):
                     out[c] = rows[:, j]
             return torch.stack(out, 1)
 
-        tokens, probs, tree, _ = _draft_tree(step, root, self.tree, k, state, feed_last=False)
+        tokens, probs, tree, _ = draft_tree(step, root, self.tree, k, state, feed_last=False)
         return Proposal(tokens=tokens, probs=probs, tree=tree)
 
     def _chain(self, state, f, k):  # -> (tokens [B, j], probs [B, j, V] | None)
@@ -271,7 +265,7 @@ class MedusaDrafter(_HiddenHeadDrafter):
         def step(tok, i, need_logits):
             return self.logits(state, self.heads(f, i + 1)) if need_logits else None
 
-        tokens, probs, _ = _draft_chain(step, self.logits(state, self.heads(f, 0)), k, state, self.threshold, feed_last=False)
+        tokens, probs, _ = draft_chain(step, self.logits(state, self.heads(f, 0)), k, state, self.threshold, feed_last=False)
         return tokens, probs
 
     def _tree(self, state, f):
@@ -296,7 +290,7 @@ class HydraDrafter(_HiddenHeadDrafter):
             z.append(self.heads(z[-1], t.embed(tok), i + 1))
             return self.logits(state, z[-1])
 
-        tokens, probs, _ = _draft_chain(step, self.logits(state, z[0]), k, state, self.threshold, feed_last=False)
+        tokens, probs, _ = draft_chain(step, self.logits(state, z[0]), k, state, self.threshold, feed_last=False)
         return tokens, probs
 
     def _tree(self, state, f):
@@ -349,7 +343,7 @@ class FeatureDrafter(Drafter):
             feats.append(a.forward(self.cache, n - 1 + i, hidden=self.net.fused(feats[-1], tok[:, None])))
             return a.logits(feats[-1])[:, -1]
 
-        drafts, probs, _ = _draft_chain(step, a.logits(feats[0])[:, -1], k, state, self.threshold, feed_last=False)
+        drafts, probs, _ = draft_chain(step, a.logits(feats[0])[:, -1], k, state, self.threshold, feed_last=False)
         return Proposal(tokens=drafts, probs=probs)
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decoding.drafters.drafters import DecodeState, Drafter, Proposal
+from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.loop.goodput import Acceptance, CostModel, RowPlan, choose_width
 from decoding.loop.metrics import GenerationStats, StepRecord, summarize
 from decoding.loop.verify import Verdict, verify_greedy, verify_speculative, verify_tree_greedy, verify_tree_speculative

@@ -40,14 +40,9 @@ import torch
 
 from decoding.builders import builds
 from decoding.drafters.artifacts import draft_adapter, shipped_artifact
-from decoding.drafters.drafters import (
-    DecodeState,
-    Drafter,
-    DraftModelDrafter,
-    NgramDrafter,
-    Proposal,
-    first_layers_adapter,
-)
+from decoding.drafters.base import DecodeState, Drafter, Proposal
+from decoding.drafters.draft_model import DraftModelDrafter, first_layers_adapter
+from decoding.drafters.ngram import NgramDrafter
 from decoding.errors import ConfigError
 from decoding.loop.loop import speculative_step  # this drafter runs the loop's step (it lives above the loop)
 from decoding.loop.metrics import StepRecord

@@ -67,7 +67,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decoding.drafters.drafters import DecodeState, Drafter, DraftModelDrafter, Proposal
+from decoding.drafters.base import DecodeState, Drafter, Proposal
+from decoding.drafters.draft_model import DraftModelDrafter
 from decoding.loop.loop import GREEDY, Generation, Output, StepCallback, check_context, committed_by, fill, prefill, verify
 from decoding.loop.metrics import StepRecord
 from decoding.loop.verify import verify_speculative

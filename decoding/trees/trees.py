@@ -23,7 +23,7 @@ Shapes: ``static`` (user-given paths), ``sequoia`` (:func:`sequoia_paths`, the
 tree maximising the expected accepted length for a measured per-rank
 acceptance vector and a node budget, Sequoia's dynamic programme) and
 ``dyspec`` (built at run time by the drafter, greedy best-first expansion by
-the draft's path probability under a budget; see ``decoding.drafters.drafters``).
+the draft's path probability under a budget; see ``decoding.drafters.drafting``).
 """
 
 from __future__ import annotations

@@ -101,8 +101,10 @@ def test_trial_resources_follow_the_table():
 
 
 def test_the_table_builds_each_methods_drafter(tiny_model_dir):
-    from decoding.drafters.drafters import DraftModelDrafter, EarlyExitDrafter, NgramDrafter
+    from decoding.drafters.draft_model import DraftModelDrafter
+    from decoding.drafters.early_exit import EarlyExitDrafter
     from decoding.drafters.hybrid import HybridDrafter
+    from decoding.drafters.ngram import NgramDrafter
     from decoding.drafters.recycling import RecyclingDrafter
     from decoding.drafters.suffix import SuffixDrafter
     from decoding.engine import build_drafter

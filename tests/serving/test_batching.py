@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from decoding.drafters.drafters import NgramDrafter
+from decoding.drafters.ngram import NgramDrafter
 from decoding.loop.loop import ContextTooLong, Sequence, generate
 from decoding.model.adapter import ModelAdapter
 from serving.batching import EngineFailed, EngineLoop

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from decoding.drafters.drafters import DecodeState
+from decoding.drafters.base import DecodeState
 from decoding.drafters.eagle import EagleDrafter, EagleNet, VocabHead, feature_norm
 from decoding.drafters.trained import RECIPES, Shared
 from decoding.loop.loop import GREEDY, generate

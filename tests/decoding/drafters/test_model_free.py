@@ -11,9 +11,9 @@ import torch
 
 from decoding.config import SpecConfig
 from decoding.drafters.draft_memory import DraftMemory
-from decoding.drafters.drafters import NgramDrafter
 from decoding.drafters.hybrid import HybridDrafter, merge_trees
 from decoding.drafters.model_free import build_model_free
+from decoding.drafters.ngram import NgramDrafter
 from decoding.drafters.recycling import AdjacencyMatrix, RankStats, RecyclingDrafter, verified_nodes
 from decoding.drafters.suffix import SuffixCache, SuffixDrafter, SuffixTrie, best_first
 from decoding.errors import ConfigError

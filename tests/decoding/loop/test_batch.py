@@ -4,7 +4,9 @@ sampling is per row and lossless in batches, k=auto drafts at low load and stops
 import pytest
 import torch
 
-from decoding.drafters.drafters import DraftModelDrafter, EarlyExitDrafter, NgramDrafter
+from decoding.drafters.draft_model import DraftModelDrafter
+from decoding.drafters.early_exit import EarlyExitDrafter
+from decoding.drafters.ngram import NgramDrafter
 from decoding.loop import loop as loop_module
 from decoding.loop.goodput import CostModel
 from decoding.loop.loop import Batch, NotBatchable, Sequence, generate, generate_many

@@ -5,7 +5,9 @@ import itertools
 import pytest
 import torch
 
-from decoding.drafters.drafters import DraftModelDrafter, EarlyExitDrafter, NgramDrafter
+from decoding.drafters.draft_model import DraftModelDrafter
+from decoding.drafters.early_exit import EarlyExitDrafter
+from decoding.drafters.ngram import NgramDrafter
 from decoding.loop import loop as loop_module
 from decoding.loop.loop import generate
 from decoding.loop.metrics import chi_square_pvalue

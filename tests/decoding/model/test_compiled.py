@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from decoding.drafters.drafters import NgramDrafter
+from decoding.drafters.ngram import NgramDrafter
 from decoding.loop.loop import generate
 from decoding.model import compiled as compiled_module
 from decoding.model.adapter import ModelAdapter

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from decoding.config import SpecConfig
-from decoding.drafters.drafters import DraftModelDrafter, EarlyExitDrafter, NgramDrafter
+from decoding.drafters.draft_model import DraftModelDrafter
+from decoding.drafters.early_exit import EarlyExitDrafter
+from decoding.drafters.ngram import NgramDrafter
 from decoding.errors import ConfigError
 from decoding.loop import loop as loop_module
 from decoding.loop.loop import generate
@@ -386,7 +388,8 @@ def test_tune_space_searches_tree_shape_and_budget():
 def test_level_wise_trees_feed_one_forward_per_level_and_rerank(tiny_model):
     """Dynamic(width=w): depth-1 draft forwards of at most w nodes each, the kept nodes ranked by path probability
     (non-increasing; every parent before its children), at most ``budget`` of them."""
-    from decoding.drafters.drafters import DecodeState, _draft_tree
+    from decoding.drafters.base import DecodeState
+    from decoding.drafters.drafting import draft_tree
     from decoding.loop.loop import GREEDY
 
     target = ModelAdapter(tiny_model)
@@ -399,7 +402,7 @@ def test_level_wise_trees_feed_one_forward_per_level_and_rerank(tiny_model):
     state = DecodeState(PROMPT, target, target.new_cache(1, 64), GREEDY, None, 64)
     root = torch.randn(1, 12, generator=torch.Generator().manual_seed(99))
     path, order = [], []
-    tokens, probs, tree, fed = _draft_tree(step, root, Dynamic(7, width=3), 4, state, feed_last=False, path_probs=path, order=order)
+    tokens, probs, tree, fed = draft_tree(step, root, Dynamic(7, width=3), 4, state, feed_last=False, path_probs=path, order=order)
     assert widths == [3, 3, 3] and fed == 0 and probs is None
     assert tokens.shape[1] == 7 and tree.size == 8 and len(order) == 8 and order[0] == 0
     assert path[1:] == sorted(path[1:], reverse=True)

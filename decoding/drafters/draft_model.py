@@ -1,0 +1,92 @@
+"""SpS's drafter: a separate, smaller model (or the target's first layers) with its own cache; and the adapters
+it drafts with."""
+
+from __future__ import annotations
+
+import torch
+
+from decoding.drafters.base import DecodeState, Drafter, Proposal
+from decoding.drafters.drafting import draft_chain, draft_tree, max_nodes_of, tree_forward
+from decoding.errors import ConfigError
+from decoding.model.adapter import KVCache, ModelAdapter
+from decoding.model.models import load_model
+from decoding.trees.trees import Dynamic, Tree
+
+
+class DraftModelDrafter(Drafter):
+    """SpS: a separate (smaller) model with its own cache drafts k tokens.
+
+    The draft cache lags the committed tokens by whatever the last verdict
+    added; ``propose`` first catches up on those tokens in one forward.
+    """
+
+    name = "sps"
+
+    def __init__(self, adapter: ModelAdapter, confidence_threshold: float = 0.0, tree: Tree | Dynamic | None = None):
+        self.adapter = adapter
+        self.threshold = confidence_threshold
+        self.tree = tree  # None: draft a chain; else the shape of the tree to draft
+        self.cache: KVCache | None = None
+        self._base = 0  # committed length when drafting started
+        self._fed = 0  # drafts fed into the draft cache (trees: nodes 1.._fed)
+
+    def max_nodes(self, k: int) -> int:
+        return max_nodes_of(self.tree, k)
+
+    def start(self, state: DecodeState) -> None:
+        self.cache = self.adapter.new_cache(state.tokens.shape[0], state.max_len)
+
+    def propose(self, state: DecodeState, k: int) -> Proposal:
+        n = state.tokens.shape[1]
+        cache, a = self.cache, self.adapter
+        h = a.forward(cache, cache.length, input_ids=state.tokens[:, cache.length : n])
+        self._base = n
+
+        if self.tree is not None:
+
+            def tree_step(toks, lo, hi, tree):
+                return a.logits(tree_forward(a, cache, n - 1, tree, lo, hi, input_ids=toks))
+
+            tokens, probs, tree, self._fed = draft_tree(tree_step, a.logits(h[:, -1:])[:, -1], self.tree, k, state, feed_last=False)
+            return Proposal(tokens=tokens, probs=probs, tree=tree)
+
+        def step(tok, i, need_logits):
+            return a.logits(a.forward(cache, n + i, input_ids=tok[:, None]))[:, -1]
+
+        tokens, probs, self._fed = draft_chain(step, a.logits(h[:, -1:])[:, -1], k, state, self.threshold, feed_last=False)
+        return Proposal(tokens=tokens, probs=probs)
+
+    def update(self, state: DecodeState, num_accepted: int) -> None:
+        if self.tree is not None and state.accepted_path is not None:
+            # the accepted nodes that were fed sit at tree slots: move them behind the committed prefix
+            fed = [i for i in state.accepted_path[1:] if i <= self._fed]
+            self.cache.compact(self._base, torch.tensor(fed, dtype=torch.long, device=self.adapter.device) + self._base - 1)
+            self.cache.rollback(self._base + len(fed))
+            return
+        # valid draft KV: the committed prefix plus the fed drafts that were accepted
+        self.cache.rollback(self._base + min(num_accepted, self._fed))
+
+    def truncate(self, length: int) -> None:
+        if self.cache is not None and self.cache.length > length:
+            self.cache.rollback(length)
+
+
+def model_depth(target) -> int:
+    """The number of decoder layers of a loaded target (``decoding.model.models.LoadedModel``)."""
+    return len(ModelAdapter(target.model).layers)
+
+
+def draft_model_adapter(cfg, target, device) -> ModelAdapter:
+    """The adapter of the separate ``draft_model``, on ``device``; it must share the target's tokenizer."""
+    draft = load_model(cfg.draft_model, cfg.dtype, device, cfg.quant)
+    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise ConfigError("draft_model", f"{cfg.draft_model!r} does not share the target's tokenizer")
+    return ModelAdapter(draft.model.to(device))
+
+
+def first_layers_adapter(cfg, target) -> ModelAdapter:
+    """The adapter of the target's first ``draft_layers`` layers (plus its final norm and LM head)."""
+    depth = model_depth(target)
+    if cfg.draft_layers >= depth:
+        raise ConfigError("draft_layers", f"must be below the model's {depth} layers, got {cfg.draft_layers}")
+    return ModelAdapter(target.model, num_layers=cfg.draft_layers)

@@ -1,0 +1,232 @@
+"""Drafting with a model, shared by every model-based drafter: a chain (one token a forward) or a token tree
+(static Sequoia shapes, DySpec's best-first growth, EAGLE-2's levels)."""
+
+from __future__ import annotations
+
+import torch
+
+from decoding.drafters.base import DecodeState
+from decoding.model.adapter import KVCache, ModelAdapter
+from decoding.sampling import choose, warp
+from decoding.trees.trees import Dynamic, Tree
+
+
+def draft_chain(step, first_logits, k, state, threshold, feed_last):
+    """Draft up to k tokens autoregressively; shared by every model-based drafter.
+
+    ``step(token [B], i, need_logits) -> logits [B, V] | None`` feeds draft i
+    (0-based) and returns the next-token logits when asked for them. Drafting stops early when the top-1 probability of
+    the next draft falls below ``threshold`` for every row (Kangaroo's double
+    early exit). With ``feed_last`` the final draft is fed too (its logits are
+    not needed, but its state is), else it is not.
+    Returns (tokens [B, j], probs [B, j, V] or None, number of drafts fed).
+    """
+    tokens, probs = [], []
+    logits, fed = first_logits, 0
+    for i in range(k):
+        tok, q, conf = choose(logits, state.sampling, state.generator)
+        if threshold > 0 and bool((conf < threshold).all()):
+            break
+        tokens.append(tok)
+        if q is not None:
+            probs.append(q)
+        if i == k - 1 and not feed_last:
+            break
+        logits = step(tok, i, i < k - 1)
+        fed += 1
+    bsz = first_logits.shape[0]
+    out = torch.stack(tokens, 1) if tokens else torch.zeros(bsz, 0, dtype=torch.long, device=first_logits.device)
+    return out, (torch.stack(probs, 1) if probs else None), fed
+
+
+def candidates(logits: torch.Tensor, n: int, state: DecodeState, stochastic: bool):
+    """The n candidate children of a node from its draft logits [B, V].
+
+    Greedy: the top-n tokens (deterministic). Sampling with ``stochastic``: n draws without replacement from the
+    warped q, in draw order (Gumbel top-n, which is successive sampling without replacement). Sampling otherwise:
+    the top-n tokens of q (deterministic; verified with one-hot q).
+    Returns (tokens [B, n], q [B, V] or None, score [n] = q of each candidate in row 0, valid [n] bool).
+    """
+    if state.sampling.greedy:
+        q = logits.float().softmax(-1)
+        score, tok = q.topk(n, dim=-1)
+        return tok, None, score[0], score[0] >= 0
+    q = warp(logits, state.sampling)
+    if stochastic:
+        u = torch.rand(q.shape, generator=state.generator, device=q.device).clamp_(min=1e-20)
+        tok = (q.log() - (-u.log()).log()).topk(n, dim=-1).indices  # log q + Gumbel noise
+    else:
+        tok = q.topk(n, dim=-1).indices
+    score = q.gather(-1, tok)[0]
+    return tok, (q if stochastic else None), score, score > 0
+
+
+def draft_tree(
+    step,
+    root_logits: torch.Tensor,
+    shape: Tree | Dynamic,
+    k: int,
+    state: DecodeState,
+    feed_last: bool,
+    path_probs: list | None = None,
+    order: list | None = None,
+):
+    """Grow a token tree of drafts; shared by every model-based tree drafter (the tree analogue of ``draft_chain``).
+
+    ``step(tokens [B, t], lo, hi, tree) -> logits [B, t, V]`` feeds nodes lo..hi-1 of ``tree`` (a contiguous
+    block after every node already fed) and returns their next-token logits. Node 0 is the pending token whose
+    logits are ``root_logits`` [B, V]. The tree's depth is at most k.
+
+    * ``Tree`` (static, Sequoia): one draft forward per depth level over all nodes of that level; a node of rank
+      r is its parent's r-th candidate (``candidates``); candidates of probability 0 are pruned with their subtree.
+      Under sampling the candidates are drawn without replacement, so the verifier must update q.
+    * ``Dynamic`` (DySpec): best-first expansion by path probability (product of the draft's candidate
+      probabilities from the root) up to ``budget`` nodes. A child of a node not yet fed cannot score more than
+      that node's path probability, so candidates are popped while they beat every unfed node; then all unfed
+      nodes go through one forward. The tree equals sequential best-first expansion. Its shape depends on the
+      candidates' own probabilities, so the candidates are deterministic (top ranks; one-hot q in verification),
+      which keeps sampling lossless.
+
+    With ``feed_last`` every node is fed (early exit needs all their hidden states), else the deepest ones are not.
+    Returns (tokens [B, j], probs [B, j, V] or None, tree over j+1 nodes, fed: nodes 1..fed were fed). For a
+    ``Dynamic`` shape ``path_probs`` (a list) receives each node's path probability, in node order (non-increasing:
+    every prefix of the nodes is a tree). ``order`` (a list) receives, per returned node (the root first), the index it
+    had while drafting: level-wise trees rerank their nodes, and a drafter that kept per-node state in drafting order
+    (early exit's hidden states) gathers it by this.
+    """
+    parents, toks, probs = [-1], [], []  # the drafted tree so far: node i's parent, token [B] and q row [B, V]
+    fed = 0
+
+    def feed(lo, hi):
+        nonlocal fed
+        tree = Tree.from_parents(parents)
+        logits = step(torch.stack(toks[lo - 1 : hi - 1], 1), lo, hi, tree)  # [B, hi-lo, V]
+        fed = hi - 1
+        return {lo + i: logits[:, i] for i in range(hi - lo)}
+
+    def add(parent, tok, q):
+        parents.append(parent)
+        toks.append(tok)
+        if q is not None:
+            probs.append(q)
+        return len(parents) - 1
+
+    if isinstance(shape, Tree):
+        # the template's nodes ("slots") become drafted nodes where their parent was drafted and their rank is valid
+        shape = shape.prune(k)
+        slot_parent, slot_rank, slot_depth = shape.parents.tolist(), shape.rank.tolist(), shape.depth.tolist()
+        children_of_slot = [0] * shape.size
+        for parent_slot in slot_parent[1:]:
+            children_of_slot[parent_slot] += 1
+        node_of_slot, logits_of_node, candidates_of_node = {0: 0}, {0: root_logits}, {}
+        for level in range(1, shape.max_depth + 1):
+            lo = len(parents)
+            for slot in (i for i in range(shape.size) if slot_depth[i] == level):
+                parent = node_of_slot.get(slot_parent[slot])
+                if parent is None or parent not in logits_of_node:
+                    continue
+                if parent not in candidates_of_node:
+                    n_children = children_of_slot[slot_parent[slot]]
+                    candidates_of_node[parent] = candidates(logits_of_node[parent], n_children, state, stochastic=True)
+                cand_tokens, cand_q, _, cand_valid = candidates_of_node[parent]
+                if bool(cand_valid[slot_rank[slot]]):
+                    node_of_slot[slot] = add(parent, cand_tokens[:, slot_rank[slot]], cand_q)
+            hi = len(parents)
+            if hi == lo:
+                break
+            next_level = (slot for slot in range(shape.size) if slot_depth[slot] == level + 1)
+            grows = any(node_of_slot.get(slot_parent[child], -1) >= lo for child in next_level)
+            if grows or feed_last:
+                logits_of_node.update(feed(lo, hi))
+    elif shape.width > 0:
+        return draft_levels(feed, add, parents, toks, root_logits, shape, k, state, feed_last, path_probs, order)
+    else:
+        import heapq
+
+        budget, depth, path_p = (shape.budget if k > 0 else 0), [0], [1.0]
+        heap: list = []  # (-path score, parent node, rank, candidate tokens [B, n], candidate scores [n])
+
+        def offer(node, logits):
+            if depth[node] < k:
+                cand_tokens, _, cand_scores, cand_valid = candidates(logits, min(shape.max_rank, budget), state, stochastic=False)
+                n_valid = int(cand_valid.sum())
+                if n_valid:
+                    neg_path_p = -path_p[node] * float(cand_scores[0])  # the path probability through the best candidate
+                    heapq.heappush(heap, (neg_path_p, node, 0, cand_tokens[:, :n_valid], cand_scores[:n_valid]))
+
+        offer(0, root_logits)
+        while len(parents) - 1 < budget:
+            unfed = [i for i in range(fed + 1, len(parents)) if depth[i] < k]
+            bound = max((path_p[i] for i in unfed), default=0.0)
+            if not heap or -heap[0][0] < bound:
+                if not unfed:
+                    break
+                for node, logits in feed(fed + 1, len(parents)).items():
+                    offer(node, logits)
+                continue
+            neg_path_p, parent, rank, cand_tokens, cand_scores = heapq.heappop(heap)
+            add(parent, cand_tokens[:, rank], None)
+            depth.append(depth[parent] + 1)
+            path_p.append(-neg_path_p)
+            if rank + 1 < cand_tokens.shape[1]:  # the parent's next candidate takes its place in the queue
+                heapq.heappush(heap, (-path_p[parent] * float(cand_scores[rank + 1]), parent, rank + 1, cand_tokens, cand_scores))
+        if feed_last and fed < len(parents) - 1:
+            feed(fed + 1, len(parents))
+        if path_probs is not None:
+            path_probs[:] = path_p
+    if order is not None:
+        order[:] = list(range(len(parents)))
+    bsz = root_logits.shape[0]
+    out = torch.stack(toks, 1) if toks else torch.zeros(bsz, 0, dtype=torch.long, device=root_logits.device)
+    return out, (torch.stack(probs, 1) if probs else None), Tree.from_parents(parents), fed
+
+
+def draft_levels(feed, add, parents, toks, root_logits, shape: Dynamic, k: int, state: DecodeState, feed_last: bool, path_probs, order):
+    """``draft_tree`` for ``Dynamic(width=w)``: EAGLE-2's level-by-level growth. Each level takes the w most probable
+    children (by path probability) of the nodes of the level before, which were fed together in one forward; then
+    all drafted nodes are ranked by path probability (a child never above its parent; ties: shallower first) and the
+    best ``budget`` form the tree, in that order. The reranked nodes are not where they were fed, so ``fed`` is 0."""
+    width, path_p, depth = shape.width, [1.0], [0]
+    level, logits_of = [0], {0: root_logits}
+    for d in range(1, k + 1):
+        cands = []
+        for node in level:
+            tokens, _, scores, valid = candidates(logits_of[node], min(width, shape.max_rank), state, stochastic=False)
+            cands += [(path_p[node] * float(scores[r]), node, tokens[:, r]) for r in range(int(valid.sum()))]
+        if not cands:
+            break
+        cands.sort(key=lambda c: -c[0])
+        level = []
+        for p, parent, tok in cands[:width]:
+            level.append(add(parent, tok, None))
+            path_p.append(p)
+            depth.append(d)
+        if d < k or feed_last:
+            logits_of.update(feed(level[0], level[-1] + 1))
+    kept = sorted(range(1, len(parents)), key=lambda i: (-path_p[i], depth[i]))[: shape.budget if k > 0 else 0]
+    new_index = {0: 0, **{old: i + 1 for i, old in enumerate(kept)}}
+    kept_parents = [-1] + [new_index[parents[i]] for i in kept]
+    if path_probs is not None:
+        path_probs[:] = [1.0] + [path_p[i] for i in kept]
+    if order is not None:
+        order[:] = [0] + kept
+    bsz = root_logits.shape[0]
+    out = torch.stack([toks[i - 1] for i in kept], 1) if kept else torch.zeros(bsz, 0, dtype=torch.long, device=root_logits.device)
+    return out, None, Tree.from_parents(kept_parents), 0
+
+
+def tree_forward(adapter: ModelAdapter, cache: KVCache, root_slot: int, tree: Tree, lo: int, hi: int, **kw) -> torch.Tensor:
+    """Run ``adapter`` on tree nodes lo..hi-1 (their KV at slots root_slot+lo..) with the tree's mask and positions."""
+    bsz = (kw.get("input_ids") if kw.get("input_ids") is not None else kw["hidden"]).shape[0]
+    positions = tree.positions(root_slot)[lo:hi].to(adapter.device).unsqueeze(0).expand(bsz, -1)
+    return adapter.forward(cache, root_slot + lo, positions=positions, tree_mask=tree.mask[lo:hi, :hi], **kw)
+
+
+def max_nodes_of(shape: Tree | Dynamic | None, k: int) -> int:
+    """The most draft nodes a proposal of this shape writes into a cache (level-wise trees draft ``width`` nodes per
+    level before they keep the best ``budget``)."""
+    if isinstance(shape, Tree):
+        return shape.size - 1
+    if isinstance(shape, Dynamic):
+        return max(shape.budget, shape.width * k)
+    return k
