@@ -29,7 +29,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from decoding.config import SpecConfig
 from decoding.decoder import DecoderBase, GenerationLost, context_error, decode, encode
 from decoding.errors import ConfigError
-from decoding.loop.loop import ContextTooLong
+from decoding.loop.prefill import ContextTooLong
 from decoding.methods import ACTOR_TRANSPORTS, WORKER_ROLES, on_actors
 from decoding.sampling import SamplingParams
 from decoding.schedules.two_sided import DraftRequest, TwoSidedGeneration, VerifyRequest, generate_two_sided, round_summary

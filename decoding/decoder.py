@@ -22,13 +22,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from decoding.errors import ConfigError
-from decoding.loop.loop import ContextTooLong
+from decoding.loop.prefill import ContextTooLong
 
 if TYPE_CHECKING:
     import torch
 
     from decoding.config import SpecConfig
-    from decoding.loop.loop import Generation, StepCallback
+    from decoding.loop.output import Generation, StepCallback
 
 
 class GenerationLost(RuntimeError):

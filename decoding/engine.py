@@ -20,8 +20,10 @@ from decoding.decoder import DecoderBase, context_error, decode, encode
 from decoding.drafters import artifacts, base, model_free, ngram
 from decoding.drafters.base import Drafter
 from decoding.errors import ConfigError
+from decoding.loop.batch import Sequence, generate_many, run_alone
 from decoding.loop.goodput import CALIBRATION_ROWS, CostModel
-from decoding.loop.loop import Batch, ContextTooLong, Generation, Sequence, generate_many
+from decoding.loop.output import Generation
+from decoding.loop.prefill import ContextTooLong
 from decoding.methods import method_of
 from decoding.model.adapter import ModelAdapter
 from decoding.model.models import LoadedModel, load_model, set_threads
@@ -152,8 +154,8 @@ class SpecDecoder(DecoderBase):
         )
 
     def sequence(self, prompt_ids: torch.Tensor, max_new_tokens: int | None = None, seed: int | None = None, on_step=None, tag=None):
-        """A :class:`decoding.loop.loop.Sequence` of this configuration (its own drafter, sampling and seeded generator),
-        to run in a :class:`decoding.loop.loop.Batch` beside sequences of other configurations of the same target."""
+        """A :class:`decoding.loop.batch.Sequence` of this configuration (its own drafter, sampling and seeded generator),
+        to run in a :class:`decoding.loop.batch.Batch` beside sequences of other configurations of the same target."""
         drafter = build_drafter(self.cfg, self.loaded, memory=self.memory)
         return self._sequence(prompt_ids, max_new_tokens, seed, on_step, tag, drafter, torch.Generator())
 
@@ -162,15 +164,10 @@ class SpecDecoder(DecoderBase):
 
     def run(self, seq: Sequence) -> Generation:
         """``seq`` in a batch of its own, to its end (drafters that keep the target cache to themselves run so too)."""
-        batch = Batch(self.target, max_rows=1, cost=self.cost_model() if seq.adaptive else None)
         try:
-            batch.add(seq)
+            return run_alone(self.target, seq, self.cost_model() if seq.adaptive else None)
         except ContextTooLong as e:
             raise context_error(e) from None
-        batch.run()
-        if seq.error is not None:  # its drafter failed to start
-            raise seq.error
-        return seq.result()
 
     def generate_ids(
         self, prompt_ids: torch.Tensor, max_new_tokens: int | None = None, seed: int | None = None, on_step=None

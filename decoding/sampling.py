@@ -23,6 +23,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+GREEDY = SamplingParams()
+
+
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities after temperature, top-k and top-p. logits: [..., V] -> probs [..., V] float32.
 
@@ -71,3 +74,31 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     u = torch.rand(probs.shape[0], generator=generator, device=probs.device)
     tok = sample_from(probs, u)
     return tok, probs, probs.max(-1).values
+
+
+def warp_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None):
+    """``warp`` with each row's own parameters: logits [R, T, V], temperature / top_k / top_p [R] -> probs [R, T, V].
+
+    ``top_k`` (0 = off) and ``top_p`` (1 = off) are None when no row uses them (the sort they need is skipped). Rows
+    of a batch sample with different settings and no value is read back to the host.
+
+    >>> logits = torch.tensor([[[2.0, 1.0, 0.0]], [[2.0, 1.0, 0.0]]])
+    >>> p = warp_rows(logits, torch.tensor([1.0, 0.5]), top_k=torch.tensor([0, 1]))
+    >>> torch.allclose(p[0], warp(logits[0], SamplingParams(1.0))), p[1].tolist()
+    (True, [[1.0, 0.0, 0.0]])
+    """
+    logits = logits.float() / temperature[:, None, None]
+    if top_k is None and top_p is None:
+        return logits.softmax(-1)
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    if top_k is not None:  # as ``warp``: drop what is below the k-th largest logit (ties kept)
+        on = (top_k > 0)[:, None, None]
+        kth = sorted_logits.gather(-1, (top_k - 1).clamp(min=0)[:, None, None].expand(*logits.shape[:2], 1))
+        logits = logits.masked_fill(on & (logits < kth), float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(on & (sorted_logits < kth), float("-inf"))
+    if top_p is not None:
+        sorted_probs = sorted_logits.softmax(-1)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
+        drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, mass_before >= top_p[:, None, None])
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)

@@ -23,7 +23,8 @@ import threading
 from collections.abc import Callable
 
 from decoding.decoder import GenerationLost
-from decoding.loop.loop import PREFILL_CHUNK, Batch, Sequence
+from decoding.loop.batch import Batch, Sequence
+from decoding.loop.prefill import PREFILL_CHUNK
 
 log = logging.getLogger("ray.serve")
 

@@ -36,7 +36,7 @@ from cluster.decoders import open_decoder
 from decoding.config import SpecConfig
 from decoding.decoder import GenerationLost
 from decoding.errors import ConfigError
-from decoding.loop.loop import PREFILL_CHUNK
+from decoding.loop.prefill import PREFILL_CHUNK
 from decoding.methods import METHOD_TABLE
 from serving.batching import EngineLoop
 from serving.protocol import prompt_surely_exceeds

@@ -159,7 +159,7 @@ def run_shard(decoder, prompts: list[dict], phase: int, spec: DistillSpec, on_to
     Greedy, except the ``sample_fraction`` of prompts picked by a hash of their id, which sample at
     ``temperature`` with a seed from the id. A prompt too long for the context gets ``finish_reason`` ``skipped``.
     """
-    from decoding.loop.loop import generate_many
+    from decoding.loop.batch import generate_many
 
     max_new = int(spec.max_new_tokens[str(phase)])
     context = decoder.loaded.max_context

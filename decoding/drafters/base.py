@@ -13,8 +13,6 @@ tree with a model) is ``decoding.drafters.drafting``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from decoding.builders import builds
@@ -23,48 +21,134 @@ from decoding.sampling import SamplingParams
 from decoding.trees.trees import Tree
 
 
-@dataclass
 class DecodeState:
-    """What a drafter may read. The last committed token is pending: its KV is not yet in the target cache."""
+    """What a drafter may read. The last committed token is pending: its KV is not yet in the target cache.
 
-    tokens: torch.Tensor  # [B, n] prompt + generated tokens
-    target: ModelAdapter
-    target_cache: KVCache
-    sampling: SamplingParams
-    generator: torch.Generator | None
-    max_len: int  # cache capacity a drafter should allocate
-    accepted_path: list[int] | None = None  # trees: node indices of the last step's accepted path (root 0 first)
-    # [B, c, H] the target's last-layer (pre-norm) hidden states of the c positions its last forward kept in the
-    # cache, ending at position n-2 (the prompt after prefill, pending + accepted drafts after a step)
-    target_hidden: torch.Tensor | None = None
-    # [B, T, V] the target's logits of the last verification, one row per fed position [pending, drafts...] (tree nodes
-    # in node order), rejected ones included; set by the loop before ``update`` (Token Recycling reads it)
-    last_logits: torch.Tensor | None = None
-    # {layer l: [B, c, H]} the target's hidden states after l layers at the positions of ``target_hidden``, for the
-    # layers the drafter names in ``feature_layers`` (a feature-level drafter fuses several depths)
-    target_features: dict | None = None
+    The committed tokens are kept twice: ``tokens`` [B, n] on the target's device (a view of a buffer the loop
+    fills in place, so a step allocates nothing for them) and ``history``, the same ids as host ints (row 0), which
+    the loop extends from the one host read of a step; a model-free drafter looks them up there without reading
+    the device. Code outside the loop that assigns ``tokens`` gets a ``history`` read back once from it.
+    """
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,  # [B, n] prompt + generated tokens
+        target: ModelAdapter,
+        target_cache: KVCache,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        max_len: int,  # cache capacity a drafter should allocate
+        accepted_path: list[int] | None = None,
+        target_hidden: torch.Tensor | None = None,
+        last_logits: torch.Tensor | None = None,
+        target_features: dict | None = None,
+        history: list[int] | None = None,
+    ):
+        self.target, self.target_cache, self.sampling, self.generator, self.max_len = target, target_cache, sampling, generator, max_len
+        self._buffer: torch.Tensor | None = None
+        self._tokens = tokens
+        self._history = history
+        # trees: node indices of the last step's accepted path (root 0 first)
+        self.accepted_path = accepted_path
+        # [B, c, H] the target's last-layer (pre-norm) hidden states of the c positions its last forward kept in the
+        # cache, ending at position n-2 (the prompt after prefill, pending + accepted drafts after a step)
+        self.target_hidden = target_hidden
+        # [B, T, V] the target's logits of the last verification, one row per fed position [pending, drafts...] (tree
+        # nodes in node order), rejected ones included; set by the loop before ``update`` (Token Recycling reads it)
+        self.last_logits = last_logits
+        # {layer l: [B, c, H]} the target's hidden states after l layers at the positions of ``target_hidden``, for
+        # the layers the drafter names in ``feature_layers`` (a feature-level drafter fuses several depths)
+        self.target_features = target_features
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, value: torch.Tensor) -> None:  # set from outside the loop: the buffer no longer holds them
+        self._tokens, self._buffer = value, None
+
+    @property
+    def length(self) -> int:
+        """n: committed tokens."""
+        return self.tokens.shape[1]
+
+    @property
+    def history(self) -> list[int]:
+        """The committed token ids of row 0 as host ints (read back from ``tokens`` only when someone assigned them)."""
+        if self._history is None or len(self._history) != self.tokens.shape[1]:
+            self._history = self.tokens[0].tolist()
+        return self._history
+
+    def reserve(self, capacity: int) -> None:
+        """Keep ``tokens`` in a buffer of ``capacity`` positions, so that :meth:`commit` writes in place."""
+        n = self.tokens.shape[1]
+        buffer = self.tokens.new_zeros(self.tokens.shape[0], max(capacity, n))
+        buffer[:, :n] = self.tokens
+        self._buffer, self._tokens = buffer, buffer[:, :n]
+
+    def commit(self, tokens: torch.Tensor, host: list[int]) -> None:
+        """Append a step's committed tokens: ``tokens`` [B, c] on the device and the same ids as host ints."""
+        n, c = self.tokens.shape[1], tokens.shape[1]
+        history = self.history
+        if self._buffer is not None and n + c <= self._buffer.shape[1]:
+            self._buffer[:, n : n + c] = tokens
+            self._tokens = self._buffer[:, : n + c]
+        else:
+            self.tokens = torch.cat([self.tokens, tokens], dim=1)
+        history.extend(host)
+        self._history = history
 
 
-@dataclass
 class Proposal:
-    tokens: torch.Tensor  # [B, j] drafted tokens, 0 <= j <= k
-    probs: torch.Tensor | None = None  # [B, j, V] warped draft distributions; None = deterministic drafts
-    hidden: torch.Tensor | None = None  # [B, j+1, H] target hidden after `layer` layers for [pending, drafts]
-    layer: int = 0
-    tree: Tree | None = None  # the drafts are nodes 1..j of this tree (node 0 = pending); None = a chain
+    """A drafter's drafts for one step: a chain, or nodes 1..j of a token tree (node 0 = the pending token).
+
+    ``tokens`` [B, j] on the device, or ``host`` (row 0's drafts as host ints, from a model-free drafter that looked
+    them up on the host: the loop's step uploads them with its own inputs, in its one copy; ``tokens`` is made from
+    them only for code that asks).
+    """
+
+    __slots__ = ("_tokens", "probs", "hidden", "layer", "tree", "host", "device")
+
+    def __init__(self, tokens=None, probs=None, hidden=None, layer: int = 0, tree: Tree | None = None, host=None, device=None):
+        if tokens is None and host is None:
+            raise ValueError("a proposal needs its tokens, on the device or the host")
+        self._tokens = tokens  # [B, j] drafted tokens, 0 <= j <= k
+        self.probs = probs  # [B, j, V] warped draft distributions; None = deterministic drafts
+        self.hidden = hidden  # [B, j+1, H] target hidden after `layer` layers for [pending, drafts]
+        self.layer = layer
+        self.tree = tree  # the drafts are nodes 1..j of this tree (node 0 = pending); None = a chain
+        self.host = None if host is None else list(host)
+        self.device = tokens.device if tokens is not None else device
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        if self._tokens is None:
+            self._tokens = torch.tensor([self.host], dtype=torch.long, device=self.device)
+        return self._tokens
+
+    @property
+    def size(self) -> int:
+        """j: the drafts (known on the host, whichever side holds them)."""
+        return len(self.host) if self.host is not None else self._tokens.shape[1]
 
     @staticmethod
-    def empty(batch: int, device=None) -> Proposal:
-        return Proposal(tokens=torch.zeros(batch, 0, dtype=torch.long, device=device))
+    def empty(batch: int = 1, device=None) -> Proposal:
+        return Proposal(host=[], device=device) if batch == 1 else Proposal(torch.zeros(batch, 0, dtype=torch.long, device=device))
 
 
 class Drafter:
-    """Base class: the no-op drafter proposes nothing (that is the AR baseline)."""
+    """Base class: the no-op drafter proposes nothing (that is the AR baseline).
+
+    What the loop reads of a drafter is declared here: ``name``, ``model_free``, ``batchable``,
+    ``feature_layers``, ``tree`` (the shape it drafts, None for chains) and :meth:`max_nodes`.
+    """
 
     name = "none"
     model_free = False  # proposing costs (next to) nothing: k=auto lets it propose first, then cuts the proposal
     batchable = True  # False: it keeps the target cache for itself and decodes one sequence at a time
     feature_layers: tuple[int, ...] = ()  # target layers whose hidden states it reads (``DecodeState.target_features``)
+    tree = None  # the token-tree shape it drafts (decoding.trees: Tree or Dynamic); None: chains
 
     def start(self, state: DecodeState) -> None:
         pass

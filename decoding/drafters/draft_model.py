@@ -3,8 +3,6 @@ it drafts with."""
 
 from __future__ import annotations
 
-import torch
-
 from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.drafters.drafting import draft_chain, draft_tree, max_nodes_of, tree_forward
 from decoding.errors import ConfigError
@@ -60,7 +58,7 @@ class DraftModelDrafter(Drafter):
         if self.tree is not None and state.accepted_path is not None:
             # the accepted nodes that were fed sit at tree slots: move them behind the committed prefix
             fed = [i for i in state.accepted_path[1:] if i <= self._fed]
-            self.cache.compact(self._base, torch.tensor(fed, dtype=torch.long, device=self.adapter.device) + self._base - 1)
+            self.cache.compact(self._base, [i + self._base - 1 for i in fed])
             self.cache.rollback(self._base + len(fed))
             return
         # valid draft KV: the committed prefix plus the fed drafts that were accepted

@@ -40,7 +40,7 @@ class EarlyExitDrafter(Drafter):
             tokens, probs, tree, _ = draft_tree(tree_step, t.logits(hiddens[0])[:, -1], self.tree, k, state, feed_last=True, order=order)
             hidden = torch.cat(hiddens, 1)[:, order]  # drafting order -> the tree's node order
             if order != list(range(len(order))):  # the shallow layers' keys at the tree slots follow the same order
-                cache.compact(n - 1, torch.tensor(order, dtype=torch.long, device=hidden.device) + (n - 1))
+                cache.compact(n - 1, [i + n - 1 for i in order])
             return Proposal(tokens=tokens, probs=probs, hidden=hidden, layer=L, tree=tree)
 
         def step(tok, i, need_logits):

@@ -16,9 +16,9 @@ class NgramDrafter(Drafter):
     Tries suffix lengths ``ngram_max`` down to ``ngram_min``.
 
     >>> d = NgramDrafter(ngram_max=2, ngram_min=1)
-    >>> d.lookup(torch.tensor([5, 6, 7, 8, 5, 6]), k=3).tolist()   # suffix [5, 6] seen at 0, followed by 7 8 5
+    >>> d.lookup([5, 6, 7, 8, 5, 6], k=3)   # suffix [5, 6] seen at 0, followed by 7 8 5
     [7, 8, 5]
-    >>> d.lookup(torch.tensor([1, 2, 3]), k=3).tolist()
+    >>> d.lookup([1, 2, 3], k=3)
     []
     """
 
@@ -58,27 +58,67 @@ class NgramDrafter(Drafter):
                     node = child[(node, tok)]
         return tokens, parents
 
-    def lookup(self, seq: torch.Tensor, k: int) -> torch.Tensor:  # seq [n] -> [j]
-        n = seq.shape[0]
-        for size in range(min(self.ngram_max, n - 1), self.ngram_min - 1, -1):
-            suffix = seq[n - size :]
-            windows = seq[: n - 1].unfold(0, size, 1)  # every window that has at least one token after it
-            hits = (windows == suffix).all(-1).nonzero()
-            if hits.numel():
-                begin = int(hits[-1]) + size
-                return seq[begin : begin + k]
-        return seq[:0]
+    def lookup(self, seq, k: int) -> list[int]:
+        """The up to k tokens after the latest earlier occurrence of the longest suffix of ``seq`` (a token list, or a
+        tensor [n]) that has one; every window considered has at least one token after it."""
+        seq = seq.tolist() if isinstance(seq, torch.Tensor) else list(seq)
+        index = SuffixIndex(self.ngram_min, self.ngram_max)
+        index.extend(seq)
+        return index.continuation(seq, k)
+
+    def start(self, state: DecodeState) -> None:
+        self._index = SuffixIndex(self.ngram_min, self.ngram_max)
+
+    def truncate(self, length: int) -> None:
+        if getattr(self, "_index", None) is not None and self._index.length > length:
+            self._index = SuffixIndex(self.ngram_min, self.ngram_max)
 
     def propose(self, state: DecodeState, k: int) -> Proposal:
+        if state.tokens.shape[0] != 1:
+            raise ValueError("the n-gram drafter drafts one sequence (the loop hands it one row)")
         if self.tree_budget is not None and k > 0:
-            if state.tokens.shape[0] != 1:
-                raise ValueError("n-gram trees run batch size 1")
             tokens, parents = self.lookup_tree(state.tokens[0], k, self.tree_budget)
             ids = torch.tensor([tokens], dtype=torch.long, device=state.tokens.device)
             return Proposal(tokens=ids, tree=Tree.from_parents([-1] + parents))
-        rows = [self.lookup(row, k) for row in state.tokens]
-        j = min(r.shape[0] for r in rows)
-        return Proposal(tokens=torch.stack([r[:j] for r in rows]))
+        seq = state.history  # host ints: looking them up reads nothing from the device
+        index = getattr(self, "_index", None)
+        if index is None or index.length > len(seq):
+            index = self._index = SuffixIndex(self.ngram_min, self.ngram_max)
+        index.extend(seq)
+        return Proposal(host=index.continuation(seq, k) if k > 0 else [], device=state.tokens.device)
+
+
+class SuffixIndex:
+    """The latest start of every n-gram (sizes lo..hi) of a growing token list, among windows followed by at least
+    one token: prompt lookup in constant time per step instead of a scan of the whole text.
+
+    >>> index = SuffixIndex(1, 2); seq = [5, 6, 7, 8, 5, 6]; index.extend(seq)
+    >>> index.continuation(seq, 3)           # suffix [5, 6] seen at 0, followed by 7 8 5
+    [7, 8, 5]
+    >>> index.continuation([1, 2, 3], 3)
+    []
+    """
+
+    def __init__(self, lo: int, hi: int):
+        self.maps: dict[int, dict[tuple, int]] = {size: {} for size in range(hi, lo - 1, -1)}
+        self.length = 0  # windows of seq[:length] are indexed
+
+    def extend(self, seq: list[int]) -> None:
+        n = len(seq)
+        for size, latest in self.maps.items():
+            for i in range(max(0, self.length - size), n - size):  # windows ending before the last token
+                latest[tuple(seq[i : i + size])] = i
+        self.length = max(self.length, n)
+
+    def continuation(self, seq: list[int], k: int) -> list[int]:
+        n = len(seq)
+        for size, latest in self.maps.items():
+            if size >= n:
+                continue
+            i = latest.get(tuple(seq[n - size :]))
+            if i is not None:
+                return seq[i + size : i + size + k]
+        return []
 
 
 @builds("ngram")

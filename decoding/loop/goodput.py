@@ -163,7 +163,7 @@ class CostModel:
             cache = target.new_cache(r, context + max(widths))
             ids = torch.randint(0, vocab, (r, context), generator=gen, device="cpu").to(target.device)
             target.forward(cache, 0, input_ids=ids)
-            starts = torch.full((r,), context, dtype=torch.long, device=target.device)
+            starts = [context] * r
             for t in widths:
                 step = torch.randint(0, vocab, (r, t), generator=gen, device="cpu").to(target.device)
                 best = float("inf")

@@ -23,17 +23,17 @@ import logging
 
 import torch
 
-from decoding.model.fast_layers import LayerStack
+from decoding.model.fast_layers import LayerStack, Placement, write_and_read
 
 
 class KVCache:
     """Preallocated keys/values per layer, written by position.
 
-    ``k[l]``/``v[l]``: [batch, kv_heads, max_len, head_dim]. ``length`` is the
-    number of committed positions (the caller moves it to roll back).
-    ``cursor`` is where the current forward writes; the adapter sets it: an int
-    (every row writes at the same slots) or a LongTensor [batch] (ragged rows,
-    each writing at its own length; see :meth:`ModelAdapter.forward`).
+    ``k_all``/``v_all``: [layers, batch, kv_heads, max_len + 1, head_dim]: ``max_len`` slots for positions and one
+    scratch slot after them, where a step writes its padding; ``k[l]``/``v[l]`` are layer l's positions. ``length`` is
+    the number of committed positions (the caller moves it to roll back). ``place`` is where the current forward
+    writes (a ``fast_layers.Placement``, set by the adapter): one start for every row, or ragged rows each at its
+    own length.
 
     A batch of sequences shares one cache: :meth:`rows` is a view of the first
     R rows (what a batched forward writes), :meth:`row` a one-row view with its
@@ -41,77 +41,60 @@ class KVCache:
     storage; nothing is copied.
     """
 
-    plain = True  # position-addressed slots: the fast layers write them by slice (decoding.model.fast_layers)
+    plain = True  # position-addressed slots: the fast layers write them (decoding.model.fast_layers.write_and_read)
 
     def __init__(self, num_layers, batch, kv_heads, head_dim, max_len, dtype, device):
-        shape = (num_layers, batch, kv_heads, max_len, head_dim)
-        # every layer's keys (values) in one tensor [L, batch, kv_heads, max_len, head_dim]; k[l] / v[l] are views of it
+        shape = (num_layers, batch, kv_heads, max_len + 1, head_dim)
+        # every layer's keys (values) in one tensor [L, batch, kv_heads, max_len + 1, head_dim]; k[l] / v[l] are views
         self.k_all = torch.zeros(shape, dtype=dtype, device=device)
         self.v_all = torch.zeros(shape, dtype=dtype, device=device)
-        self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
         self.max_len = max_len
+        self._views()
         self.length = 0
-        self.cursor = 0
+        self.place: Placement | None = None
 
     @property
     def batch(self) -> int:
         return self.k[0].shape[0]
+
+    @property
+    def scratch(self) -> int:
+        """The slot after the last position: padding is written there and never read as a position."""
+        return self.max_len
 
     def rows(self, begin: int, end: int | None = None) -> KVCache:
         """A view of rows [begin, end) (storage shared, ``length`` 0)."""
         end = begin + 1 if end is None else end
         view = KVCache.__new__(KVCache)
         view.k_all, view.v_all = self.k_all[:, begin:end], self.v_all[:, begin:end]
-        view.k, view.v = list(view.k_all.unbind(0)), list(view.v_all.unbind(0))
-        view.max_len, view.length, view.cursor = self.max_len, 0, 0
+        view.max_len, view.length, view.place = self.max_len, 0, None
+        view._views()
         return view
+
+    def _views(self) -> None:
+        """``k[l]`` / ``v[l]``: layer l's positions (the scratch slot left out) as views of the storage."""
+        self.k = list(self.k_all[:, :, :, : self.max_len].unbind(0))
+        self.v = list(self.v_all[:, :, :, : self.max_len].unbind(0))
 
     def row(self, index: int) -> KVCache:
         return self.rows(index, index + 1)
 
-    def update(self, key, value, layer_idx, *args, **kwargs):  # called by HF attention
-        # key/value: [batch, kv_heads, T, head_dim]
-        t = key.shape[2]
-        if isinstance(self.cursor, torch.Tensor):  # ragged rows: row b writes at cursor[b] .. cursor[b]+T
-            end = self._ragged_end
-            rows, slots = self._ragged_rows, self._ragged_slots  # [B, 1], [B, T]: row b writes at slots[b]
-            # an indexed write, not scatter_: torch's CPU scatter_ into a 16-bit cache took 5 ms a call here (SmolLM2,
-            # 16 rows; 300 ms of a batched step over 30 layers), the indexed write 8 us
-            self.k[layer_idx][rows, :, slots] = key.transpose(1, 2)  # the indexed dims lead: [B, T, H, D]
-            self.v[layer_idx][rows, :, slots] = value.transpose(1, 2)
-            return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
-        end = self.cursor + t
-        if end > self.max_len:
-            raise IndexError(f"KV cache full: writing positions {self.cursor}..{end} of {self.max_len}")
-        self.k[layer_idx][:, :, self.cursor : end] = key
-        self.v[layer_idx][:, :, self.cursor : end] = value
-        return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
+    def update(self, key, value, layer_idx, *args, **kwargs):  # called by HF attention (the modules' forward)
+        return write_and_read(self, layer_idx, key, value, self.place)
 
-    def set_ragged_cursor(self, starts: torch.Tensor, t: int) -> int:
-        """Prepare a ragged write of T tokens per row at ``starts`` [B]; returns the slots attention reads (max start + T)."""
-        end = int(starts.max()) + t
-        if end > self.max_len:
-            raise IndexError(f"KV cache full: writing positions up to {end} of {self.max_len}")
-        k0 = self.k[0]
-        slots = starts.to(k0.device)[:, None] + torch.arange(t, device=k0.device)  # [B, T]
-        self._ragged_rows = torch.arange(k0.shape[0], device=k0.device)[:, None]
-        self._ragged_slots = slots
-        self._ragged_end = end
-        self.cursor = starts
-        return end
-
-    def compact(self, start: int, slots: torch.Tensor) -> None:
-        """Move the KV at ``slots`` ([m], each >= start, any order: they are read before anything is written) to the
-        contiguous slots start..start+m, every layer.
+    def compact(self, start: int, slots: list[int]) -> None:
+        """Move the KV at ``slots`` (host ints, each >= start, any order: they are read before anything is written)
+        to the contiguous slots start..start+m, every layer.
 
         After a tree verification the accepted branch sits at scattered tree slots; this makes it the
-        committed prefix again (one gather + copy per layer; a no-op when the branch is already in place).
+        committed prefix again (one gather + copy of the whole cache; a no-op when the branch is already in place).
         """
-        m = slots.shape[0]
-        if m == 0 or bool((slots == torch.arange(start, start + m, device=slots.device)).all()):
+        m = len(slots)
+        if m == 0 or list(slots) == list(range(start, start + m)):
             return
-        for buf in (*self.k, *self.v):
-            buf[:, :, start : start + m] = buf.index_select(2, slots.to(buf.device))
+        index = torch.as_tensor(slots, dtype=torch.long, device="cpu").to(self.k_all.device, non_blocking=True)
+        for buf in (self.k_all, self.v_all):
+            buf[:, :, :, start : start + m] = buf.index_select(3, index)
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.max_len:
@@ -120,16 +103,15 @@ class KVCache:
 
     def export(self, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [begin, end), every layer, on the CPU: two [L, B, H, end - begin, D] tensors."""
-        return (torch.stack([k[:, :, begin:end] for k in self.k]).cpu(), torch.stack([v[:, :, begin:end] for v in self.v]).cpu())
+        return self.k_all[:, :, :, begin:end].cpu(), self.v_all[:, :, :, begin:end].cpu()
 
     def write(self, begin: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store what :meth:`export` returned at positions begin.. (every layer); the cache then ends after them."""
         end = begin + keys.shape[3]
         if not 0 <= begin <= self.length or end > self.max_len:
             raise IndexError(f"writing positions {begin}..{end} into a cache of {self.length} (capacity {self.max_len})")
-        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
-            self.k[layer][:, :, begin:end] = k.to(self.k[layer].device)
-            self.v[layer][:, :, begin:end] = v.to(self.v[layer].device)
+        self.k_all[:, :, :, begin:end] = keys.to(self.k_all.device)
+        self.v_all[:, :, :, begin:end] = values.to(self.v_all.device)
         self.length = end
 
 
@@ -201,25 +183,28 @@ class ModelAdapter:
     def forward(
         self,
         cache: KVCache,
-        start: int,
+        start,
         input_ids: torch.Tensor | None = None,  # [batch, T]
         hidden: torch.Tensor | None = None,  # [batch, T, hidden] entering layer `first`
         first: int = 0,
         last: int | None = None,
-        positions: torch.Tensor | None = None,  # [batch, T] rotary positions; default start + arange(T)
+        positions: torch.Tensor | None = None,  # [batch, T] rotary positions; default the written slots
         tree_mask: torch.Tensor | None = None,  # [T, W] (or [B, T, W]) bool over the last W <= start+T slots, True = may attend
         captured: dict | None = None,  # {layer l: None}: filled with the hidden state after l layers, [batch, T, hidden]
+        place: Placement | None = None,
     ) -> torch.Tensor:
         """Run layers [first, last) on T new tokens written at cache slots start..start+T.
 
-        ``start`` may be a LongTensor [batch]: ragged rows, row b writing at start[b]..start[b]+T and seeing
-        its own slots < start[b] plus its block (causal, or ``tree_mask`` [B, T, T] over the block); the
-        slots a shorter row does not own are masked out. Rows shorter than T pad their tail: the padded
-        queries write KV beyond the row's committed length, which the next write overwrites.
+        ``start`` may be a list of host ints (one per row): ragged rows, row b writing at start[b]..start[b]+T
+        and seeing its own slots < start[b] plus its block (causal, or ``tree_mask`` [B, T, T] over the block);
+        the slots a shorter row does not own are masked out. Rows shorter than T pad their tail: the padded
+        queries write KV beyond the row's committed length, which the next write overwrites. ``place`` (a
+        :class:`~decoding.model.fast_layers.Placement`) says all of that directly, built once by the caller (the
+        loop's step, with device tensors and host ints side by side); ``start`` and ``tree_mask`` are then ignored.
 
         Returns the hidden state after layer ``last - 1``: [batch, T, hidden]. A token tree passes
-        ``tree_mask`` (the ancestor-or-self mask; W > T when earlier tree nodes already sit in the cache
-        before ``start``: the W columns are the slots start+T-W .. start+T) and ``positions`` (root position
+        ``tree_mask`` (the ancestor-or-self mask; W > T when earlier tree nodes already sit in the cache before
+        ``start``: the W columns are the slots start+T-W .. start+T) and ``positions`` (root position
         + node depth); every slot before those W is the committed prefix and visible to all.
         """
         last = self.num_layers if last is None else last
@@ -228,25 +213,24 @@ class ModelAdapter:
                 raise ValueError("input_ids only enter at layer 0; pass hidden for first > 0")
             hidden = self.embed(input_ids)
         bsz, t = hidden.shape[:2]
-        if isinstance(start, torch.Tensor):
-            start = start.to(hidden.device)
-            if positions is None:
-                positions = start[:, None] + torch.arange(t, device=hidden.device)
-            end = cache.set_ragged_cursor(start, t)
-            mask = self._ragged_mask(start, t, end, tree_mask, hidden.device)
-        else:
-            if positions is None:
-                positions = torch.arange(start, start + t, device=hidden.device).unsqueeze(0).expand(bsz, t)
-            mask = self._mask(start, t, tree_mask, hidden.device)
-            cache.cursor = start
+        if place is None:
+            block = tree_mask if tree_mask is None or tree_mask.dim() == 3 else tree_mask[None]
+            if isinstance(start, int):
+                place = Placement.at(start, t, bsz, hidden.device, block)
+            else:
+                place = Placement.ragged(start, t, hidden.device, block)
+        if positions is None:
+            positions = place.slots
+        mask = place.mask()
+        cache.place = place
         cos_sin = self.rotary(hidden, positions)
         out = None
         if self.compiled is not None and first == 0 and last == self.num_layers and not captured:
-            out = self.compiled.run(hidden, mask, cache, cos_sin)
+            out = self.compiled.run(hidden, place, cache, cos_sin)
         if out is not None:
             hidden = out
         elif self.stack is not None:
-            hidden = self.stack.run(hidden, first, last, mask, cache, cos_sin, captured)
+            hidden = self.stack.run(hidden, first, last, place, mask, cache, cos_sin, captured)
         else:
             for index in range(first, last):
                 hidden = self.layers[index](
@@ -263,36 +247,6 @@ class ModelAdapter:
         if captured is not None and last in captured:
             captured[last] = hidden
         return hidden
-
-    @staticmethod
-    def _mask(start: int, t: int, tree_mask, device):
-        """None where SDPA's own rule is exact (one query, or causal from slot 0)."""
-        if tree_mask is None and (t == 1 or start == 0):
-            return None
-        block = tree_mask.to(device) if tree_mask is not None else torch.ones(t, t, dtype=torch.bool, device=device).tril_()
-        if block.dim() == 2:
-            block = block[None]  # [1 or B, T, W]
-        prefix = torch.ones(*block.shape[:2], start + t - block.shape[-1], dtype=torch.bool, device=device)
-        return torch.cat([prefix, block], dim=-1)[:, None]  # [1 or B, 1, T, start+T]
-
-    @staticmethod
-    def _ragged_mask(start: torch.Tensor, t: int, end: int, tree_mask, device):
-        """[B, 1, T, end] bool: row b's query i sees slots < start[b] and its own block by the causal or tree rule.
-
-        >>> ModelAdapter._ragged_mask(torch.tensor([1, 2]), 2, 4, None, "cpu")[:, 0].int().tolist()
-        [[[1, 1, 0, 0], [1, 1, 1, 0]], [[1, 1, 1, 0], [1, 1, 1, 1]]]
-        """
-        rel = torch.arange(end, device=device)[None, :] - start[:, None]  # [B, end] slot - start
-        query = torch.arange(t, device=device)[None, :, None]  # [1, T, 1]
-        if tree_mask is None:
-            allowed = rel[:, None, :] <= query
-        else:
-            block = tree_mask.to(device)
-            block = block.expand(start.shape[0], t, t) if block.dim() == 2 else block
-            inside = (rel >= 0) & (rel < t)
-            picked = block.gather(2, rel.clamp(0, t - 1)[:, None, :].expand(-1, t, -1))
-            allowed = (rel[:, None, :] < 0) | (picked & inside[:, None, :])
-        return allowed[:, None]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

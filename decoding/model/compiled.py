@@ -31,10 +31,8 @@ import os
 import threading
 
 import torch
-import torch.nn.functional as F
 
-from decoding.model.fast_layers import SIXTEEN_BIT, fused_weights, signed_sin
-from decoding.model.quant import GROUP
+from decoding.model.fast_layers import run_layers
 from decoding.paths import specray_home
 
 WIDTHS = (1, 2, 4, 8, 16, 32)
@@ -67,49 +65,19 @@ def _configure() -> None:
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
 
 
-def _linear(x: torch.Tensor, dense: torch.Tensor, packed) -> torch.Tensor:
-    """x [N, K] @ W.T: torch's packed kernel when the width takes it (decided while tracing: N is static), else dense."""
-    if packed is not None and packed.repeat == 1 and x.shape[0] <= packed.max_rows and x.dtype == packed.scale_zero.dtype:
-        if packed.kind == "int4":
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed.packed, GROUP, packed.scale_zero)
-        return torch.ops.aten._weight_int8pack_mm(x, packed.packed, packed.scale_zero)
-    return F.linear(x, dense)
+def _layers(stack, hidden, cos, sin, k_all, v_all, slots, allowed):
+    """The whole stack for one row: hidden [1, W, H], cos/sin [1, W, D] (HF rotary's), k_all/v_all [L, 1, KV, M, D],
+    slots [1, W] (where the W tokens are written: by index, so no slice starts at a dynamic position), allowed
+    bool [1, 1, W, E] (the queries attend to slots < E, the one dynamic size). The layer math is ``fast_layers.run_layers``'s:
+    only how the cache is written differs from the eager stack."""
+    rows, end = slots.new_zeros(1, 1), allowed.shape[3]
 
+    def write(index, k, v):
+        k_all[index][rows, :, slots] = k.transpose(1, 2)
+        v_all[index][rows, :, slots] = v.transpose(1, 2)
+        return k_all[index, :, :, :end], v_all[index, :, :, :end]
 
-def _forward_row(hidden, cos, sin, k_all, v_all, slots, hidden_slots, layers, shape):
-    """Layers of one row: hidden [T, H], cos/sin [T, D] (sin signed, ``fast_layers.signed_sin``), k_all/v_all
-    [L, 1, KV, M, D], slots [T] (E - T .. E: where the T tokens are written, by index so that no slice starts
-    at a dynamic position), hidden_slots bool [T, E] (True: the query may not look there): the tokens attend to
-    slots < E. ``layers``: per layer (weights, packed linears, epsilons, scale);
-    ``shape``: (heads, kv_heads, head_dim, fused). Only E and M vary between calls (dynamic)."""
-    heads, kv_heads, hd, fused = shape
-    t, width = hidden.shape
-    end = hidden_slots.shape[1]
-    nq, nkv, group = heads * hd, kv_heads * hd, heads // kv_heads
-    for index, (w, packed, eps_in, eps_post, scale) in enumerate(layers):
-        x = F.rms_norm(hidden, (width,), None, eps_in) * w["norm_in"]
-        if fused:
-            qk, v = _linear(x, w["qkv"], packed.get("qkv")).split([nq + nkv, nkv], dim=-1)
-        else:
-            qk, v = torch.cat([F.linear(x, w["q"]), F.linear(x, w["k"])], dim=-1), F.linear(x, w["v"])
-        qk = qk.view(t, heads + kv_heads, hd).transpose(0, 1)  # [H + KV, T, D]
-        qk = qk * cos + qk.roll(hd // 2, -1) * sin
-        q, k = qk.split([heads, kv_heads], dim=0)
-        k_all[index, 0].index_copy_(1, slots, k)
-        v_all[index, 0].index_copy_(1, slots, v.view(t, kv_heads, hd).transpose(0, 1))
-        keys, values = k_all[index, 0, :, :end], v_all[index, 0, :, :end]  # [KV, S, D]
-        scores = torch.matmul(q.reshape(kv_heads, group * t, hd).float(), keys.transpose(-1, -2).float()) * scale
-        scores = scores.view(kv_heads, group, t, -1).masked_fill(hidden_slots, float("-inf")).view(kv_heads, group * t, -1)
-        out = torch.matmul(torch.softmax(scores, -1).to(values.dtype), values)  # [KV, G*T, D]
-        out = out.view(heads, t, hd).transpose(0, 1).reshape(t, nq)
-        hidden = hidden + _linear(out, w["o"], packed.get("o"))
-        x = F.rms_norm(hidden, (width,), None, eps_post) * w["norm_post"]
-        if fused:
-            gate, up = _linear(x, w["gate_up"], packed.get("gate_up")).chunk(2, dim=-1)
-        else:
-            gate, up = F.linear(x, w["gate"]), F.linear(x, w["up"])
-        hidden = hidden + _linear(F.silu(gate) * up, w["down"], packed.get("down"))
-    return hidden
+    return run_layers(stack, hidden, 0, len(stack.weights), (cos, sin), allowed, write)
 
 
 class CompiledStack:
@@ -123,71 +91,46 @@ class CompiledStack:
         self.stack = stack
         self.disabled = torch.device(device).type != "cpu"  # built for the CPU's packed kernels and fused loops
         if self.disabled:
-            log.warning("specray: compile=True runs the compiled stack on CPUs only; %s runs eager", device)
-        self.shape = (stack.heads, stack.kv_heads, stack.head_dim, stack.fuse)
-        self.layers = [self._layer(i, layer) for i, layer in enumerate(stack.layers)]
+            log.warning("specray: compile=True runs the compiled stack on CPUs only; %s runs eager (CUDA: graphs=True)", device)
         self._fn = None
         self.compiled_widths: set[int] = set()
 
-    def _layer(self, index: int, layer):
-        a, m = layer.self_attn, layer.mlp
-        w = {"norm_in": layer.input_layernorm.weight, "norm_post": layer.post_attention_layernorm.weight}
-        w["o"], w["down"] = a.o_proj.weight, m.down_proj.weight
-        if self.stack.fuse:
-            w["qkv"], w["gate_up"] = fused_weights(layer)
-        else:
-            w.update(q=a.q_proj.weight, k=a.k_proj.weight, v=a.v_proj.weight, gate=m.gate_proj.weight, up=m.up_proj.weight)
-        packed = self.stack.quant.layers[index] if self.stack.quant is not None else {}
-        eps = (layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon)
-        return w, packed, eps[0], eps[1], a.scaling
-
-    def run(self, hidden: torch.Tensor, mask, cache, cos_sin) -> torch.Tensor | None:
-        """The stack's output for ``hidden`` [1, T, H] written at ``cache.cursor`` (what ``LayerStack.run`` returns over
-        every layer), or None when no compiled graph applies."""
+    def run(self, hidden: torch.Tensor, place, cache, cos_sin) -> torch.Tensor | None:
+        """The stack's output for ``hidden`` [1, T, H] written where ``place`` says (what ``LayerStack.run`` returns
+        over every layer), or None when no compiled graph applies."""
         bsz, t, width = hidden.shape
         wide = bucket(t)
-        if self.disabled or bsz != 1 or wide is None or not getattr(cache, "plain", False) or not isinstance(cache.cursor, int):
+        if self.disabled or bsz != 1 or wide is None or not getattr(cache, "plain", False) or place.start is None:
             return None
-        begin, k_all = cache.cursor, getattr(cache, "k_all", None)
-        if k_all is None or begin + wide > cache.max_len:
+        k_all = getattr(cache, "k_all", None)
+        if k_all is None or place.start + t > cache.max_len:
             return None
-        end = begin + wide
         pad = wide - t
-        h = hidden[0]
-        cos, sin = cos_sin[0][0], signed_sin(cos_sin[1])[0]  # [T, D]
+        cos, sin = cos_sin
+        slots = place.slots
+        allowed = place.allowed()  # [1, 1, T, end]
+        end = place.end
         if pad:
-            h = torch.cat([h, h.new_zeros(pad, width)])
-            cos, sin = torch.cat([cos, cos[-1:].expand(pad, -1)]), torch.cat([sin, sin[-1:].expand(pad, -1)])
-        if wide == 1:
-            hidden_slots = torch.zeros(1, end, dtype=torch.bool, device=hidden.device)  # one query sees every slot
-        else:
-            allowed = torch.zeros(wide, end, dtype=torch.bool, device=hidden.device)
-            if mask is None:  # a causal block
-                allowed[:t, : begin + t] = torch.ones(t, begin + t, dtype=torch.bool, device=hidden.device).tril(begin)
-            else:  # [1, 1, T, begin + T]
-                allowed[:t, : begin + t] = mask[0, 0]
-            allowed[t:, 0] = True  # padding looks at slot 0 only; no real query looks at the padding
-            hidden_slots = ~allowed
-        torch._dynamo.mark_dynamic(hidden_slots, 1)
+            hidden = torch.cat([hidden, hidden.new_zeros(1, pad, width)], 1)
+            cos, sin = torch.cat([cos, cos[:, -1:].expand(1, pad, -1)], 1), torch.cat([sin, sin[:, -1:].expand(1, pad, -1)], 1)
+            slots = torch.cat([slots, slots.new_full((1, pad), cache.scratch)], 1)  # padding writes the scratch slot
+            padded = torch.zeros(1, 1, pad, end, dtype=torch.bool, device=hidden.device)
+            padded[..., 0] = True  # padding looks at slot 0 only; no real query looks at the padding
+            allowed = torch.cat([allowed, padded], 2)
+        torch._dynamo.mark_dynamic(allowed, 3)
         torch._dynamo.mark_dynamic(k_all, 3)
         torch._dynamo.mark_dynamic(cache.v_all, 3)
         try:
-            slots = torch.arange(begin, end, device=hidden.device)
-            out = self._call(h, cos, sin, k_all, cache.v_all, slots, hidden_slots)
+            out = self._call(hidden, cos, sin, k_all, cache.v_all, slots, allowed)
         except Exception as e:  # noqa: BLE001 - no compiler, an unsupported op: eager from now on
             log.warning("specray: compiling the layer stack failed (%s: %s); running eager", type(e).__name__, e)
             self.disabled = True
             return None
         self.compiled_widths.add(wide)
-        return out[:t][None]
+        return out[:, :t]
 
-    def _call(self, h, cos, sin, k_all, v_all, slots, hidden_slots):
+    def _call(self, hidden, cos, sin, k_all, v_all, slots, allowed):
         if self._fn is None:
             _configure()
-            self._fn = torch.compile(_forward_row, fullgraph=True)
-        return self._fn(h, cos, sin, k_all, v_all, slots, hidden_slots, self.layers, self.shape)
-
-
-def compilable(dtype: torch.dtype) -> bool:
-    """Dtypes the compiled stack runs (16-bit for speed, float32 for exactness checks)."""
-    return dtype in SIXTEEN_BIT or dtype == torch.float32
+            self._fn = torch.compile(_layers, fullgraph=True)
+        return self._fn(self.stack, hidden, cos, sin, k_all, v_all, slots, allowed)

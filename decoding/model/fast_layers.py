@@ -31,6 +31,7 @@ calls the modules.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -137,20 +138,175 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, hid
 _DENSE: dict = {}
 
 
-def _linear(packed: dict, key: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for a 2-D ``x``, by the layer's packed linear ``key`` when it has one (``decoding.model.quant``).
+def linear(packed, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T`` for a 2-D ``x``, by the packed linear ``packed`` when there is one (``decoding.model.quant``).
 
     A narrow input in the kernel's dtype goes straight to torch's packed kernel (what ``PackedLinear.__call__``
-    does after reshaping, without the reshapes: the stack keeps its activations 2-D).
+    does after reshaping, without the reshapes: the stack keeps its activations 2-D). Which kernel runs depends only
+    on shapes and dtypes, so a compiled or captured forward takes the same branch every time for a bucket.
     """
-    linear = packed.get(key)
-    if linear is None:
+    if packed is None:
         return F.linear(x, weight)
-    if linear.repeat == 1 and x.shape[0] <= linear.max_rows and x.dtype == linear.scale_zero.dtype:
-        if linear.kind == "int4":
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, linear.packed, linear.group, linear.scale_zero)
-        return torch.ops.aten._weight_int8pack_mm(x, linear.packed, linear.scale_zero)
-    return linear(x)
+    if packed.repeat == 1 and x.shape[0] <= packed.max_rows and x.dtype == packed.scale_zero.dtype:
+        if packed.kind == "int4":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed.packed, packed.group, packed.scale_zero)
+        return torch.ops.aten._weight_int8pack_mm(x, packed.packed, packed.scale_zero)
+    return packed(x)
+
+
+class Placement:
+    """Where a forward's block of T tokens per row goes in the KV cache, and what each of its queries sees.
+
+    Row b's tokens are written at cache slots ``slots[b]`` ([R, T]); its queries see every slot below
+    ``prefix[b]`` (text committed before the block, visible to all of them) and, of the W block slots
+    ``prefix[b] .. prefix[b] + W``, those ``block[b, i]`` allows (``block`` [R|1, T, W] bool; None: causal,
+    W = T, query i sees block slots 0..i). Attention reads slots ``[0, end)``. ``start`` is set when every row
+    writes at the same ``start .. start + T`` (a host int: the cache is then written by slice); ``rows`` ([R, 1])
+    names the cache rows written when they are not 0..R-1.
+
+    The forward of a step is a function of this structure and the token ids: eager on the host's ints, or, with
+    ``end`` the cache's whole length and every field a device tensor, a static-shape graph (``decoding.model.graphs``).
+
+    >>> p = Placement.at(3, 2, batch=1, device="cpu")           # two tokens written at slots 3, 4, causal
+    >>> p.slots.tolist(), p.end, p.allowed().int()[0, 0].tolist()
+    ([[3, 4]], 5, [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    >>> Placement.ragged([1, 2], 1, device="cpu").allowed().int()[:, 0, 0].tolist()   # rows at their own lengths
+    [[1, 1, 0], [1, 1, 1]]
+    """
+
+    __slots__ = ("slots", "prefix", "end", "block", "start", "rows")
+
+    def __init__(self, slots, prefix, end: int, block=None, start: int | None = None, rows=None):
+        self.slots, self.prefix, self.end, self.block, self.start, self.rows = slots, prefix, end, block, start, rows
+
+    @property
+    def width(self) -> int:
+        """Block slots W each query may see beyond its prefix."""
+        return self.slots.shape[1] if self.block is None else self.block.shape[-1]
+
+    @classmethod
+    def at(cls, start: int, t: int, batch: int, device, block: torch.Tensor | None = None) -> Placement:
+        """Every row writes at ``start .. start + t``; ``block`` [R|1, T, W] with W >= T when W - T earlier block
+        nodes already sit in the cache before ``start`` (a token tree fed in parts)."""
+        w = t if block is None else block.shape[-1]
+        slots = torch.arange(start, start + t, device=device).expand(batch, t)
+        prefix = torch.full((batch,), start + t - w, dtype=torch.long, device=device)
+        return cls(slots, prefix, start + t, None if block is None else block.to(device), start=start)
+
+    @classmethod
+    def ragged(cls, starts, t: int, device, block: torch.Tensor | None = None, end: int | None = None) -> Placement:
+        """Row b writes at ``starts[b] .. starts[b] + t`` (a list of host ints, or a LongTensor [R]; give ``end`` with a
+        tensor, or its maximum is read back, which stops the host)."""
+        if isinstance(starts, torch.Tensor):
+            start_t = starts.to(device)
+            end = int(start_t.max()) + t if end is None else end
+        else:
+            end = max(starts) + t if end is None else end
+            start_t = torch.as_tensor(starts, dtype=torch.long, device=device)
+        slots = start_t[:, None] + torch.arange(t, device=device)
+        return cls(slots, start_t, end, None if block is None else block.to(device))
+
+    def allowed(self) -> torch.Tensor:
+        """[R|1, 1, T, end] bool, True where a query may attend."""
+        t, w = self.slots.shape[1], self.width
+        device = self.slots.device
+        rel = torch.arange(self.end, device=device)[None, :] - self.prefix[:, None]  # [R, end] slot - prefix
+        if self.block is None:
+            allowed = rel[:, None, :] <= torch.arange(t, device=device)[None, :, None]
+        else:
+            block = self.block.expand(rel.shape[0], t, w)
+            picked = block.gather(2, rel.clamp(0, w - 1)[:, None, :].expand(-1, t, -1))
+            allowed = (rel[:, None, :] < 0) | (picked & (rel < w)[:, None, :])
+        return allowed[:, None]
+
+    def mask(self) -> torch.Tensor | None:
+        """What the layers take: None where every query sees every read slot or SDPA's causal rule is exact (one
+        query at a shared start; a causal block from slot 0), else :meth:`allowed`."""
+        if self.start is not None and self.block is None and (self.slots.shape[1] == 1 or self.start == 0):
+            return None
+        return self.allowed()
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer as the stack computes it: its weights (fused in 16-bit dtypes), packed linears, epsilons."""
+
+    norm_in: torch.Tensor
+    norm_post: torch.Tensor
+    qkv: tuple  # (q, k, v) weights, or one fused [q; k; v] matrix in a 1-tuple
+    gate_up: tuple  # (gate, up), or one fused matrix
+    o: torch.Tensor
+    down: torch.Tensor
+    packed: dict
+    eps_in: float
+    eps_post: float
+    scale: float
+    cache_index: int
+
+
+def layer_weights(layer, fuse: bool, packed: dict) -> LayerWeights:
+    a, m = layer.self_attn, layer.mlp
+    if fuse:
+        qkv, gate_up = fused_weights(layer)
+        qkv, gate_up = (qkv,), (gate_up,)
+    else:
+        qkv, gate_up = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), (m.gate_proj.weight, m.up_proj.weight)
+    return LayerWeights(
+        layer.input_layernorm.weight,
+        layer.post_attention_layernorm.weight,
+        qkv,
+        gate_up,
+        a.o_proj.weight,
+        m.down_proj.weight,
+        packed,
+        layer.input_layernorm.variance_epsilon,
+        layer.post_attention_layernorm.variance_epsilon,
+        a.scaling,
+        a.layer_idx,
+    )
+
+
+def layer_step(w: LayerWeights, hidden: torch.Tensor, bsz: int, t: int, cos, sin, shape, attend) -> torch.Tensor:
+    """One decoder layer on activations ``hidden`` [B*T, H] (2-D: the linears take them as they are): the layers'
+    own math (the module docstring). ``attend(q, k, v) -> [B, heads, T, D]`` writes the block's keys and values
+    and attends (the cache's part, which differs between the eager, compiled and captured forwards); ``shape``:
+    (heads, kv_heads, head_dim)."""
+    heads, kv_heads, hd = shape
+    width = hidden.shape[-1]
+    nq, nkv = heads * hd, kv_heads * hd
+    x = F.rms_norm(hidden, (width,), None, w.eps_in) * w.norm_in  # LlamaRMSNorm's rounding, bit for bit
+    if len(w.qkv) == 1:
+        qk, v = linear(w.packed.get("qkv"), x, w.qkv[0]).split([nq + nkv, nkv], dim=-1)
+        # q and k rotate together: the same elementwise arithmetic as one by one, in half the operations
+        q, k = _rotate(qk.view(bsz, t, -1, hd).transpose(1, 2), cos, sin).split([heads, kv_heads], dim=1)
+    else:  # float32: separate matmuls, bit-identical to the modules'
+        q, k, v = (F.linear(x, wt) for wt in w.qkv)
+        q = _rotate(q.view(bsz, t, -1, hd).transpose(1, 2), cos, sin)
+        k = _rotate(k.view(bsz, t, -1, hd).transpose(1, 2), cos, sin)
+    out = attend(q, k, v.view(bsz, t, -1, hd).transpose(1, 2))
+    hidden = hidden + linear(w.packed.get("o"), out.transpose(1, 2).reshape(bsz * t, nq).contiguous(), w.o)
+    x = F.rms_norm(hidden, (width,), None, w.eps_post) * w.norm_post
+    if len(w.gate_up) == 1:
+        gate, up = linear(w.packed.get("gate_up"), x, w.gate_up[0]).chunk(2, dim=-1)
+    else:
+        gate, up = (F.linear(x, wt) for wt in w.gate_up)
+    return hidden + linear(w.packed.get("down"), F.silu(gate) * up, w.down)
+
+
+def attention(q, k, v, scale: float, mask, own: bool, causal: bool, kv_heads: int) -> torch.Tensor:
+    """q [B, H, T, D] against k/v [B, KV, S, D]: the float32 two-matmul attention (``own``, :func:`_attend`), or SDPA.
+
+    ``mask``: None, or bool [B|1, 1, T, S] (True = may attend); ``causal``: a block from slot 0 (SDPA's own rule).
+    """
+    bsz, _, t, hd = q.shape
+    if own:
+        return _attend(q, k, v, scale, None if mask is None else ~mask.unsqueeze(1))
+    if t == 1 and mask is not None:  # one masked query: its heads grouped by kv head, as transformers does
+        grouped = q.reshape(bsz, kv_heads, -1, hd)
+        return F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale).reshape(bsz, -1, 1, hd)
+    if causal and k.shape[2] > t:  # a causal block from slot 0 reads only its own slots
+        k, v = k[:, :, :t], v[:, :, :t]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal, enable_gqa=True)
 
 
 class LayerStack:
@@ -162,16 +318,14 @@ class LayerStack:
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.shape = (self.heads, self.kv_heads, self.head_dim)
         self.fuse = dtype in SIXTEEN_BIT
         self.attend_own = dtype in SIXTEEN_BIT and torch.device(device).type == "cpu"
-        if self.fuse:
-            for layer in layers:
-                fused_weights(layer)
-        # per layer: (cache index, attention scale, the two norms' epsilons), read once
-        self.meta = [
-            (a.layer_idx, a.scaling, layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon)
-            for layer, a in ((layer, layer.self_attn) for layer in layers)
-        ]
+        self.weights = [self._weights(i) for i in range(len(layers))]
+
+    def _weights(self, index: int) -> LayerWeights:
+        packed = self.quant.layers[index] if self.quant is not None else _DENSE
+        return layer_weights(self.layers[index], self.fuse, packed)
 
     @classmethod
     def of(cls, layers, config, dtype: torch.dtype, device: torch.device, quant=None) -> LayerStack | None:
@@ -180,69 +334,84 @@ class LayerStack:
             return None
         return cls(layers, config, dtype, device, quant)
 
-    def run(self, hidden, first: int, last: int, mask, cache, cos_sin, captured: dict | None = None) -> torch.Tensor:
+    def refresh(self) -> None:
+        """Read the layers' weights again (fused anew where a projection no longer is a view of its fused matrix:
+        moved to another device, or replaced)."""
+        self.weights = [self._weights(i) for i in range(len(self.layers))]
+
+    def run(self, hidden, first: int, last: int, place: Placement | None, mask, cache, cos_sin, captured: dict | None = None):
         """What the modules' forward would return for ``hidden`` [B, T, hidden] through layers [first, last).
 
-        ``mask``: None (one query, or a causal block from slot 0) or bool [B|1, 1, T, S], True = may attend.
+        ``place``: where the block goes (:class:`Placement`); ``mask``: ``place.mask()`` (None: one query, or a
+        causal block from slot 0), or for a cache that is not plain, the adapter's mask over what its ``update``
+        returns. A cache whose class says ``plain`` (the adapter's ``KVCache``) is written here, by slice where
+        every row shares its start, else by index; any other cache (sparse views) through its ``update``.
         ``captured``: a dict whose keys name layers l in (first, last); each gets the hidden state after l layers.
-        A cache whose class says ``plain`` (the adapter's ``KVCache``) with one write position for every row is
-        written here by slice; any other cache (ragged rows, sparse views) through its ``update``.
         """
-        bsz, t, width = hidden.shape
-        n = bsz * t
-        hd, nq, nkv = self.head_dim, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        cos, sin = cos_sin[0].unsqueeze(1), signed_sin(cos_sin[1]).unsqueeze(1)  # [B, 1, T, D]
-        causal = mask is None and t > 1
-        own = self.attend_own and t <= ATTEND_MAX and not causal
-        hidden_slots = None if mask is None or not own else ~mask.unsqueeze(1)  # [B|1, 1, 1, T, S]
-        plain = getattr(cache, "plain", False) and isinstance(cache.cursor, int)
+        if self.fuse and self.weights and fused_weights(self.layers[0])[0] is not self.weights[0].qkv[0]:
+            self.refresh()
+        plain = getattr(cache, "plain", False) and place is not None
+        if plain and place.end > cache.max_len:
+            raise IndexError(f"KV cache full: writing positions up to {place.end} of {cache.max_len}")
         if plain:
-            begin, end = cache.cursor, cache.cursor + t
-            if end > cache.max_len:
-                raise IndexError(f"KV cache full: writing positions {begin}..{end} of {cache.max_len}")
-        hidden = hidden.reshape(n, width)  # activations stay 2-D [B*T, hidden]: the linears take them as they are
-        for index in range(first, last):
-            layer = self.layers[index]
-            cache_index, scale, eps_in, eps_post = self.meta[index]
-            packed = self.quant.layers[index] if self.quant is not None else _DENSE
-            x = F.rms_norm(hidden, (width,), None, eps_in) * layer.input_layernorm.weight  # LlamaRMSNorm's rounding, bit for bit
-            if self.fuse:
-                qkv, gate_up = fused_weights(layer)
-                qk, v = _linear(packed, "qkv", x, qkv).split([nq + nkv, nkv], dim=-1)
-                # q and k rotate together: the same elementwise arithmetic as one by one, in half the operations
-                q, k = _rotate(qk.view(bsz, t, -1, hd).transpose(1, 2), cos, sin).split([self.heads, self.kv_heads], dim=1)
-            else:
-                a = layer.self_attn
-                q, k, v = F.linear(x, a.q_proj.weight), F.linear(x, a.k_proj.weight), F.linear(x, a.v_proj.weight)
-                q = _rotate(q.view(bsz, t, -1, hd).transpose(1, 2), cos, sin)
-                k = _rotate(k.view(bsz, t, -1, hd).transpose(1, 2), cos, sin)
-            v = v.view(bsz, t, -1, hd).transpose(1, 2)
-            if plain:
-                k_all, v_all = cache.k[cache_index], cache.v[cache_index]
-                k_all[:, :, begin:end] = k
-                v_all[:, :, begin:end] = v
-                k, v = k_all[:, :, :end], v_all[:, :, :end]
-            else:
-                k, v = cache.update(k, v, cache_index)
-            if own:
-                out = _attend(q, k, v, scale, hidden_slots)
-            elif t == 1 and mask is not None:  # one masked query: its heads grouped by kv head, as transformers does
-                grouped = q.reshape(bsz, self.kv_heads, -1, hd)
-                out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale).reshape(bsz, -1, 1, hd)
-            else:
-                if causal and k.shape[2] > t:  # a causal block from slot 0 reads only its own slots
-                    k, v = k[:, :, :t], v[:, :, :t]
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal, enable_gqa=True)
-            o_weight = None if "o" in packed else layer.self_attn.o_proj.weight
-            hidden = hidden + _linear(packed, "o", out.transpose(1, 2).reshape(n, nq).contiguous(), o_weight)
-            x = F.rms_norm(hidden, (width,), None, eps_post) * layer.post_attention_layernorm.weight
-            if self.fuse:
-                gate, up = _linear(packed, "gate_up", x, gate_up).chunk(2, dim=-1)
-            else:
-                m = layer.mlp
-                gate, up = F.linear(x, m.gate_proj.weight), F.linear(x, m.up_proj.weight)
-            down_weight = None if "down" in packed else layer.mlp.down_proj.weight
-            hidden = hidden + _linear(packed, "down", F.silu(gate) * up, down_weight)
-            if captured is not None and index + 1 in captured:
-                captured[index + 1] = hidden.view(bsz, t, width)
-        return hidden.view(bsz, t, width)
+
+            def write(index, k, v):
+                return write_and_read(cache, index, k, v, place)
+
+        else:
+
+            def write(index, k, v):
+                return cache.update(k, v, index)
+
+        return run_layers(self, hidden, first, last, cos_sin, mask, write, captured)
+
+
+def run_layers(stack: LayerStack, hidden, first: int, last: int, cos_sin, mask, write, captured: dict | None = None):
+    """Layers [first, last) of ``stack`` on ``hidden`` [B, T, H]: the one copy of the layer math, whoever runs it
+    (the eager stack, its compiled form, a captured graph). ``write(cache_index, k, v) -> (keys, values)`` stores
+    the block's keys/values [B, KV, T, D] and returns the slots to attend to; ``mask`` as :meth:`LayerStack.run`."""
+    bsz, t, width = hidden.shape
+    cos, sin = cos_sin[0].unsqueeze(1), signed_sin(cos_sin[1]).unsqueeze(1)  # [B, 1, T, D]
+    causal = mask is None and t > 1
+    own = stack.attend_own and t <= ATTEND_MAX and not causal
+    hidden = hidden.reshape(bsz * t, width)  # activations stay 2-D [B*T, hidden]
+    for index in range(first, last):
+        w = stack.weights[index]
+
+        def attend(q, k, v, w=w):
+            k, v = write(w.cache_index, k, v)
+            return attention(q, k, v, w.scale, mask, own, causal, stack.kv_heads)
+
+        hidden = layer_step(w, hidden, bsz, t, cos, sin, stack.shape, attend)
+        if captured is not None and index + 1 in captured:
+            captured[index + 1] = hidden.view(bsz, t, width)
+    return hidden.view(bsz, t, width)
+
+
+def write_and_read(cache, index: int, k: torch.Tensor, v: torch.Tensor, place: Placement):
+    """Write the block's keys/values [B, KV, T, D] of layer ``index`` where ``place`` says; return the slots read."""
+    k_all, v_all = (cache.k_all[index], cache.v_all[index]) if hasattr(cache, "k_all") else (cache.k[index], cache.v[index])
+    if place.start is not None:
+        k_all[:, :, place.start : place.start + k.shape[2]] = k
+        v_all[:, :, place.start : place.start + k.shape[2]] = v
+    else:
+        # an indexed write, not scatter_: torch's CPU scatter_ into a 16-bit cache took 5 ms a call here (SmolLM2,
+        # 16 rows; 300 ms of a batched step over 30 layers), the indexed write 8 us
+        rows = place.rows if place.rows is not None else _row_index(k.shape[0], k.device)
+        k_all[rows, :, place.slots] = k.transpose(1, 2)  # the indexed dims lead: [B, T, KV, D]
+        v_all[rows, :, place.slots] = v.transpose(1, 2)
+    return k_all[:, :, : place.end], v_all[:, :, : place.end]
+
+
+_ROWS: dict = {}
+
+
+def _row_index(rows: int, device) -> torch.Tensor:
+    """[R, 1] = 0..R-1, made once per size and device (a step allocates nothing it can keep)."""
+    key = (rows, str(device))
+    if key not in _ROWS:
+        index = torch.arange(rows, device=device)[:, None]
+        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return index  # made by a graph's replay: not a tensor to keep (decoding.model.graphs passes its rows)
+        _ROWS[key] = index
+    return _ROWS[key]

@@ -8,7 +8,7 @@ Three levels, each drafting for the one above::
     top     the target model over its full cache: the loop's own verification
 
 The middle level is a drafter (:class:`TriForceDrafter`) whose ``propose`` runs
-the loop's step body, :func:`decoding.loop.loop.speculative_step`, on its own
+the loop's step body, :func:`decoding.loop.step.speculative_step`, on its own
 ``DecodeState`` (target = the target over the retrieval view, drafter = the
 bottom level) until it has committed ``gamma`` tokens (the top level's ``k``).
 Each inner step commits tokens distributed exactly as the middle model would
@@ -44,8 +44,8 @@ from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.drafters.draft_model import DraftModelDrafter, first_layers_adapter
 from decoding.drafters.ngram import NgramDrafter
 from decoding.errors import ConfigError
-from decoding.loop.loop import speculative_step  # this drafter runs the loop's step (it lives above the loop)
 from decoding.loop.metrics import StepRecord
+from decoding.loop.step import speculative_step  # this drafter runs the loop's step (it lives above the loop)
 from decoding.model.adapter import ModelAdapter
 from decoding.model.kv_views import RetrievalCache, ViewAdapter, layer_queries, streaming_cache
 from decoding.sampling import warp

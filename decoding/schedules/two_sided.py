@@ -69,12 +69,14 @@ import torch
 
 from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.drafters.draft_model import DraftModelDrafter
-from decoding.loop.loop import GREEDY, Generation, Output, StepCallback, check_context, committed_by, fill, prefill, verify
 from decoding.loop.metrics import StepRecord
+from decoding.loop.output import Generation, Output, StepCallback
+from decoding.loop.prefill import check_context, fill, prefill
+from decoding.loop.step import committed_by, verify
 from decoding.loop.verify import verify_speculative
 from decoding.methods import TWO_SIDED_SCHEDULES as SCHEDULES
 from decoding.model.adapter import KVCache, ModelAdapter
-from decoding.sampling import SamplingParams, warp
+from decoding.sampling import GREEDY, SamplingParams, warp
 
 # ---- the messages between a schedule and the two sides --------------------------------------
 
@@ -127,7 +129,7 @@ class DraftResult:
 
 
 class VerifySide:
-    """The target model and its cache: prefills and verifies with the loop's own rule (``decoding.loop.loop.verify``)."""
+    """The target model and its cache: prefills and verifies with the loop's own rule (``decoding.loop.step.verify``)."""
 
     def __init__(self, adapter: ModelAdapter, sampling: SamplingParams = GREEDY):
         self.adapter = adapter

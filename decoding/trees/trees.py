@@ -86,6 +86,24 @@ class Tree:
         return self.parents.shape[0]
 
     @cached_property
+    def parent_list(self) -> list[int]:
+        """``parents`` as host ints (read once per tree)."""
+        return self.parents.tolist()
+
+    @cached_property
+    def depth_list(self) -> list[int]:
+        """``depth`` as host ints."""
+        return self.depth.tolist()
+
+    def on(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(parents, depth, mask) on ``device``, copied there once per tree and device."""
+        key = str(device)
+        cache = self.__dict__.setdefault("_on", {})
+        if key not in cache:
+            cache[key] = tuple(x.to(device) for x in (self.parents, self.depth, self.mask))
+        return cache[key]
+
+    @cached_property
     def depth(self) -> torch.Tensor:  # [T] position offset of each node from the root
         d = [0] * self.size
         for i, p in enumerate(self.parents.tolist()[1:], 1):

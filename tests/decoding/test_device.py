@@ -146,7 +146,7 @@ def test_a_batch_creates_nothing_off_the_model_device(tiny_model_dir, one_thread
     ids = [dec.encode(p) for p in prompts]
     reference = [dec.generate_ids(x, max_new_tokens=10).token_ids for x in ids]
     from decoding.engine import cost_model
-    from decoding.loop.loop import generate_many
+    from decoding.loop.batch import generate_many
 
     log = DeviceLog()
     torch.set_default_device("meta")

@@ -165,7 +165,7 @@ def test_shared_constants_are_defined_once():
     values = {"('target', 'draft')", "('calls', 'compiled')", "('sps', 'pearl')"}
     assert {repr(v) for v in (WORKER_ROLES, ACTOR_TRANSPORTS, TWO_SIDED_SCHEDULES)} == values
     assert all(len(paths) == 1 for paths in found.values()), found
-    assert found["GREEDY"] == ["decoding/loop/loop.py"]
+    assert found["GREEDY"] == ["decoding/sampling.py"]
 
 
 def test_the_table_stays_in_decoding_and_torch_free():

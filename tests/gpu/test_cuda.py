@@ -137,8 +137,8 @@ def test_ray_workers_use_the_gpu_they_were_given():
 
 def test_drafter_training_on_cuda(tmp_path):
     from conftest import tiny_llama
+    from tests_support import generate
 
-    from decoding.loop.loop import generate
     from decoding.model.adapter import ModelAdapter
     from training.data import extract_hidden
     from training.trainer import TrainSpec, train

@@ -5,9 +5,11 @@ import threading
 
 import pytest
 import torch
+from tests_support import generate
 
 from decoding.drafters.ngram import NgramDrafter
-from decoding.loop.loop import ContextTooLong, Sequence, generate
+from decoding.loop.batch import Sequence
+from decoding.loop.prefill import ContextTooLong
 from decoding.model.adapter import ModelAdapter
 from serving.batching import EngineFailed, EngineLoop
 

@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 from conftest import tiny_llama
+from tests_support import generate
 from tiny_models import build_tiny_model, write_prompts
 
 from decoding.drafters.artifacts import load_artifact
 from decoding.drafters.trained import RECIPES
-from decoding.loop.loop import generate
 from decoding.model.adapter import ModelAdapter
 from training.data import extract_hidden, generate_data, load_examples, read_meta
 from training.trainer import TrainSpec, train

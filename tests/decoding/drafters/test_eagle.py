@@ -13,12 +13,13 @@ import copy
 import pytest
 import torch
 from conftest import tiny_llama
+from tests_support import generate
 
 from decoding.drafters.base import DecodeState
 from decoding.drafters.eagle import EagleDrafter, EagleNet, VocabHead, feature_norm
 from decoding.drafters.trained import RECIPES, Shared
-from decoding.loop.loop import GREEDY, generate
 from decoding.model.adapter import ModelAdapter
+from decoding.sampling import GREEDY
 from decoding.trees.trees import Dynamic
 from training.features import TargetFeatures
 from training.objectives import eagle_objectives, ttt_mask
@@ -209,7 +210,7 @@ def test_hybrid_runs_its_head_only_where_copying_offers_little(four_layer_dir, a
     head idle; a text with nothing to copy makes it draft, and its nodes join the merged tree."""
     from decoding.config import SpecConfig
     from decoding.engine import SpecDecoder
-    from decoding.loop.loop import prefill
+    from decoding.loop.prefill import prefill
 
     dec = SpecDecoder(SpecConfig(model=str(four_layer_dir), dtype="float32", method="hybrid", drafter=artifacts["eagle"], threads=1))
     hybrid = dec.drafter

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tests_support import generate
 
 from decoding.config import SpecConfig
 from decoding.drafters.draft_memory import DraftMemory
@@ -17,8 +18,7 @@ from decoding.drafters.ngram import NgramDrafter
 from decoding.drafters.recycling import AdjacencyMatrix, RankStats, RecyclingDrafter, verified_nodes
 from decoding.drafters.suffix import SuffixCache, SuffixDrafter, SuffixTrie, best_first
 from decoding.errors import ConfigError
-from decoding.loop import loop as loop_module
-from decoding.loop.loop import generate
+from decoding.loop import step as loop_module
 from decoding.loop.metrics import chi_square_pvalue
 from decoding.loop.verify import verify_tree_speculative
 from decoding.model.adapter import ModelAdapter
@@ -305,9 +305,9 @@ def test_sampling_trees_are_really_accepted(tiny_model, one_thread):
 # the fast tier keeps the control on the hybrid (it drafts with all three sources); the other two run in the full suite
 @pytest.mark.parametrize("name", [n if n == "hybrid" else pytest.param(n, marks=pytest.mark.slow) for n in NAMES])
 def test_a_broken_tree_rule_is_caught(tiny_model, one_thread, monkeypatch, name):
-    def draw_from_p(node_tokens, parents, draft_probs, target_probs, u_accept, u_sample):
+    def draw_from_p(node_tokens, children, draft_probs, target_probs, u_accept, u_sample, *rest):
         """Wrong: the final draw comes from p at the last accepted node, not from the residual after rejections."""
-        v = verify_tree_speculative(node_tokens, parents, draft_probs, target_probs, u_accept, u_sample)
+        v = verify_tree_speculative(node_tokens, children, draft_probs, target_probs, u_accept, u_sample, *rest)
         m = int(v.num_accepted[0])
         v.tokens[0, m] = sample_from(target_probs[0, int(v.path[0, m])][None], u_sample)[0]
         return v

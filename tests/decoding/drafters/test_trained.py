@@ -3,12 +3,12 @@
 import pytest
 import torch
 from conftest import tiny_llama
+from tests_support import generate
 
 from decoding.config import SpecConfig
 from decoding.drafters.artifacts import load_artifact, save_artifact
 from decoding.drafters.trained import RECIPES, get_recipe
 from decoding.errors import ConfigError
-from decoding.loop.loop import generate
 from decoding.loop.metrics import chi_square_pvalue
 from decoding.model.adapter import ModelAdapter
 from decoding.model.models import model_fingerprint
@@ -211,12 +211,12 @@ def test_trained_trimmed_heads_stay_lossless(tiny_model, recipe, knobs, tmp_path
 def test_a_broken_rule_is_caught_with_the_feature_head(tiny_model, monkeypatch):
     """The control for the eagle drafter's distribution test: the same counts under a wrong rule (rejection draws
     from p instead of the residual) fail it."""
-    import decoding.loop.loop as loop_module
+    import decoding.loop.step as loop_module
     from decoding.loop.verify import verify_speculative
     from decoding.sampling import sample_from
 
-    def resample_from_p(drafts, q, p, u_accept, u_sample):
-        verdict = verify_speculative(drafts, q, p, u_accept, u_sample)
+    def resample_from_p(drafts, q, p, u_accept, u_sample, *rest):
+        verdict = verify_speculative(drafts, q, p, u_accept, u_sample, *rest)
         rows = torch.arange(drafts.shape[0])
         verdict.tokens[rows, verdict.num_accepted] = sample_from(p[rows, verdict.num_accepted], u_sample)
         return verdict

@@ -3,13 +3,15 @@ sampling is per row and lossless in batches, k=auto drafts at low load and stops
 
 import pytest
 import torch
+from tests_support import generate
 
 from decoding.drafters.draft_model import DraftModelDrafter
 from decoding.drafters.early_exit import EarlyExitDrafter
 from decoding.drafters.ngram import NgramDrafter
-from decoding.loop import loop as loop_module
+from decoding.loop import prefill as prefill_module
+from decoding.loop import step as step_module
+from decoding.loop.batch import Batch, NotBatchable, Sequence, generate_many
 from decoding.loop.goodput import CostModel
-from decoding.loop.loop import Batch, NotBatchable, Sequence, generate, generate_many
 from decoding.loop.metrics import chi_square_pvalue
 from decoding.loop.verify import verify_speculative
 from decoding.model.adapter import ModelAdapter
@@ -136,12 +138,10 @@ def test_batch_limits_and_errors(tiny_model, target):
     batch.add(Sequence(ids(PROMPTS[0]), max_new_tokens=8))
     with pytest.raises(RuntimeError, match="full"):
         batch.add(Sequence(ids(PROMPTS[1]), max_new_tokens=8))
-    with pytest.raises(loop_module.ContextTooLong, match="context"):
+    with pytest.raises(prefill_module.ContextTooLong, match="context"):
         Batch(target).add(Sequence(ids(PROMPTS[0]), max_new_tokens=1000))
     with pytest.raises(ValueError, match="one row"):
         Sequence(torch.tensor([[1, 2], [3, 4]]))
-    with pytest.raises(ValueError, match="Batch"):
-        generate(target, torch.tensor([[1, 2], [3, 4]]))
 
     from decoding.schedules.triforce import TriForceDrafter
 
@@ -157,7 +157,7 @@ def test_a_long_prompt_is_filled_in_chunks_between_the_other_rows_steps(tiny_mod
     """Chunks of 3 prompt tokens, a budget of 4 per step: one chunk per step. The decoding rows commit every step
     while the 20-token prompt joins (7 chunks), each step feeds the target at most one chunk of prompt, and every
     row's output is its AR output alone."""
-    monkeypatch.setattr(loop_module, "PREFILL_CHUNK", 3)
+    monkeypatch.setattr(prefill_module, "PREFILL_CHUNK", 3)
     fed = []
     forward = target.forward
 
@@ -189,7 +189,7 @@ def test_a_long_prompt_is_filled_in_chunks_between_the_other_rows_steps(tiny_mod
 
 def test_a_row_leaving_while_a_prompt_is_filled_keeps_both_exact(tiny_model, target, ar_alone, monkeypatch, one_thread):
     """Rows finish (the last decoding row and the half-filled prompt move down) while a prompt is filled in chunks."""
-    monkeypatch.setattr(loop_module, "PREFILL_CHUNK", 2)
+    monkeypatch.setattr(prefill_module, "PREFILL_CHUNK", 2)
     batch = Batch(target, max_rows=4, prefill_budget=2)
     short = [batch.add(Sequence(ids(PROMPTS[i]), k=2, max_new_tokens=m)) for i, m in ((2, 14), (0, 10), (3, 24))]
     while any(s.state is None for s in short):
@@ -277,13 +277,13 @@ def test_batched_sampling_follows_the_target(tiny_model, target, name, one_threa
 
 
 def test_batched_wrong_rule_is_caught(tiny_model, target, monkeypatch, one_thread):
-    def resample_from_p(drafts, q, p, u_accept, u_sample):  # a rejection draws from p, not the residual
-        verdict = verify_speculative(drafts, q, p, u_accept, u_sample)
+    def resample_from_p(drafts, q, p, u_accept, u_sample, *rest):  # a rejection draws from p, not the residual
+        verdict = verify_speculative(drafts, q, p, u_accept, u_sample, *rest)
         rows = torch.arange(drafts.shape[0])
         verdict.tokens[rows, verdict.num_accepted] = sample_from(p[rows, verdict.num_accepted], u_sample)
         return verdict
 
-    monkeypatch.setattr(loop_module, "verify_speculative", resample_from_p)
+    monkeypatch.setattr(step_module, "verify_speculative", resample_from_p)
     counts = batched_counts(tiny_model, target, 1500, "sps")
     assert chi_square_pvalue(counts, exact_joint(tiny_model, ids(PROMPTS[0]), N_TOKENS, SAMPLING)) < 1e-6
 

@@ -4,12 +4,12 @@ import itertools
 
 import pytest
 import torch
+from tests_support import generate
 
 from decoding.drafters.draft_model import DraftModelDrafter
 from decoding.drafters.early_exit import EarlyExitDrafter
 from decoding.drafters.ngram import NgramDrafter
-from decoding.loop import loop as loop_module
-from decoding.loop.loop import generate
+from decoding.loop import step as loop_module
 from decoding.loop.metrics import chi_square_pvalue
 from decoding.loop.verify import verify_speculative
 from decoding.model.adapter import ModelAdapter
@@ -84,8 +84,8 @@ def test_drafts_are_actually_rejected_sometimes(tiny_model):
 
 
 def test_wrong_rule_is_caught_end_to_end(tiny_model, monkeypatch):
-    def resample_from_p(drafts, q, p, u_accept, u_sample):  # rejection draws from p, not the residual
-        verdict = verify_speculative(drafts, q, p, u_accept, u_sample)
+    def resample_from_p(drafts, q, p, u_accept, u_sample, *rest):  # rejection draws from p, not the residual
+        verdict = verify_speculative(drafts, q, p, u_accept, u_sample, *rest)
         rows = torch.arange(drafts.shape[0])
         m = verdict.num_accepted
         verdict.tokens[rows, m] = sample_from(p[rows, m], u_sample)

@@ -12,9 +12,9 @@ import logging
 import pytest
 import torch
 from conftest import tiny_llama
+from tests_support import generate
 
 from decoding.drafters.ngram import NgramDrafter
-from decoding.loop.loop import generate
 from decoding.model import compiled as compiled_module
 from decoding.model.adapter import ModelAdapter
 from decoding.model.kv_views import RetrievalCache, ViewAdapter
@@ -28,9 +28,9 @@ class Recorder:
     def __init__(self):
         self.widths = []
 
-    def __call__(self, h, cos, sin, k_all, v_all, slots, hidden_slots, layers, shape):
-        self.widths.append(h.shape[0])
-        return compiled_module._forward_row(h, cos, sin, k_all, v_all, slots, hidden_slots, layers, shape)
+    def __call__(self, stack, h, cos, sin, k_all, v_all, slots, allowed):
+        self.widths.append(h.shape[1])
+        return compiled_module._layers(stack, h, cos, sin, k_all, v_all, slots, allowed)
 
 
 @pytest.fixture
@@ -68,11 +68,13 @@ def test_what_the_graph_does_not_cover_runs_eager(tiny_model, recorded):
     # several rows
     a = adapter.forward(adapter.new_cache(2, 16), 0, input_ids=ids)
     assert torch.equal(a, eager.forward(eager.new_cache(2, 16), 0, input_ids=ids))
-    # a bucket that does not fit the cache (3 tokens -> 4 slots at 13 of 16)
+    # 3 tokens at 13 of 16: their bucket of 4 fits, since padding writes the scratch slot after the last position
     cache = adapter.new_cache(1, 16)
     adapter.forward(cache, 0, input_ids=torch.randint(12, (1, 13)))
     rec.widths.clear()
     adapter.forward(cache, 13, input_ids=ids[:1])
+    assert rec.widths == [4]
+    rec.widths.clear()
     # a block wider than every bucket, a partial layer range, captured hidden states, a sparse view
     adapter.forward(adapter.new_cache(1, 64), 0, input_ids=torch.randint(12, (1, 33)))
     adapter.forward(adapter.new_cache(1, 16), 0, input_ids=ids[:1], last=2)

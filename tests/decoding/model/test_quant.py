@@ -136,8 +136,9 @@ def test_resolve_quant():
 def test_quantised_tiny_model_decodes_like_its_dense_twin(tiny_model, mode):
     """A tiny Llama quantised here: the adapter's packed forward and the modules' forward over the rewritten dense
     weights are the same model (bfloat16 apart); ngram's greedy output follows AR's wherever AR's margin is clear."""
+    from tests_support import generate
+
     from decoding.drafters.ngram import NgramDrafter
-    from decoding.loop.loop import generate
 
     model = copy.deepcopy(tiny_model).to(torch.bfloat16)
     weights = quantize_model(model, mode)

@@ -3,13 +3,14 @@
 import pytest
 import torch
 from conftest import tiny_llama
+from tests_support import generate
 
 from decoding.config import SpecConfig
 from decoding.errors import ConfigError
-from decoding.loop.loop import GREEDY, generate
 from decoding.loop.metrics import chi_square_pvalue
 from decoding.model.adapter import KVCache, ModelAdapter
 from decoding.model.kv_views import RetrievalCache, SparseKVCache, ViewAdapter, chunk_scores_reference, streaming_cache
+from decoding.sampling import GREEDY
 from decoding.schedules.triforce import TriForceDrafter
 from decoding.schedules.two_sided import DraftRequest, DraftSide, LocalExecutor, VerifySide, generate_two_sided
 from tests.decoding.loop.test_loop import N_TOKENS, PROMPT, SAMPLING, WARPED, exact_joint, sample_counts

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+from tests_support import generate
 
-from decoding.loop.loop import ContextTooLong, generate
 from decoding.loop.metrics import chi_square_pvalue
+from decoding.loop.prefill import ContextTooLong
 from decoding.model.adapter import ModelAdapter
 from decoding.sampling import SamplingParams
 from decoding.schedules import two_sided

@@ -3,14 +3,14 @@ lossless sampling, pure and end to end on a tiny model), Sequoia's programme and
 
 import pytest
 import torch
+from tests_support import generate
 
 from decoding.config import SpecConfig
 from decoding.drafters.draft_model import DraftModelDrafter
 from decoding.drafters.early_exit import EarlyExitDrafter
 from decoding.drafters.ngram import NgramDrafter
 from decoding.errors import ConfigError
-from decoding.loop import loop as loop_module
-from decoding.loop.loop import generate
+from decoding.loop import step as loop_module
 from decoding.loop.metrics import chi_square_pvalue
 from decoding.loop.verify import verify_tree_greedy, verify_tree_speculative
 from decoding.model.adapter import ModelAdapter
@@ -248,7 +248,7 @@ def _draw_without_replacement(q, n, gen):
     return out
 
 
-def no_q_update(node_tokens, parents, draft_probs, target_probs, u_accept, u_sample):
+def no_q_update(node_tokens, children, draft_probs, target_probs, u_accept, u_sample, max_depth):
     """Wrong for drafts sampled without replacement: every sibling judged against the original q (SpecInfer's
     i.i.d. rule), as if q were not renormalised after each rejected draw."""
     from decoding.loop.verify import Verdict
@@ -268,6 +268,7 @@ def test_recursive_rejection_sampling_first_token(mode):
     gen = torch.Generator().manual_seed(1)
     n, draws = 3, 3000  # the wrong rule: p ~ 4e-10 at 3000 draws (7e-6 at 2000), the right ones p > 0.1
     tree = Tree.from_parents([-1, 0, 0, 0])
+    children = torch.tensor([[[1, 2, 3], [-1, -1, -1], [-1, -1, -1], [-1, -1, -1]]])  # children_table(tree.parent_list), padded
     target = torch.stack([P_ROOT] + [torch.full((V,), 1 / V, dtype=torch.float64)] * n)[None]
     counts = torch.zeros(V)
     rule = no_q_update if mode == "wrong" else verify_tree_speculative
@@ -279,11 +280,12 @@ def test_recursive_rejection_sampling_first_token(mode):
             probs = Q_ROOT.expand(1, n + 1, V)
         v = rule(
             torch.tensor([[0] + kids]),
-            tree.parents,
+            children,
             probs,
             target,
             torch.rand(1, n + 1, generator=gen, dtype=torch.float64),
             torch.rand(1, generator=gen, dtype=torch.float64),
+            tree.max_depth,
         )
         counts[int(v.tokens[0, 0])] += 1
     p = chi_square_pvalue(counts, P_ROOT)
@@ -359,9 +361,9 @@ def test_trees_accept_more_than_chains_when_sampling(tiny_model):
 
 
 def test_wrong_tree_rule_is_caught_end_to_end(tiny_model, monkeypatch):
-    def draw_from_p(node_tokens, parents, draft_probs, target_probs, u_accept, u_sample):
+    def draw_from_p(node_tokens, children, draft_probs, target_probs, u_accept, u_sample, *rest):
         """Wrong: the final draw comes from p at the last accepted node, not from the residual after rejections."""
-        v = verify_tree_speculative(node_tokens, parents, draft_probs, target_probs, u_accept, u_sample)
+        v = verify_tree_speculative(node_tokens, children, draft_probs, target_probs, u_accept, u_sample, *rest)
         m = int(v.num_accepted[0])
         v.tokens[0, m] = sample_from(target_probs[0, int(v.path[0, m])][None], u_sample)[0]
         return v
@@ -390,7 +392,7 @@ def test_level_wise_trees_feed_one_forward_per_level_and_rerank(tiny_model):
     (non-increasing; every parent before its children), at most ``budget`` of them."""
     from decoding.drafters.base import DecodeState
     from decoding.drafters.drafting import draft_tree
-    from decoding.loop.loop import GREEDY
+    from decoding.sampling import GREEDY
 
     target = ModelAdapter(tiny_model)
     widths = []

@@ -1,0 +1,385 @@
+"""The batch: sequences decoding together, rows joining and leaving between steps (continuous batching).
+
+Every method is this loop with a drafter and a verifier: the batch asks each row's drafter for its drafts, runs one
+step for all rows (``decoding.loop.step``: one structure of device tensors, one forward, verification on the
+device, one host read) and commits each row's tokens. A row's tokens never depend on which other rows share its
+step (greedy float32: identical to running alone). A generation alone is a batch of one.
+
+How many drafts a row offers is the row's ``k`` (fixed), or, with ``adaptive=True``, chosen per step from its
+measured acceptance and the measured cost of the forward (``decoding.loop.goodput``): long drafts at low load,
+none at high load.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from decoding.drafters.base import DecodeState, Drafter, Proposal
+from decoding.loop.goodput import Acceptance, CostModel, RowPlan, choose_width
+from decoding.loop.output import Generation, Output, StepCallback
+from decoding.loop.prefill import PREFILL_CHUNK, Prefill, check_context, first_token
+from decoding.loop.step import Workspace, propose, truncate, verify_step
+from decoding.model.adapter import KVCache, ModelAdapter
+from decoding.sampling import GREEDY, SamplingParams
+
+
+class NotBatchable(ValueError):
+    """A drafter that runs one sequence at a time (it keeps the target cache for itself) was put in a batch."""
+
+
+class Sequence(Output):
+    """One request in the batch: its prompt, drafter, draft length, sampling, generator, limits and output.
+
+    ``on_step(tokens)`` receives each step's newly committed tokens (after EOS trimming, so streaming sees
+    exactly the output); returning a string ends the sequence after those tokens with that finish reason
+    (a stop sequence, a cancelled client), with exact stats. ``k`` is the most drafts per step; with
+    ``adaptive`` the loop chooses 0..k per step (see ``decoding.loop.goodput``).
+    """
+
+    def __init__(
+        self,
+        prompt_ids: torch.Tensor,  # [1, T]
+        *,
+        drafter: Drafter | None = None,
+        k: int = 4,
+        adaptive: bool = False,
+        sampling: SamplingParams = GREEDY,
+        max_new_tokens: int = 128,
+        eos_token_ids: tuple[int, ...] | list[int] = (),
+        generator: torch.Generator | None = None,
+        on_step: StepCallback | None = None,
+        tag=None,
+    ):
+        if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1:
+            raise ValueError(f"a sequence is one row of prompt ids [1, T], got shape {tuple(prompt_ids.shape)}")
+        if prompt_ids.shape[1] < 1:
+            raise ValueError("empty prompt")
+        super().__init__(max_new_tokens, eos_token_ids, on_step)
+        self.prompt_ids = prompt_ids
+        self.drafter = drafter or Drafter()
+        self.k, self.adaptive = k, adaptive
+        self.sampling, self.generator = sampling, generator
+        self.tag = tag
+        self.state: DecodeState | None = None
+        self.acceptance = Acceptance()
+        self.fill: Prefill | None = None  # its prompt's prefill while it joins a batch
+        self.error: Exception | None = None  # why it could not start (its drafter failed to), if so
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prompt_ids.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        """Cache slots this sequence may need: prompt, new tokens and one step's drafts."""
+        return self.prompt_len + self.max_new_tokens + self.drafter.max_nodes(self.k) + 1
+
+    def step_k(self) -> int:
+        """Never draft more than can be committed: m + 1 <= remaining."""
+        return max(0, min(self.k, self.max_new_tokens - len(self.new) - 1))
+
+
+class Batch:
+    """Sequences decoding together: rows join and leave between steps (continuous batching).
+
+    The rows share one position-addressed KV cache, rows 0..R-1 of it in use; each sequence's state sees its
+    own row through a one-row view with its own length. A leaving row's place is taken by the last row (its KV
+    is copied once); the cache grows (rows or slots) when a joining sequence needs more.
+
+    Joining is chunked prefill (as in Sarathi-Serve and vLLM): :meth:`add` queues a sequence, and each
+    :meth:`step` first runs chunks of the queued prompts (:class:`Prefill`'s fixed chunks, in arrival order,
+    whole chunks while they fit in ``prefill_budget`` prompt tokens, at least one), then one decoding step of
+    every row. A sequence whose prompt is filled commits its first token and decodes from that same step, so a
+    long prompt costs the other rows a bounded delay per step instead of its whole prefill at once; its own
+    output is what it would be alone (the chunks do not depend on the batch). The prompt being filled holds the
+    cache row after the decoding rows.
+
+    ``max_rows`` caps the batch, joining sequences included (:meth:`add` refuses beyond it: the caller queues);
+    ``max_step_tokens`` caps rows x width of one step for adaptive rows; ``cost`` is the forward-cost model
+    adaptive rows need (``CostModel.measure(target)``); without one, adaptive rows draft their full k.
+    ``prefill_budget``: prompt tokens prefilled per step (None: every queued prompt at once).
+
+    >>> # batch = Batch(target, max_rows=16, cost=CostModel.measure(target))
+    >>> # batch.add(Sequence(ids, drafter=NgramDrafter(), k=8, adaptive=True)); batch.add(...)
+    >>> # while len(batch): done = batch.step()    # finished sequences leave; .result() has tokens and stats
+    """
+
+    def __init__(
+        self,
+        target: ModelAdapter,
+        *,
+        max_rows: int = 16,
+        max_step_tokens: int | None = None,
+        cost: CostModel | None = None,
+        prefill_budget: int | None = PREFILL_CHUNK,
+    ):
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        if prefill_budget is not None and prefill_budget < 1:
+            raise ValueError(f"prefill_budget must be >= 1 or None, got {prefill_budget}")
+        self.target = target
+        self.max_rows, self.max_step_tokens, self.cost = max_rows, max_step_tokens, cost
+        self.prefill_budget = prefill_budget
+        self.rows: list[Sequence] = []  # decoding, in cache rows 0..R-1
+        self.joining: list[Sequence] = []  # queued or being prefilled (only the first may have begun), in order
+        self.cache: KVCache | None = None
+        self.workspace = Workspace(target.device)  # the step's device buffers, allocated once
+        self._view: tuple[int, KVCache] | None = None  # (rows, view of rows 0..rows-1)
+
+    def __len__(self) -> int:
+        """Sequences in the batch: decoding and joining."""
+        return len(self.rows) + len(self.joining)
+
+    @property
+    def full(self) -> bool:
+        return len(self) >= self.max_rows
+
+    # ---- joining and leaving ----------------------------------------------------------
+    def check(self, seq: Sequence) -> None:
+        """Raise ``ContextTooLong`` / ``NotBatchable`` for a sequence this batch cannot take (before any work)."""
+        check_context(seq.prompt_len, seq.max_new_tokens, self.target.max_context)
+        if not seq.drafter.batchable and (len(self) or self.max_rows > 1):
+            raise NotBatchable(f"{seq.drafter.name} decodes one sequence at a time; run it in a batch of max_rows=1")
+
+    def add(self, seq: Sequence) -> Sequence:
+        """Queue ``seq``: the next steps prefill its prompt (see the class docstring), commit its first token and decode it.
+
+        A sequence that ends at its first token (EOS, max_new_tokens 1), or whose drafter fails to start (its
+        ``error``), comes back finished from the step that filled it and takes no row.
+        """
+        if self.full:
+            raise RuntimeError(f"the batch is full ({self.max_rows} rows)")
+        self.check(seq)
+        seq.t_start = time.perf_counter()
+        self.joining.append(seq)
+        return seq
+
+    def _prefill(self) -> list[Sequence]:
+        """Run whole prefill chunks of the joining sequences, in order, within the budget (at least one chunk);
+        a sequence whose prompt is filled starts decoding. Returns those that ended at once."""
+        ended, used = [], 0
+        while self.joining:
+            seq = self.joining[0]
+            if seq.fill is None:
+                self._reserve(len(self.rows) + 1, seq.max_len)
+                seq.fill = Prefill(seq.prompt_ids.to(self.target.device), seq.drafter.feature_layers)
+            n = seq.fill.next_chunk()
+            if used and self.prefill_budget is not None and used + n > self.prefill_budget:
+                break
+            seq.fill.run_chunk(self.target, self.cache.row(len(self.rows)))
+            used += n
+            if seq.fill.remaining == 0:
+                self.joining.pop(0)
+                if self._start(seq):
+                    self.rows.append(seq)
+                else:
+                    ended.append(seq)
+        return ended
+
+    def _start(self, seq: Sequence) -> bool:
+        """A filled prompt: draw its first token and start its drafter; False when it ended there."""
+        target, view = self.target, self.cache.row(len(self.rows))
+        h, features = seq.fill.result()
+        view.rollback(seq.prompt_len)
+        first = first_token(target, h[:, -1:], seq.sampling, seq.generator)
+        tokens = torch.cat([seq.fill.prompt, first], dim=1)
+        seq.fill = None
+        first_id = int(first[0, 0])
+        history = seq.prompt_ids[0].tolist() + [first_id]
+        seq.state = DecodeState(
+            tokens, target, view, seq.sampling, seq.generator, seq.max_len, target_hidden=h, target_features=features, history=history
+        )
+        seq.state.reserve(seq.max_len)
+        seq.prefill_s = time.perf_counter() - seq.t_start
+        seq.commit([first_id])
+        if not seq.finished:
+            try:
+                seq.drafter.start(seq.state)
+            except Exception as e:  # noqa: BLE001 - it fails alone, the caller reports its error
+                seq.error = e
+                seq.cancel("error")
+        if seq.finished:
+            seq.wall_s = time.perf_counter() - seq.t_start
+            return False
+        return True
+
+    def _filling(self) -> Sequence | None:
+        """The joining sequence whose prompt is partly in the cache (in the row after the decoding rows), if any."""
+        return self.joining[0] if self.joining and self.joining[0].fill is not None else None
+
+    def _reserve(self, rows: int, slots: int) -> None:
+        """Make the cache hold ``rows`` rows of ``slots`` positions (grown, with the rows in use copied over)."""
+        cache = self.cache
+        if cache is not None and cache.batch >= rows and cache.max_len >= slots:
+            return
+        if cache is None:
+            new_rows, new_len = (1 if self.max_rows == 1 else min(self.max_rows, max(rows, 4))), slots
+        else:
+            new_rows = cache.batch if cache.batch >= rows else min(self.max_rows, max(rows, 2 * cache.batch))
+            new_len = cache.max_len if cache.max_len >= slots else max(slots, cache.max_len + cache.max_len // 2)
+        grown = self.target.new_cache(new_rows, new_len)
+        filling = self._filling()
+        used = len(self.rows) + (filling is not None)
+        if cache is not None and used:
+            top = max([s.state.target_cache.length for s in self.rows] + ([filling.fill.done] if filling else []))
+            for dst, src in ((grown.k_all, cache.k_all), (grown.v_all, cache.v_all)):
+                dst[:, :used, :, :top] = src[:, :used, :, :top]
+            for i, seq in enumerate(self.rows):
+                view = grown.row(i)
+                view.length = seq.state.target_cache.length
+                seq.state.target_cache = view
+        self.cache, self._view = grown, None
+
+    def _leave(self, seq: Sequence) -> None:
+        seq.wall_s = time.perf_counter() - seq.t_start
+        if seq in self.joining:  # not decoding yet: a prompt being filled only leaves its row free (the last one in use)
+            self.joining.remove(seq)
+            seq.fill = None
+            return
+        i = self.rows.index(seq)
+        last = self.rows.pop()
+        if last is not seq:  # the last row moves into the freed row
+            self._move(len(self.rows), i, last.state.target_cache.length)
+            view = self.cache.row(i)
+            view.length = last.state.target_cache.length
+            last.state.target_cache = view
+            self.rows[i] = last
+        filling = self._filling()
+        if filling is not None:  # the prompt being filled follows the decoding rows down
+            self._move(len(self.rows) + 1, len(self.rows), filling.fill.done)
+
+    def _move(self, src: int, dst: int, length: int) -> None:
+        for buf in (self.cache.k_all, self.cache.v_all):
+            buf[:, dst, :, :length] = buf[:, src, :, :length]
+
+    def _batch_view(self) -> KVCache:
+        rows = len(self.rows)
+        if self._view is None or self._view[0] != rows:
+            self._view = (rows, self.cache.rows(0, rows))
+        return self._view[1]
+
+    # ---- one step --------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Prefill chunks of joining sequences, then one step for every row; returns the sequences that finished
+        (they have left the batch)."""
+        done = [s for s in self.rows + self.joining if s.finished]  # cancelled between steps
+        for seq in done:
+            self._leave(seq)
+        done += self._prefill()
+        if not self.rows:
+            return done
+        rows = self.rows
+        proposals, seconds, budgets = self._proposals(rows)
+        width = 1 + max(p.size for p in proposals)
+        results = verify_step(
+            [s.state for s in rows],
+            [s.drafter for s in rows],
+            proposals,
+            seconds,
+            self._batch_view() if len(rows) > 1 else None,
+            self.workspace,
+        )
+        if self.cost is not None:
+            self.cost.observe(len(rows), width, results[0].record.verify_s)
+        for seq, res, budget in zip(list(rows), results, budgets, strict=True):
+            res.record.k = budget
+            seq.acceptance.observe(res.record.drafted, res.num_accepted)
+            seq.steps.append(res.record)
+            seq.commit(res.committed)
+            if seq.finished:
+                self._leave(seq)
+                done.append(seq)
+        return done
+
+    def _proposals(self, rows: list[Sequence]) -> tuple[list[Proposal], list[float], list[int]]:
+        """Each row's drafts for this step (with the seconds they took and the draft budget the row had): its
+        fixed k, or what the goodput choice of width leaves it."""
+        caps = [s.step_k() for s in rows]
+        if self.cost is None or not any(s.adaptive for s in rows):
+            pairs = [propose(s.state, s.drafter, k, self.workspace.clock) for s, k in zip(rows, caps, strict=True)]
+            return [p for p, _ in pairs], [t for _, t in pairs], caps
+        return self._adaptive_proposals(rows, caps)
+
+    def _adaptive_proposals(self, rows: list[Sequence], caps: list[int]):
+        """Model-free drafters propose first (their proposals are nearly free); then the width is chosen from
+        what every row offers; model-based drafters then draft only up to it, and longer chains are cut."""
+        early = {}
+        plans = []
+        for s, cap in zip(rows, caps, strict=True):
+            model_free = s.drafter.model_free
+            if model_free and cap > 0:
+                early[id(s)] = propose(s.state, s.drafter, cap, self.workspace.clock)
+                p = early[id(s)][0]
+                avail = p.size
+                tree_gain = _tree_gain(s) if p.tree is not None else None
+            else:
+                avail, tree_gain = cap, (_tree_gain(s) if s.drafter.tree is not None and cap > 0 else None)
+                if tree_gain is not None:
+                    avail = s.drafter.max_nodes(cap)
+            draft_cost = 0.0 if model_free else _draft_cost(s)
+            plans.append(RowPlan(avail=avail, alpha=s.acceptance.alpha, fixed=not s.adaptive, draft_cost=draft_cost, tree_gain=tree_gain))
+        width = choose_width(plans, self.cost, self.max_step_tokens)
+        pairs, budgets = [], []
+        for s, cap, plan in zip(rows, caps, plans, strict=True):
+            budget = cap if not s.adaptive else min(cap, width - 1)
+            budgets.append(budget)
+            if id(s) in early:
+                p, t = early[id(s)]
+                if p.tree is not None:
+                    p = p if p.size <= width - 1 or not s.adaptive else Proposal.empty(1, p.device)
+                else:
+                    p = truncate(p, budget)
+                pairs.append((p, t))
+            elif plan.tree_gain is not None and s.adaptive:
+                pairs.append(propose(s.state, s.drafter, cap if plan.avail <= width - 1 else 0, self.workspace.clock))
+            else:
+                pairs.append(propose(s.state, s.drafter, budget, self.workspace.clock))
+        return [p for p, _ in pairs], [t for _, t in pairs], budgets
+
+    def run(self) -> None:
+        while len(self):
+            self.step()
+
+
+def _tree_gain(seq: Sequence) -> float:
+    """Expected accepted drafts of a whole tree: the mean over this sequence's tree steps so far (prior 1)."""
+    tree_steps = [r for r in seq.steps if r.drafted > 0]
+    return (sum(r.accepted for r in tree_steps) + 1.0) / (len(tree_steps) + 1.0)
+
+
+def _draft_cost(seq: Sequence) -> float:
+    """Seconds per drafted token of this sequence's drafter so far (0 until it has drafted)."""
+    drafted = sum(r.drafted for r in seq.steps)
+    return sum(r.draft_s for r in seq.steps) / drafted if drafted else 0.0
+
+
+def run_alone(target: ModelAdapter, seq: Sequence, cost: CostModel | None = None) -> Generation:
+    """``seq`` in a batch of its own, to its end (a drafter that failed to start raises its error here)."""
+    batch = Batch(target, max_rows=1, cost=cost)
+    batch.add(seq)
+    batch.run()
+    if seq.error is not None:
+        raise seq.error
+    return seq.result()
+
+
+def generate_many(
+    target: ModelAdapter,
+    sequences: list[Sequence],
+    *,
+    max_rows: int = 16,
+    max_step_tokens: int | None = None,
+    cost: CostModel | None = None,
+) -> list[Generation]:
+    """Run ``sequences`` through one batch of up to ``max_rows`` rows, joining as rows free up (in order)."""
+    batch = Batch(target, max_rows=max_rows, max_step_tokens=max_step_tokens, cost=cost)
+    for seq in sequences:
+        batch.check(seq)
+    waiting = list(sequences)
+    while waiting or len(batch):
+        while waiting and not batch.full:
+            batch.add(waiting.pop(0))
+        batch.step()
+    return [s.result() for s in sequences]
