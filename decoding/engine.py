@@ -30,6 +30,7 @@ from decoding.model.models import LoadedModel, load_model, set_threads
 from decoding.paths import specray_home
 from decoding.sampling import SamplingParams
 from decoding.schedules import triforce
+from decoding.timing import device_name
 from decoding.trees.trees import tree_shape
 
 # the modules that define the methods' drafters: importing them registers their builders (decoding.builders)
@@ -47,12 +48,12 @@ def cost_model(target: ModelAdapter, model: str, dtype: str, max_rows: int = 1) 
     batch refreshes it online from the steps it runs.
     """
     rows = tuple(r for r in CALIBRATION_ROWS if r <= max(1, max_rows))
-    key = (model, dtype, torch.get_num_threads(), str(target.device), rows, target.implementation)
+    key = (model, dtype, torch.get_num_threads(), device_name(target.device), rows, target.implementation)
     with _COSTS_LOCK:
         if key in _COSTS:
             return _COSTS[key]
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)[-80:]
-        path = specray_home() / "calibration" / f"{safe}-{dtype}-t{key[2]}-{key[3].replace(':', '')}-r{rows[-1]}-{key[5]}.json"
+        path = specray_home() / "calibration" / f"{safe}-{dtype}-t{key[2]}-{key[3]}-r{rows[-1]}-{key[5]}.json"
         cost = None
         try:
             cost = CostModel.from_dict(json.loads(path.read_text()))
@@ -157,7 +158,7 @@ class SpecDecoder(DecoderBase):
         """A :class:`decoding.loop.batch.Sequence` of this configuration (its own drafter, sampling and seeded generator),
         to run in a :class:`decoding.loop.batch.Batch` beside sequences of other configurations of the same target."""
         drafter = build_drafter(self.cfg, self.loaded, memory=self.memory)
-        return self._sequence(prompt_ids, max_new_tokens, seed, on_step, tag, drafter, torch.Generator())
+        return self._sequence(prompt_ids, max_new_tokens, seed, on_step, tag, drafter, torch.Generator(device=self.device))
 
     def batches(self, seq: Sequence) -> bool:
         return seq.drafter.batchable

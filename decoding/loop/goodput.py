@@ -33,9 +33,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decoding.timing import synchronize
+
 # the grid the start-up calibration measures (rows x tokens per row)
 CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32)
 CALIBRATION_WIDTHS = (1, 2, 3, 5, 9)  # 30 points x 2 forwards: about 5 s for SmolLM2-135M on 2 cores
+GPU_WIDTHS = (17, 33, 65)  # also measured on a GPU, where verifying 64 tokens costs about what one does
 
 
 def expected_committed(alpha: float, j: int) -> float:
@@ -156,6 +159,8 @@ class CostModel:
         Each point is the fastest of ``repeats`` timed forwards after one warm-up (the least disturbed by other work).
         """
         rows = [r for r in rows if max_rows is None or r <= max_rows] or [1]
+        if widths is CALIBRATION_WIDTHS and torch.device(target.device).type == "cuda":
+            widths = CALIBRATION_WIDTHS + GPU_WIDTHS  # where wide steps cost no more than narrow ones: measure them
         table = {}
         vocab = min(int(target.vocab_size), 1000)
         gen = torch.Generator().manual_seed(0)
@@ -168,8 +173,10 @@ class CostModel:
                 step = torch.randint(0, vocab, (r, t), generator=gen, device="cpu").to(target.device)
                 best = float("inf")
                 for i in range(repeats + 1):
+                    synchronize(target.device)  # nothing of the previous forward in this one's time
                     t0 = time.perf_counter()
                     target.logits(target.forward(cache, starts if r > 1 else context, input_ids=step))
+                    synchronize(target.device)  # the device's time, not the time to queue its work
                     if i:
                         best = min(best, time.perf_counter() - t0)
                 table[(r, t)] = best

@@ -39,43 +39,11 @@ from decoding.loop.verify import Verdict, children_table, verify_greedy, verify_
 from decoding.model.adapter import KVCache
 from decoding.model.fast_layers import Placement
 from decoding.sampling import SamplingParams, warp, warp_rows
+from decoding.timing import Clock
 
 # int64 planes of the staging buffer, [R, W] each, then [R] vectors
 PLANES = ("ids", "positions", "slots", "nodes", "logit_rows", "parents", "depth", "valid")
 VECTORS = ("prefix", "drafts", "top_k")
-
-
-class Clock:
-    """Marks on the device's own timeline: CUDA events on a GPU (read after the step's one synchronisation, so timing
-    adds none), the host's clock on a CPU (which has run what it was given before returning).
-
-    >>> clock = Clock("cpu"); a = clock.mark(); b = clock.mark(); Clock.seconds(a, b) >= 0
-    True
-    """
-
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-
-    def mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    @staticmethod
-    def seconds(begin, end) -> float:
-        """Seconds between two marks (CUDA events: once ``end`` has completed)."""
-        if isinstance(begin, float):
-            return end - begin
-        end.synchronize()
-        return begin.elapsed_time(end) / 1000.0
-
-
-def synchronize(device) -> None:
-    """Wait for the device (a timer around work queued on a GPU must, or it measures the queueing)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @dataclass
@@ -360,6 +328,8 @@ def verify_step(
     t1 = clock.mark()
     rows = len(states)
     step = ws.build(states, proposals)
+    if target.graphs is not None:  # indexed writes even for one row: the static form its graphs replay
+        step.place.start = None
     layers = sorted({layer for d in drafters for layer in d.feature_layers})
     captured = dict.fromkeys(layers) if layers else None
     cache = states[0].target_cache if rows == 1 else batch_cache

@@ -43,11 +43,14 @@ class KVCache:
 
     plain = True  # position-addressed slots: the fast layers write them (decoding.model.fast_layers.write_and_read)
 
-    def __init__(self, num_layers, batch, kv_heads, head_dim, max_len, dtype, device):
+    def __init__(self, num_layers, batch, kv_heads, head_dim, max_len, dtype, device, pool=None):
         shape = (num_layers, batch, kv_heads, max_len + 1, head_dim)
         # every layer's keys (values) in one tensor [L, batch, kv_heads, max_len + 1, head_dim]; k[l] / v[l] are views
-        self.k_all = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_all = torch.zeros(shape, dtype=dtype, device=device)
+        if pool is not None:  # recycled storage (decoding.model.graphs.CachePool: graphs keep their addresses)
+            self.k_all, self.v_all = pool.take(shape, dtype, device)
+        else:
+            self.k_all = torch.zeros(shape, dtype=dtype, device=device)
+            self.v_all = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self._views()
         self.length = 0
@@ -131,7 +134,7 @@ class ModelAdapter:
     draft model that shares the target's weights but not its cache.
     """
 
-    def __init__(self, hf_model, num_layers: int | None = None, fast: bool = True, compile: bool = False):
+    def __init__(self, hf_model, num_layers: int | None = None, fast: bool = True, compile: bool = False, graphs: bool | None = None):
         base = _decoder_parts(hf_model)
         self.hf_model = hf_model
         self.config = hf_model.config
@@ -162,6 +165,15 @@ class ModelAdapter:
             self.compiled = CompiledStack(self.stack, self.dtype, self.device)
         elif compile:
             logging.getLogger("specray").warning("specray: compile=True needs the fast layers over the whole model; running eager")
+        # graphs (default: on a CUDA device): forwards replayed from CUDA graphs per shape (decoding.model.graphs), over
+        # caches from a pool (a cache's storage is baked into its graphs)
+        self.graphs = None
+        self.pool = None
+        if graphs or (graphs is None and self.device.type == "cuda" and self.compiled is None):
+            from decoding.model.graphs import CachePool, GraphRunner
+
+            self.graphs = GraphRunner(self)
+            self.pool = CachePool() if self.device.type == "cuda" else None
 
     @property
     def implementation(self) -> str:
@@ -170,6 +182,8 @@ class ModelAdapter:
         weights' kind, e.g. "layers-q4-gguf"); timings measured with one do not hold for another, so the
         calibration caches are kept per implementation."""
         name = ("compiled" if self.compiled is not None else "layers") if self.stack is not None else "modules"
+        if self.graphs is not None:
+            name += "-graphs"
         return f"{name}-{self.quant.implementation}" if self.stack is not None and self.quant is not None else name
 
     @property
@@ -177,7 +191,11 @@ class ModelAdapter:
         return int(getattr(self.config, "max_position_embeddings", 2048))
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        return KVCache(self.num_layers, batch, self.kv_heads, self.head_dim, max_len, self.dtype, self.device)
+        if self.pool is not None:  # lengths rounded up: caches of one length share storage, and so graphs
+            from decoding.model.graphs import round_len
+
+            max_len = round_len(max_len)
+        return KVCache(self.num_layers, batch, self.kv_heads, self.head_dim, max_len, self.dtype, self.device, self.pool)
 
     @torch.inference_mode()
     def forward(
@@ -208,19 +226,32 @@ class ModelAdapter:
         + node depth); every slot before those W is the committed prefix and visible to all.
         """
         last = self.num_layers if last is None else last
-        if hidden is None:
-            if first != 0:
-                raise ValueError("input_ids only enter at layer 0; pass hidden for first > 0")
-            hidden = self.embed(input_ids)
-        bsz, t = hidden.shape[:2]
+        if hidden is None and first != 0:
+            raise ValueError("input_ids only enter at layer 0; pass hidden for first > 0")
+        x = input_ids if hidden is None else hidden
+        bsz, t = x.shape[:2]
+        device = x.device
         if place is None:
             block = tree_mask if tree_mask is None or tree_mask.dim() == 3 else tree_mask[None]
             if isinstance(start, int):
-                place = Placement.at(start, t, bsz, hidden.device, block)
+                place = Placement.at(start, t, bsz, device, block)
+                if self.graphs is not None and getattr(cache, "plain", False):  # indexed writes: the static form graphs replay
+                    place.start = None
             else:
-                place = Placement.ragged(start, t, hidden.device, block)
+                place = Placement.ragged(start, t, device, block)
         if positions is None:
             positions = place.slots
+        if self.graphs is not None and place.start is None:  # the static form: a captured graph of this shape
+            out = self.graphs.run(cache, hidden if input_ids is None else input_ids, positions, place, first, last, captured)
+            if out is not None:
+                return out
+        return self.eager_forward(cache, input_ids if hidden is None else None, hidden, first, last, positions, place, captured)
+
+    def eager_forward(self, cache, input_ids, hidden, first: int, last: int, positions, place: Placement, captured: dict | None):
+        """``forward`` run op by op (also the body a CUDA graph captures): ``input_ids`` or ``hidden`` entering layer
+        ``first``, placed by ``place``."""
+        if hidden is None:
+            hidden = self.embed(input_ids)
         mask = place.mask()
         cache.place = place
         cos_sin = self.rotary(hidden, positions)

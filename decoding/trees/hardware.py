@@ -32,6 +32,7 @@ import torch
 
 from decoding.model.adapter import ModelAdapter
 from decoding.paths import specray_home
+from decoding.timing import device_name, synchronize
 from decoding.trees.trees import Tree, expected_accepted, sequoia_tree
 
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # verification widths timed (nodes, the root included)
@@ -47,14 +48,17 @@ def measure_verify_cost(adapter, sizes=SIZES, context: int = 256, repeats: int =
     gen = torch.Generator().manual_seed(seed)
     vocab = adapter.vocab_size
     cache = adapter.new_cache(1, context + max(sizes))
-    adapter.forward(cache, 0, input_ids=torch.randint(vocab, (1, context), generator=gen, device=adapter.device))
-    ids = torch.randint(vocab, (1, max(sizes)), generator=gen, device=adapter.device)
+    # drawn on the host (the generator is a CPU one), then moved: the ids are the same whatever the device
+    adapter.forward(cache, 0, input_ids=torch.randint(vocab, (1, context), generator=gen).to(adapter.device))
+    ids = torch.randint(vocab, (1, max(sizes)), generator=gen).to(adapter.device)
     adapter.logits(adapter.forward(cache, context, input_ids=ids[:, :8]))  # warm-up
     times: dict[int, list[float]] = {t: [] for t in sizes}
     for _ in range(repeats):  # sizes interleaved, so a slow moment of a shared host spreads over all of them
         for t in sizes:
+            synchronize(adapter.device)
             t0 = time.perf_counter()
             adapter.logits(adapter.forward(cache, context, input_ids=ids[:, :t]))
+            synchronize(adapter.device)  # the device's time, not the time to queue its work
             times[t].append(time.perf_counter() - t0)
     return monotone({t: min(v) for t, v in times.items()})
 
@@ -73,6 +77,8 @@ def monotone(costs: dict[int, float]) -> dict[int, float]:
 
 
 def calibration_path(model: str, dtype: str, threads: int, device: str = "cpu", implementation: str = "layers") -> Path:
+    """Where a verification-cost curve is kept: per model, dtype, device name (``decoding.timing.device_name``: the
+    GPU's model), threads and forward implementation."""
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{model}-{dtype}-{device}-t{threads}-{implementation}").strip("_")
     return specray_home() / "calibration" / f"verify-cost-{name}.json"
 
@@ -81,7 +87,7 @@ def verify_costs(adapter, model: str, dtype: str, threads: int | None = None, re
     """The cached verification cost curve of this model, dtype, device, thread count and forward implementation
     (measured on first use)."""
     threads = threads or torch.get_num_threads()
-    path = calibration_path(model, dtype, threads, str(adapter.device), adapter.implementation)
+    path = calibration_path(model, dtype, threads, device_name(adapter.device), adapter.implementation)
     if path.is_file() and not refresh:
         try:
             data = json.loads(path.read_text())

@@ -1,0 +1,264 @@
+"""CUDA graphs of a model's forwards: each shape captured once over static buffers, then replayed.
+
+On a GPU a small model's decoding step is launch-bound: SmolLM2-135M's eager step dispatches about 1,200 kernels at
+about 23 us each on an H200 (a one-token step 50 ms inside generation), while the same step replayed as one CUDA
+graph costs about 3 ms. :class:`GraphRunner` replays ``ModelAdapter.forward`` from captured graphs, one per
+
+    (cache storage, rows, width bucket of ``WIDTHS``, layer range, ids or hidden states in, captured layers, tree block)
+
+so the target's verification of every width up to 64 tokens, a batch of rows, and each drafter's forwards (an eagle
+head's one-layer steps, a distilled draft's steps, early exit's shallow layers, which all go through their own
+adapter's ``forward``) replay instead of launching kernel by kernel. The graph body is the forward's static form:
+
+* the block's tokens are written by index at ``slots`` (padding to the bucket at the cache's scratch slot, see
+  ``KVCache``), never by a slice that starts at a host int;
+* attention reads every slot of the cache under the mask ``Placement.allowed`` builds from the committed
+  ``prefix`` and the tree ``block``: no shape depends on a length;
+* inputs, positions, slots, prefix and block are static buffers the runner copies into before each replay; outputs
+  are copied out (a graph's output buffer is overwritten by its next replay).
+
+A cache's storage is baked into its graphs, so on CUDA the adapter hands out caches from a pool (``CachePool``):
+storage of the same shape is reused once its cache is gone, and a new generation's cache is one whose graphs exist.
+Capture runs at load for the common shapes (``GraphRunner.warm``, bounded in time, with progress) and otherwise on
+first use; a shape whose capture fails runs eager, with one warning naming it. Float32 greedy output through the
+graphs equals the eager forward's (``tests/gpu/test_graphs.py``).
+
+Without CUDA (``capture=False``) the runner runs the same body on the same static buffers without capturing: the
+CPU tests check the static form and the buffer plumbing against the eager forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from decoding.model.fast_layers import Placement
+
+log = logging.getLogger("specray")
+
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # tokens per row a graph is captured for (a block pads to the next)
+MAX_GRAPHS = 256  # graphs kept per adapter (least recently used dropped beyond it)
+
+
+def bucket(t: int) -> int | None:
+    """The captured width a block of ``t`` tokens runs at (None: wider than every bucket).
+
+    >>> [bucket(t) for t in (1, 3, 5, 33, 64, 65)]
+    [1, 4, 8, 64, 64, None]
+    """
+    return next((w for w in WIDTHS if w >= t), None)
+
+
+def round_len(n: int) -> int:
+    """Cache lengths on a GPU round up (to a power of two from 256): caches of one length share storage and graphs.
+
+    >>> [round_len(n) for n in (10, 300, 2048, 2049)]
+    [256, 512, 2048, 4096]
+    """
+    size = 256
+    while size < n:
+        size *= 2
+    return size
+
+
+class CachePool:
+    """Storage for KV caches, recycled by shape: a cache whose tensors are all gone (views included) gives its storage
+    back, and the next cache of that shape gets it, at the same address. Storage is never freed while the process
+    lives (a captured graph may still point at it)."""
+
+    def __init__(self):
+        self.free: dict[tuple, list] = {}
+        self.made = 0
+
+    def take(self, shape: tuple, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (tuple(shape), dtype, str(device))
+        spare = self.free.get(key)
+        if spare:
+            k_storage, v_storage = spare.pop()
+            k_all = torch.empty(0, dtype=dtype, device=device).set_(k_storage, 0, shape)
+            v_all = torch.empty(0, dtype=dtype, device=device).set_(v_storage, 0, shape)
+        else:
+            k_all = torch.zeros(shape, dtype=dtype, device=device)
+            v_all = torch.zeros(shape, dtype=dtype, device=device)
+            self.made += 1
+        # both tensors gone (their views keep them alive): the storage is free again
+        storages, alive = (k_all.untyped_storage(), v_all.untyped_storage()), [2]
+
+        def gone() -> None:
+            alive[0] -= 1
+            if alive[0] == 0:
+                self.free.setdefault(key, []).append(storages)
+
+        weakref.finalize(k_all, gone)
+        weakref.finalize(v_all, gone)
+        return k_all, v_all
+
+
+@dataclass
+class _Graph:
+    inputs: dict
+    output: torch.Tensor
+    features: dict = field(default_factory=dict)
+    graph: object = None  # torch.cuda.CUDAGraph; None: run the body on the buffers (no CUDA)
+    body: object = None
+
+
+class GraphRunner:
+    """Replays an adapter's forwards from captured CUDA graphs (see the module docstring); ``run`` returns None where
+    no graph applies (the caller runs eager)."""
+
+    def __init__(self, adapter, capture: bool = True, max_graphs: int = MAX_GRAPHS):
+        self.adapter = adapter
+        self.capture = capture and torch.cuda.is_available() and adapter.device.type == "cuda"
+        self.max_graphs = max_graphs
+        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.failed: set[tuple] = set()
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.captures = self.replays = 0
+        self.capture_s = 0.0
+
+    # ---- what applies --------------------------------------------------------------------------------------------
+    @staticmethod
+    def applies(cache, t: int, place: Placement) -> bool:
+        """Plain caches (not sparse views), blocks of up to 64 tokens, trees fed whole (a block as wide as the tokens)."""
+        if not getattr(cache, "plain", False) or not hasattr(cache, "k_all") or bucket(t) is None:
+            return False
+        return place.block is None or place.block.shape[-1] == t
+
+    def key(self, cache, rows: int, t: int, first: int, last: int, ids: bool, captured, block: bool) -> tuple:
+        return (cache.k_all.data_ptr(), tuple(cache.k_all.shape), rows, bucket(t), first, last, ids, tuple(sorted(captured or ())), block)
+
+    # ---- replay ----------------------------------------------------------------------------------------------------
+    def run(self, cache, x: torch.Tensor, positions: torch.Tensor, place: Placement, first: int, last: int, captured: dict | None):
+        """The forward's hidden states [R, t, H] (and ``captured`` filled), from the graph of this shape; None when no
+        graph applies or its capture failed."""
+        rows, t = x.shape[:2]
+        if not self.applies(cache, t, place):
+            return None
+        key = self.key(cache, rows, t, first, last, x.dtype == torch.long, captured, place.block is not None)
+        if key in self.failed:
+            return None
+        g = self.graphs.get(key)
+        if g is None:
+            g = self._make(key, cache, x, positions, place, first, last, captured)
+            if g is None:
+                return None
+        else:
+            self.graphs.move_to_end(key)
+        self._fill(g, cache, x, positions, place, t)
+        if g.graph is not None:
+            g.graph.replay()
+        else:
+            g.body()
+        self.replays += 1
+        if captured is not None:
+            for layer in captured:
+                captured[layer] = g.features[layer][:, :t].clone()
+        return g.output[:, :t].clone()
+
+    def _fill(self, g: _Graph, cache, x, positions, place: Placement, t: int) -> None:
+        """Copy one call's inputs into the graph's static buffers; the padding past ``t`` writes the scratch slot and
+        is seen by no real query."""
+        inp = g.inputs
+        inp["x"][:, :t].copy_(x)
+        inp["positions"][:, :t].copy_(positions)
+        inp["slots"][:, :t].copy_(place.slots)
+        width = inp["slots"].shape[1]
+        if t < width:
+            inp["slots"][:, t:].fill_(cache.scratch)
+            inp["positions"][:, t:].copy_(positions[:, -1:].expand(-1, width - t))
+        inp["prefix"].copy_(place.prefix)
+        if "block" in inp:
+            inp["block"].copy_(inp["eye"])  # padding queries see themselves; no real query sees the padding
+            inp["block"][:, :t, :t].copy_(place.block)
+
+    # ---- capture ---------------------------------------------------------------------------------------------------
+    def _make(self, key, cache, x, positions, place: Placement, first: int, last: int, captured) -> _Graph | None:
+        if len(self.graphs) >= self.max_graphs:
+            self.graphs.popitem(last=False)
+        rows, t = x.shape[:2]
+        width = bucket(t)
+        device = x.device
+        inputs = {
+            "x": x.new_zeros(rows, width, *x.shape[2:]),
+            "positions": positions.new_zeros(rows, width),
+            "slots": place.slots.new_full((rows, width), cache.scratch),
+            "prefix": place.prefix.new_zeros(rows),
+            "rows": torch.arange(rows, device=device)[:, None],
+        }
+        if place.block is not None:
+            inputs["eye"] = torch.eye(width, dtype=torch.bool, device=device).expand(rows, width, width).contiguous()
+            inputs["block"] = inputs["eye"].clone()
+        layers = tuple(sorted(captured or ()))
+        g = _Graph(inputs, output=None)
+        self._fill(g, cache, x, positions, place, t)
+        adapter = self.adapter
+
+        def body():
+            static = Placement(inputs["slots"], inputs["prefix"], cache.max_len, inputs.get("block"), rows=inputs["rows"])
+            feats = dict.fromkeys(layers) if layers else None
+            ids, hidden = (inputs["x"], None) if inputs["x"].dtype == torch.long else (None, inputs["x"])
+            out = adapter.eager_forward(cache, ids, hidden, first, last, inputs["positions"], static, feats)
+            return out, feats or {}
+
+        begin = time.perf_counter()
+        try:
+            if self.capture:
+                g.graph, (g.output, g.features) = self._capture(body, device)
+            else:
+                out, feats = body()
+                g.output, g.features = out, feats
+                g.body = lambda: _copy_into(g, body())
+        except Exception as e:  # noqa: BLE001 - an op that cannot be captured: this shape runs eager from now on
+            log.warning("specray: capturing a CUDA graph failed for rows=%d width=%d layers %d-%d (%s: %s); that shape runs eager",
+                        rows, width, first, last, type(e).__name__, e)
+            self.failed.add(key)
+            return None
+        self.capture_s += time.perf_counter() - begin
+        self.captures += 1
+        self.graphs[key] = g
+        return g
+
+    def _capture(self, body, device):
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):  # warm-up outside the graph: lazy initialisations, the allocator's first blocks
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = body()
+        return graph, out
+
+    def warm(self, cache, widths=(1, 2, 4, 8), budget_s: float = 60.0, progress: bool = True) -> int:
+        """Capture the target's one-row graphs for ``widths`` over ``cache`` (a pooled cache of the shape generation
+        will use), within ``budget_s`` seconds; the rest are captured on first use. Returns the graphs captured."""
+        from tqdm.auto import tqdm
+
+        begin, made = time.perf_counter(), 0
+        device = self.adapter.device
+        bar = tqdm(widths, desc="capturing CUDA graphs", disable=not progress, leave=False)
+        for w in bar:
+            if time.perf_counter() - begin > budget_s:
+                log.info("specray: graph capture stopped after %.0f s; wider blocks are captured on first use", budget_s)
+                break
+            ids = torch.zeros(1, w, dtype=torch.long, device=device)
+            place = Placement.at(0, w, 1, device)
+            place = Placement(place.slots, place.prefix, place.end)  # indexed: the static form
+            if self.run(cache, ids, place.slots, place, 0, self.adapter.num_layers, None) is not None:
+                made += 1
+        bar.close()
+        return made
+
+
+def _copy_into(g: _Graph, result) -> None:
+    out, feats = result
+    g.output.copy_(out)
+    for layer, value in feats.items():
+        g.features[layer].copy_(value)
