@@ -73,14 +73,18 @@ class SpecConfig:
     draft_model: for ``sps``, a separate model with the same tokenizer. When
         unset, the draft is a shallow model made of the target's first
         ``draft_layers`` layers plus its final norm and LM head.
-    k: draft length (tokens proposed per target forward); with
-        ``adaptive_k`` the most a step may draft. ``k=auto`` (``--set k=auto``,
-        ``{"k": "auto"}``) sets ``adaptive_k`` and keeps k's value as that cap.
-    adaptive_k: choose the draft length per step and per sequence, 0 to k,
-        maximising expected committed tokens per second from the sequence's
-        measured acceptance and the measured cost of a target forward by batch
-        rows and tokens (``decoding.loop.goodput``): long drafts at low load, none at
-        high load. Chains only; trees draft whole or not at all.
+    k: the most a step drafts (tokens proposed per target forward); with
+        ``adaptive_k=false`` exactly k (for experiments). ``k=auto``
+        (``--set k=auto``) is the default and keeps k's value as the cap.
+    adaptive_k: (default true) choose the draft length per step and per
+        sequence, 0 to k, maximising expected committed tokens per second from
+        the sequence's measured acceptance, the measured cost of a target
+        forward by batch rows and tokens on this device, and what its drafter's
+        proposals cost (``decoding.loop.goodput``): drafting stops where it does
+        not pay and is probed again now and then, so no method runs slower than
+        AR by much; long drafts at low load, none at high load. Trees draft
+        whole or not at all. Methods with a schedule of their own (pearl,
+        triforce) keep their k.
     exit_layer: for ``early-exit``, the number of target layers that draft.
     confidence_threshold: stop drafting when the drafter's top-1 probability
         falls below it (Kangaroo's double early exit); 0 disables the stop.
@@ -190,7 +194,7 @@ class SpecConfig:
     # ---- options: each method reads some groups of them (decoding.methods.OPTION_GROUPS); one not given takes the
     # method's own default (Method.defaults), else the default written here
     k: int = 4
-    adaptive_k: bool = False
+    adaptive_k: bool = True
     # trees (decoding/trees/trees.py): chain | static (tree_paths: JSON rank paths, e.g. [[0],[1],[0,0]]) | sequoia
     # (tree_acceptance: per-rank acceptance, e.g. [0.6,0.1,0.05]) | dyspec | levels; tree_budget: draft nodes per step
     tree: str = "chain"

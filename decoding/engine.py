@@ -145,7 +145,7 @@ class SpecDecoder(DecoderBase):
             prompt_ids,
             drafter=drafter,
             k=draft_depth(self.cfg),
-            adaptive=self.cfg.adaptive_k,
+            adaptive=self.cfg.adaptive_k and method_of(self.cfg.method).serves_auto_k,
             sampling=self.sampling,
             max_new_tokens=max_new_tokens or self.cfg.max_new_tokens,
             eos_token_ids=self.loaded.eos_token_ids,
@@ -185,7 +185,7 @@ class SpecDecoder(DecoderBase):
     ) -> list[Generation]:
         """Generate for every prompt ([1, T] each) in one continuous batch of up to ``max_rows`` rows."""
         seqs = [self.sequence(p, max_new_tokens) for p in prompts]
-        cost = self.cost_model(max_rows) if self.cfg.adaptive_k else None
+        cost = self.cost_model(max_rows) if any(s.adaptive for s in seqs) else None
         try:
             return generate_many(self.target, seqs, max_rows=max_rows, max_step_tokens=max_step_tokens, cost=cost)
         except ContextTooLong as e:

@@ -162,12 +162,33 @@ def tiny_openai_server(model_dir, name: str = "tiny-peer", usage: bool = True):
         thread.join(timeout=10)
 
 
-def generate(target, prompt_ids, *, drafter=None, k=4, sampling=None, max_new_tokens=128, eos_token_ids=(), generator=None, on_step=None,
-             adaptive=False, cost=None):
+def generate(
+    target,
+    prompt_ids,
+    *,
+    drafter=None,
+    k=4,
+    sampling=None,
+    max_new_tokens=128,
+    eos_token_ids=(),
+    generator=None,
+    on_step=None,
+    adaptive=False,
+    cost=None,
+):
     """One sequence through the loop alone (a batch of one): the tests' shorthand for ``run_alone(target, Sequence(...))``."""
     from decoding.loop.batch import Sequence, run_alone
     from decoding.sampling import GREEDY
 
-    seq = Sequence(prompt_ids, drafter=drafter, k=k, adaptive=adaptive, sampling=sampling or GREEDY, max_new_tokens=max_new_tokens,
-                   eos_token_ids=eos_token_ids, generator=generator, on_step=on_step)
+    seq = Sequence(
+        prompt_ids,
+        drafter=drafter,
+        k=k,
+        adaptive=adaptive,
+        sampling=sampling or GREEDY,
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=eos_token_ids,
+        generator=generator,
+        on_step=on_step,
+    )
     return run_alone(target, seq, cost)

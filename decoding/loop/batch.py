@@ -12,17 +12,21 @@ none at high load.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
 from decoding.drafters.base import DecodeState, Drafter, Proposal
-from decoding.loop.goodput import Acceptance, CostModel, RowPlan, choose_width
+from decoding.loop.goodput import Acceptance, CostModel, DraftCost, RowPlan, choose_width
 from decoding.loop.output import Generation, Output, StepCallback
 from decoding.loop.prefill import PREFILL_CHUNK, Prefill, check_context, first_token
 from decoding.loop.step import Workspace, propose, truncate, verify_step
 from decoding.model.adapter import KVCache, ModelAdapter
 from decoding.sampling import GREEDY, SamplingParams
+
+PROBE_ALPHA = 0.8  # the acceptance a probe hopes for: it probes only where drafts at that rate would pay
+PROBE_DRAFTS = 2  # drafts of a probe (a row whose drafting stopped paying, trying again: goodput.Acceptance.due)
 
 
 class NotBatchable(ValueError):
@@ -64,6 +68,8 @@ class Sequence(Output):
         self.tag = tag
         self.state: DecodeState | None = None
         self.acceptance = Acceptance()
+        self.draft_cost = DraftCost()  # what its drafter's proposals cost, by length
+        self.tree_steps = self.tree_accepted = 0  # steps that drafted a tree, and drafts they had accepted
         self.fill: Prefill | None = None  # its prompt's prefill while it joins a batch
         self.error: Exception | None = None  # why it could not start (its drafter failed to), if so
 
@@ -286,6 +292,9 @@ class Batch:
         for seq, res, budget in zip(list(rows), results, budgets, strict=True):
             res.record.k = budget
             seq.acceptance.observe(res.record.drafted, res.num_accepted)
+            seq.draft_cost.observe(res.record.drafted, res.record.draft_s)
+            if res.proposal.tree is not None and res.record.drafted:
+                seq.tree_steps, seq.tree_accepted = seq.tree_steps + 1, seq.tree_accepted + res.num_accepted
             seq.steps.append(res.record)
             seq.commit(res.committed)
             if seq.finished:
@@ -318,12 +327,19 @@ class Batch:
                 avail, tree_gain = cap, (_tree_gain(s) if s.drafter.tree is not None and cap > 0 else None)
                 if tree_gain is not None:
                     avail = s.drafter.max_nodes(cap)
-            draft_cost = 0.0 if model_free else _draft_cost(s)
+            draft_cost = 0.0 if model_free else s.draft_cost
             plans.append(RowPlan(avail=avail, alpha=s.acceptance.alpha, fixed=not s.adaptive, draft_cost=draft_cost, tree_gain=tree_gain))
         width = choose_width(plans, self.cost, self.max_step_tokens)
+        due = [s.adaptive and s.acceptance.due and plan.avail > 0 for s, plan in zip(rows, plans, strict=True)]
+        if any(due) and width == 1:  # probe only where drafts would pay if they were accepted again, not under load
+            hopeful = [dataclasses.replace(p, alpha=max(p.alpha, PROBE_ALPHA)) if d else p for p, d in zip(plans, due, strict=True)]
+            due = [d and choose_width(hopeful, self.cost, self.max_step_tokens) > 1 for d in due]
         pairs, budgets = [], []
-        for s, cap, plan in zip(rows, caps, plans, strict=True):
+        for s, cap, plan, probe in zip(rows, caps, plans, due, strict=True):
             budget = cap if not s.adaptive else min(cap, width - 1)
+            if budget == 0 and cap > 0 and probe:
+                budget = min(cap, PROBE_DRAFTS)  # drafting stopped paying a while ago: try a little, to know again
+                width = max(width, budget + 1)
             budgets.append(budget)
             if id(s) in early:
                 p, t = early[id(s)]
@@ -333,7 +349,8 @@ class Batch:
                     p = truncate(p, budget)
                 pairs.append((p, t))
             elif plan.tree_gain is not None and s.adaptive:
-                pairs.append(propose(s.state, s.drafter, cap if plan.avail <= width - 1 else 0, self.workspace.clock))
+                whole = plan.avail <= width - 1 or (budget > 0 and s.acceptance.due)
+                pairs.append(propose(s.state, s.drafter, cap if whole else 0, self.workspace.clock))
             else:
                 pairs.append(propose(s.state, s.drafter, budget, self.workspace.clock))
         return [p for p, _ in pairs], [t for _, t in pairs], budgets
@@ -345,14 +362,7 @@ class Batch:
 
 def _tree_gain(seq: Sequence) -> float:
     """Expected accepted drafts of a whole tree: the mean over this sequence's tree steps so far (prior 1)."""
-    tree_steps = [r for r in seq.steps if r.drafted > 0]
-    return (sum(r.accepted for r in tree_steps) + 1.0) / (len(tree_steps) + 1.0)
-
-
-def _draft_cost(seq: Sequence) -> float:
-    """Seconds per drafted token of this sequence's drafter so far (0 until it has drafted)."""
-    drafted = sum(r.drafted for r in seq.steps)
-    return sum(r.draft_s for r in seq.steps) / drafted if drafted else 0.0
+    return (seq.tree_accepted + 1.0) / (seq.tree_steps + 1.0)
 
 
 def run_alone(target: ModelAdapter, seq: Sequence, cost: CostModel | None = None) -> Generation:

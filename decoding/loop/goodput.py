@@ -39,6 +39,7 @@ from decoding.timing import synchronize
 CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32)
 CALIBRATION_WIDTHS = (1, 2, 3, 5, 9)  # 30 points x 2 forwards: about 5 s for SmolLM2-135M on 2 cores
 GPU_WIDTHS = (17, 33, 65)  # also measured on a GPU, where verifying 64 tokens costs about what one does
+PROBE_EVERY, PROBE_MAX = 8, 128  # idle steps before a row that stopped drafting tries again (doubling while it finds nothing)
 
 
 def expected_committed(alpha: float, j: int) -> float:
@@ -55,29 +56,82 @@ def expected_committed(alpha: float, j: int) -> float:
 class Acceptance:
     """A row's per-token acceptance estimate: accepted drafts / (accepted drafts + rejections), recent steps weighted more.
 
-    Starts at ``prior`` (worth ``weight`` observations) and decays old evidence by ``decay`` per step.
+    Starts at ``prior`` (worth ``weight`` observations) and decays old evidence by ``decay`` per step. A row that stopped
+    drafting (it did not pay) learns nothing more, so it probes: once it has been idle ``probe_every`` steps it is
+    :attr:`due` a short draft; a probe that finds nothing doubles the wait (up to ``PROBE_MAX``), one that pays resets it.
 
     >>> a = Acceptance()
     >>> for _ in range(20):
     ...     a.observe(drafted=4, accepted=4)
     >>> a.alpha > 0.9
     True
-    >>> a.observe(drafted=0, accepted=0); round(a.alpha, 3) == round(a.alpha, 3)   # nothing proposed: no evidence
+    >>> for _ in range(PROBE_EVERY):
+    ...     a.observe(drafted=0, accepted=0)            # nothing proposed: no evidence, but idle
+    >>> a.due, round(a.alpha, 3) > 0.9
+    (True, True)
+    >>> a.observe(drafted=2, accepted=0); a.probe_every == 2 * PROBE_EVERY   # the probe found nothing: wait longer
     True
     """
 
     def __init__(self, prior: float = 0.5, weight: float = 2.0, decay: float = 0.9):
         self.hits, self.misses, self.decay = prior * weight, (1 - prior) * weight, decay
+        self.idle, self.probe_every = 0, PROBE_EVERY
 
     @property
     def alpha(self) -> float:
         return self.hits / (self.hits + self.misses)
 
+    @property
+    def due(self) -> bool:
+        """Idle long enough to probe: draft a little to learn whether drafting pays again."""
+        return self.idle >= self.probe_every
+
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
+            self.idle += 1
             return
+        if self.due:  # this draft was a probe
+            self.probe_every = PROBE_EVERY if accepted else min(PROBE_MAX, 2 * self.probe_every)
+        self.idle = 0
         self.hits = self.hits * self.decay + accepted
         self.misses = self.misses * self.decay + (1 if accepted < drafted else 0)
+
+
+class DraftCost:
+    """Seconds a drafter spends on a proposal of j drafts: ``a + b * j`` for j > 0 (nothing when it does not draft),
+    fitted by least squares on its recent proposals (older ones decayed). ``a`` is what a proposal costs whatever its
+    length: catching up on the tokens accepted since it last drafted (a draft cache, feature capture: done lazily, in
+    one forward, when it next drafts) and its first forward; ``b`` each further draft. With one length seen so far
+    the cost is proportional to j.
+
+    >>> c = DraftCost()
+    >>> for j, s in [(1, 0.03), (3, 0.05), (1, 0.03), (3, 0.05)]:
+    ...     c.observe(j, s)
+    >>> round(c(0), 3), round(c(1), 3), round(c(2), 3), round(c(5), 3)
+    (0.0, 0.03, 0.04, 0.07)
+    """
+
+    def __init__(self, decay: float = 0.9):
+        self.decay = decay
+        self.n = self.sj = self.sjj = self.ss = self.sjs = 0.0
+
+    def observe(self, j: int, seconds: float) -> None:
+        if j <= 0:
+            return
+        d = self.decay
+        self.n, self.sj, self.sjj = self.n * d + 1, self.sj * d + j, self.sjj * d + j * j
+        self.ss, self.sjs = self.ss * d + seconds, self.sjs * d + j * seconds
+
+    def __call__(self, j: int) -> float:
+        if j <= 0 or self.n == 0:
+            return 0.0
+        mean_j, mean_s = self.sj / self.n, self.ss / self.n
+        var = self.sjj / self.n - mean_j * mean_j
+        if var < 1e-9:
+            return mean_s * j / mean_j
+        b = max(0.0, (self.sjs / self.n - mean_j * mean_s) / var)
+        a = max(0.0, mean_s - b * mean_j)
+        return a + b * j
 
 
 class CostModel:
@@ -190,7 +244,7 @@ class RowPlan:
     avail: int  # drafts the row can offer this step (a model-free drafter's proposal length, or its cap)
     alpha: float = 0.5  # per-token acceptance estimate
     fixed: bool = False  # the row's draft length is set by its config (k fixed): the width must fit it
-    draft_cost: float = 0.0  # seconds per drafted token (model-based drafters; 0 for model-free ones)
+    draft_cost: object = 0.0  # seconds of drafting j tokens: a DraftCost (model-based drafters), or seconds per token
     tree_gain: float | None = None  # trees: expected accepted drafts of the whole tree (it is drafted whole or not at all)
     extra: dict = field(default_factory=dict)
 
@@ -201,6 +255,10 @@ def _row_gain(plan: RowPlan, width: int) -> tuple[float, int]:
         return (1.0 + plan.tree_gain, plan.avail) if plan.avail <= width - 1 else (1.0, 0)
     j = min(width - 1, plan.avail)
     return expected_committed(plan.alpha, j), j
+
+
+def _drafting(plan: RowPlan, j: int) -> float:
+    return plan.draft_cost(j) if callable(plan.draft_cost) else plan.draft_cost * j
 
 
 def choose_width(plans: list[RowPlan], cost: CostModel, max_step_tokens: int | None = None) -> int:
@@ -214,7 +272,7 @@ def choose_width(plans: list[RowPlan], cost: CostModel, max_step_tokens: int | N
     best, best_rate = floor, -1.0
     for width in range(floor, widest + 1):
         gains = [_row_gain(p, width) for p in plans]
-        seconds = cost(rows, width) + sum(p.draft_cost * j for p, (_, j) in zip(plans, gains, strict=True))
+        seconds = cost(rows, width) + sum(_drafting(p, j) for p, (_, j) in zip(plans, gains, strict=True))
         rate = sum(g for g, _ in gains) / max(seconds, 1e-9)
         if rate > best_rate * 1.0001:  # ties go to the narrower step
             best, best_rate = width, rate

@@ -348,7 +348,8 @@ class LayerStack:
         every row shares its start, else by index; any other cache (sparse views) through its ``update``.
         ``captured``: a dict whose keys name layers l in (first, last); each gets the hidden state after l layers.
         """
-        if self.fuse and self.weights and not torch.compiler.is_compiling() and fused_weights(self.layers[0])[0] is not self.weights[0].qkv[0]:
+        moved = self.fuse and self.weights and not torch.compiler.is_compiling()
+        if moved and fused_weights(self.layers[0])[0] is not self.weights[0].qkv[0]:
             self.refresh()
         plain = getattr(cache, "plain", False) and place is not None
         if plain and place.end > cache.max_len:

@@ -215,8 +215,15 @@ class GraphRunner:
                 g.output, g.features = out, feats
                 g.body = lambda: _copy_into(g, body())
         except Exception as e:  # noqa: BLE001 - an op that cannot be captured: this shape runs eager from now on
-            log.warning("specray: capturing a CUDA graph failed for rows=%d width=%d layers %d-%d (%s: %s); that shape runs eager",
-                        rows, width, first, last, type(e).__name__, e)
+            log.warning(
+                "specray: capturing a CUDA graph failed for rows=%d width=%d layers %d-%d (%s: %s); that shape runs eager",
+                rows,
+                width,
+                first,
+                last,
+                type(e).__name__,
+                e,
+            )
             self.failed.add(key)
             return None
         self.capture_s += time.perf_counter() - begin

@@ -91,11 +91,13 @@ def test_load_model_keeps_one_copy_per_device(tiny_model_dir):
 CONFIGS = {
     "ar": dict(method="ar"),
     "sps-greedy": dict(method="sps", draft_layers=1, k=3),
-    "sps-sampled": dict(method="sps", draft_layers=1, k=3, temperature=0.9, top_k=50, top_p=0.9),
-    "sps-draft-model": dict(method="sps", k=3, temperature=0.7),  # draft_model set below: a second model load
+    "sps-sampled": dict(method="sps", draft_layers=1, k=3, temperature=0.9, top_k=50, top_p=0.9, adaptive_k=False),
+    # sampled with k=auto, the draft lengths follow measured times and with them which random numbers each step draws:
+    # the tokens follow the same distribution but differ from run to run; these runs fix k to compare them
+    "sps-draft-model": dict(method="sps", k=3, temperature=0.7, adaptive_k=False),  # draft_model set below: a second model load
     "early-exit-dyspec": dict(method="early-exit", exit_layer=1, k=3, tree="dyspec", tree_budget=6),
-    "ngram-sampled": dict(method="ngram", k=3, temperature=1.0),
-    "sps-tree-sampled": dict(method="sps", draft_layers=1, k=2, tree="static", tree_paths="[[0],[1],[0,0]]", temperature=1.0),
+    "ngram-sampled": dict(method="ngram", k=3, temperature=1.0, adaptive_k=False),
+    "sps-tree-sampled": dict(method="sps", draft_layers=1, k=2, tree="static", tree_paths="[[0],[1],[0,0]]", temperature=1.0, adaptive_k=False),
     "triforce": dict(method="triforce", k=2, triforce_budget=32, triforce_chunk_size=8, triforce_window=16, triforce_sinks=2),
 }
 

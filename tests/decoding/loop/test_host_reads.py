@@ -27,8 +27,12 @@ from decoding.sampling import SamplingParams
 
 # ops that only make a view (no kernel on a GPU)
 VIEWS = {f"aten.{n}" for n in ("slice.Tensor", "view.default", "transpose.int", "select.int", "unsqueeze.default", "reshape.default")}
-VIEWS |= {f"aten.{n}" for n in ("alias.default", "split_with_sizes.default", "chunk.default", "expand.default", "t.default", "detach.default")}
-VIEWS |= {f"aten.{n}" for n in ("_unsafe_view.default", "squeeze.dim", "permute.default", "unbind.int", "as_strided.default", "split.Tensor")}
+VIEWS |= {
+    f"aten.{n}" for n in ("alias.default", "split_with_sizes.default", "chunk.default", "expand.default", "t.default", "detach.default")
+}
+VIEWS |= {
+    f"aten.{n}" for n in ("_unsafe_view.default", "squeeze.dim", "permute.default", "unbind.int", "as_strided.default", "split.Tensor")
+}
 SYNCING_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default", "aten.lift_fresh.default"}
 READS = ("tolist", "cpu", "numpy", "item")
 PROMPT = torch.tensor([[3, 7, 3, 7, 3, 1, 2, 5, 3, 7, 3, 9, 4]])
@@ -89,7 +93,11 @@ def steps_of(target, rows: list[tuple], warm: int = 3, measured: int = 6) -> lis
     """Run a batch of ``rows`` ((drafter, sampling)), ``warm`` steps unmeasured, then ``measured`` steps one by one."""
     batch = Batch(target, max_rows=len(rows))
     for i, (drafter, sampling) in enumerate(rows):
-        batch.add(Sequence(PROMPT[:, : 9 + i], drafter=drafter, k=3, sampling=sampling, max_new_tokens=40, generator=torch.Generator().manual_seed(i)))
+        batch.add(
+            Sequence(
+                PROMPT[:, : 9 + i], drafter=drafter, k=3, sampling=sampling, max_new_tokens=40, generator=torch.Generator().manual_seed(i)
+            )
+        )
     for _ in range(warm):
         batch.step()
     out = []
