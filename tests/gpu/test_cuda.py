@@ -65,9 +65,23 @@ def test_method_on_cuda_equals_ar(tiny_model_dir, kernels_on, name):
 
 
 def test_sampling_on_cuda(tiny_model_dir):
-    dec = SpecDecoder(SpecConfig(model=str(tiny_model_dir), dtype="float32", device="cuda", method="sps", draft_layers=1, temperature=1.0))
-    a = dec.generate_text(PROMPT, max_new_tokens=16, seed=3)["token_ids"]
-    assert a == dec.generate_text(PROMPT, max_new_tokens=16, seed=3)["token_ids"] and len(a) == 16  # seeded on the device
+    """Seeded sampling on the device (k fixed: under k=auto the draft lengths follow measured times, and with them the
+    random numbers drawn). A sampled token may be EOS: a generation then ends before max_new_tokens, with "stop"."""
+    cfg = SpecConfig(
+        model=str(tiny_model_dir), dtype="float32", device="cuda", method="sps", draft_layers=1, temperature=1.0, adaptive_k=False
+    )
+    dec = SpecDecoder(cfg)
+    for seed in range(4):
+        a = dec.generate_text(PROMPT, max_new_tokens=16, seed=seed)
+        assert a["token_ids"] == dec.generate_text(PROMPT, max_new_tokens=16, seed=seed)["token_ids"]  # seeded on the device
+        assert len(a["token_ids"]) == 16 or a["finish_reason"] == "stop"
+
+
+def test_sequence_rows_sample_on_cuda(tiny_model_dir):
+    """Rows made by SpecDecoder.sequence() (Serve, generate_batch, distillation) carry a generator on the GPU."""
+    dec = SpecDecoder(SpecConfig(model=str(tiny_model_dir), dtype="float32", device="cuda", method="ngram", temperature=1.0))
+    outs = dec.generate_batch([dec.encode(PROMPT), dec.encode("the dog")], max_new_tokens=8, max_rows=2)
+    assert all(0 < len(o.token_ids) <= 8 for o in outs)
 
 
 def test_tree_kernel_runs_on_cuda(kernels_on):
