@@ -11,6 +11,7 @@ import copy
 import json
 import logging
 import threading
+import time
 
 import torch
 
@@ -109,6 +110,21 @@ class SpecDecoder(DecoderBase):
         self.memory = DraftMemory()  # model-free drafters' state across requests (and forks)
         self.drafter = build_drafter(cfg, self.loaded, memory=self.memory)
         self.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+        self.warm_graphs()
+
+    def warm_graphs(self, lengths=(256, 512), widths=(1, 2, 4, 8), budget_s: float = 60.0) -> int:
+        """On a GPU: capture the target's one-row graphs for the common cache lengths and widths now, at load, within
+        ``budget_s`` (with progress on a terminal); the rest are captured on first use. Returns the graphs captured."""
+        graphs = self.target.graphs
+        if graphs is None or not graphs.capture:
+            return 0
+        made, begin = 0, time.perf_counter()
+        for length in lengths:
+            cache = self.target.new_cache(1, length)  # pooled: a generation of this length gets this storage, and its graphs
+            made += graphs.warm(cache, widths, budget_s=max(0.0, budget_s - (time.perf_counter() - begin)))
+            del cache
+        log.info("specray: %d CUDA graphs captured at load in %.1f s", made, time.perf_counter() - begin)
+        return made
 
     @property
     def max_context(self) -> int:

@@ -10,6 +10,7 @@ COMMANDS = {
     "pipeline": "jobs.pipeline",
     "bench": "jobs.bench",
     "bench-serve": "jobs.bench_serve",
+    "bench-device": "jobs.bench_device",
     "bench-http": "jobs.bench_http",
     "registry": "jobs.registry",
     "serve": "jobs.serve",

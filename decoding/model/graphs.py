@@ -248,9 +248,15 @@ class GraphRunner:
         will use), within ``budget_s`` seconds; the rest are captured on first use. Returns the graphs captured."""
         from tqdm.auto import tqdm
 
-        begin, made = time.perf_counter(), 0
-        device = self.adapter.device
+        begin = time.perf_counter()
         bar = tqdm(widths, desc="capturing CUDA graphs", disable=not progress, leave=False)
+        with torch.inference_mode():
+            made = self._warm(cache, bar, begin, budget_s)
+        bar.close()
+        return made
+
+    def _warm(self, cache, bar, begin: float, budget_s: float) -> int:
+        made, device = 0, self.adapter.device
         for w in bar:
             if time.perf_counter() - begin > budget_s:
                 log.info("specray: graph capture stopped after %.0f s; wider blocks are captured on first use", budget_s)
@@ -260,7 +266,6 @@ class GraphRunner:
             place = Placement(place.slots, place.prefix, place.end)  # indexed: the static form
             if self.run(cache, ids, place.slots, place, 0, self.adapter.num_layers, None) is not None:
                 made += 1
-        bar.close()
         return made
 
 

@@ -1,0 +1,183 @@
+"""``specray bench-device``: the figures of one device side by side in one run, in process (no Ray, no HTTP).
+
+What a GPU node's user asks first, and what the CPU must not lose:
+
+1. one stream: AR tokens/s, against transformers ``generate()`` on the same model object (``--peer-modes``: plain
+   and its fast mode ``hf-static``, a static cache whose forward transformers compiles on CUDA), on the same
+   Spec-Bench prompts, back to back in an order rotated per prompt;
+2. batched AR: tokens/s at 1, 2, 4, ... ``--rows`` rows (a continuous batch of as many prompts), and each drafting
+   method of ``--methods`` at ``--spec-rows`` rows against batched AR at the same rows;
+3. the host: the device's name, dtype, the forward's implementation (``layers-graphs`` on a GPU), threads.
+
+Every ratio divides two figures of this run. ``--out`` keeps ``device.json``; ``--readme FILE`` rewrites the block
+between ``<!-- device-results:NAME -->`` markers (NAME from ``--block``, default the device type) with the table
+and the command. The 13-category table of a device is ``specray bench --set device=...`` (docs/benchmarks.md).
+
+On a GPU machine: ``python -m jobs.bench_device --device cuda --readme README.md --block gpu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from jobs.common import Parser, command, fail, output_dir, parse_ints
+
+DEFAULT_ROWS = "1,2,4,8,16,32,64,128"
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = parser or Parser(
+        prog="specray bench-device",
+        description="One device's figures side by side: AR vs transformers, batched AR, speculation under load.",
+    )
+    p.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--prompts", type=int, default=4, help="Spec-Bench prompts of the one-stream comparison (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--rows", default=DEFAULT_ROWS, help=f"batched AR sweep (default {DEFAULT_ROWS})")
+    p.add_argument("--methods", default="ngram,eagle", help="drafting methods measured at --spec-rows rows (default ngram,eagle)")
+    p.add_argument("--spec-rows", type=int, default=16, help="rows of the speculation-under-load figure (default 16)")
+    p.add_argument("--peer-modes", default="hf-plain,hf-static", help="transformers generate() modes (default hf-plain,hf-static)")
+    p.add_argument("--threads", type=int, help="torch threads (CPU)")
+    p.add_argument("--out", default="bench-device", help="output directory (default ./bench-device)")
+    p.add_argument("--readme", help="rewrite this file's device-results block")
+    p.add_argument("--block", help="the block's name (default the device type: cpu, cuda)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    return p
+
+
+def main_with_args(args) -> int:
+    rows = parse_ints(args.rows, "--rows", 1)
+    if args.prompts < 1 or args.max_new_tokens < 1 or args.spec_rows < 1:
+        fail("--prompts, --max-new-tokens and --spec-rows must be >= 1")
+    from decoding.config import SpecConfig
+
+    base = SpecConfig(model=args.model, dtype=args.dtype, device=args.device, max_new_tokens=args.max_new_tokens, threads=args.threads)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        base.replace(method=m)  # an unknown method fails here, naming the field
+    out = output_dir(args.out, "--out")
+    summary = measure(base, methods, rows, args.spec_rows, args.prompts, [m for m in args.peer_modes.split(",") if m])
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "device.json").write_text(json.dumps(summary, indent=1))
+    block = args.block or summary["device_type"]
+    text = markdown(
+        summary, " ".join(["specray bench-device", *sys.argv[1:]]) if sys.argv[0].endswith(("specray", "bench_device.py")) else ""
+    )
+    if args.readme:
+        write_block(Path(args.readme), block, text)
+    print(json.dumps(summary) if args.json else text)
+    return 0
+
+
+def measure(base, methods: list[str], rows: list[int], spec_rows: int, n_prompts: int, peer_modes: list[str]) -> dict:
+    import torch
+
+    from decoding.engine import SpecDecoder
+    from decoding.timing import device_name, synchronize
+    from evaluation.workloads import load_prompts
+
+    ar = SpecDecoder(base)
+    device = ar.device
+    questions = load_prompts()
+    need = max(n_prompts, max(rows), spec_rows)
+    chats = [questions[i % len(questions)].prompt for i in range(need)]
+    prompts = [ar.encode(c, chat=True) for c in chats]
+    summary = {
+        "device": device_name(device),
+        "device_type": device.type,
+        "dtype": base.dtype,
+        "implementation": ar.target.implementation,
+        "threads": torch.get_num_threads(),
+        "max_new_tokens": base.max_new_tokens,
+    }
+
+    def timed(fn):
+        synchronize(device)
+        begin = time.perf_counter()
+        tokens = fn()
+        synchronize(device)
+        return tokens / (time.perf_counter() - begin)
+
+    # 1. one stream, against transformers
+    from evaluation.hf_peer import HFPeer
+
+    peer = HFPeer(ar, base, modes=peer_modes)
+    ar.generate_ids(prompts[0], max_new_tokens=8)  # warm-up (graphs captured, kernels loaded)
+    for mode in list(peer.modes):
+        peer.generate(mode, prompts[0].cpu(), 8)
+    one: dict[str, list[float]] = {"specray-ar": [], **{m: [] for m in peer.modes}}
+    for i, ids in enumerate(prompts[:n_prompts]):
+        order = list(one)
+        order = order[i % len(order) :] + order[: i % len(order)]
+        for name in order:
+            if name == "specray-ar":
+                one[name].append(timed(lambda ids=ids: len(ar.generate_ids(ids).token_ids)))
+            else:
+                one[name].append(timed(lambda ids=ids, name=name: len(peer.generate(name, ids.cpu(), base.max_new_tokens)[0])))
+    summary["one_stream"] = {name: sum(v) / len(v) for name, v in one.items()}
+    # 2. batched AR, and speculation under load
+    sweep = {}
+    for r in rows:
+        ar.generate_batch(prompts[:r], max_new_tokens=4, max_rows=r)  # warm-up at this batch size
+        sweep[r] = timed(lambda r=r: sum(len(g.token_ids) for g in ar.generate_batch(prompts[:r], max_rows=r)))
+    summary["batched_ar"] = sweep
+    def batch_of(dec):
+        return sum(len(g.token_ids) for g in dec.generate_batch(prompts[:spec_rows], max_rows=spec_rows))
+
+    under_load = {"ar": sweep.get(spec_rows) or timed(lambda: batch_of(ar))}
+    for m in methods:
+        dec = SpecDecoder(base.replace(method=m))
+        dec.generate_batch(prompts[:spec_rows], max_new_tokens=4, max_rows=spec_rows)
+        under_load[m] = timed(lambda dec=dec: batch_of(dec))
+    summary["spec_rows"] = spec_rows
+    summary["under_load"] = under_load
+    return summary
+
+
+def markdown(summary: dict, cmd: str) -> str:
+    one, sweep, load = summary["one_stream"], summary["batched_ar"], summary["under_load"]
+    ar = one["specray-ar"]
+    lines = [
+        f"Device: {summary['device']} ({summary['dtype']}, forward: {summary['implementation']}, {summary['threads']} threads), "
+        f"{summary['max_new_tokens']} new tokens.",
+        "",
+        "| one stream | tokens/s | specray AR / it |",
+        "|---|---|---|",
+        *(f"| {name} | {v:.1f} | {ar / v:.2f}x |" for name, v in one.items()),
+        "",
+        "| batched AR rows | tokens/s | vs 1 row |",
+        "|---|---|---|",
+        *(f"| {r} | {v:.0f} | {v / sweep[min(sweep)]:.1f}x |" for r, v in sweep.items()),
+        "",
+        f"| at {summary['spec_rows']} rows | tokens/s | over batched AR |",
+        "|---|---|---|",
+        *(f"| {m} | {v:.0f} | {v / load['ar']:.2f}x |" for m, v in load.items()),
+    ]
+    if cmd:
+        lines += ["", f"Command: `{cmd}`"]
+    return "\n".join(lines)
+
+
+def write_block(path: Path, name: str, text: str) -> None:
+    """Replace the text between ``<!-- device-results:NAME -->`` and ``<!-- /device-results:NAME -->`` (appended at the
+    end of the file when the markers are missing)."""
+    begin, end = f"<!-- device-results:{name} -->", f"<!-- /device-results:{name} -->"
+    doc = path.read_text() if path.exists() else ""
+    block = f"{begin}\n{text}\n{end}"
+    if begin in doc and end in doc:
+        doc = doc[: doc.index(begin)] + block + doc[doc.index(end) + len(end) :]
+    else:
+        doc = doc.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(doc)
+
+
+main = command(build_parser, main_with_args)
+
+if __name__ == "__main__":
+    sys.exit(main())
