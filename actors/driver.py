@@ -54,7 +54,7 @@ def schedule_for(cfg: SpecConfig) -> str:
 
 
 class ActorExecutor:
-    """Runs schedule requests on two ``ModelActor`` handles (actors.worker) with timeouts and clear failures."""
+    """Runs schedule requests on two ``ModelActor`` handles (actors.model_actor) with timeouts and clear failures."""
 
     def __init__(
         self, target, draft, timeout_s: float = 120.0, transport: str = "calls", parallel: bool = True, actor_ids: dict | None = None

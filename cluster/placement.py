@@ -144,7 +144,7 @@ def cpu_gpu(res: dict) -> dict:
 
 
 # ---- a Serve replica beside its two workers ------------------------------------------------------------------
-# An actor entry's replica (serving.placement) reserves the group through Serve's placement_group_bundles:
+# An actor entry's replica (serving.placed_worker) reserves the group through Serve's placement_group_bundles:
 #
 # - three nodes that can each hold one of replica, target, draft: three bundles, STRICT_SPREAD: draft and target on
 #   different nodes, the replica on a third;
@@ -243,14 +243,14 @@ def place_workers(cfg: SpecConfig, placement_group=None, caller_holds_first: boo
     Tune trial runs in its group's first bundle), so the target asks no CPUs of
     its own there; the caller only waits while the target computes.
     ``layout`` (with ``placement_group``): ``{role: {"index", "bundle", "threads"}}``, which bundle
-    each worker goes into and what it asks of it (a Serve replica's group, ``serving.placement``).
+    each worker goes into and what it asks of it (a Serve replica's group, ``serving.placed_worker``).
     """
     import ray
     from ray.util.placement_group import placement_group as make_group
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from actors.worker import ModelActor
+    from actors.model_actor import ModelActor
 
     if placement_group is None:
         plan = plan_placement(cfg, ray.nodes())

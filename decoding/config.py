@@ -40,8 +40,8 @@ from decoding.treespec import TreeError, parse_acceptance, parse_paths
 DTYPES = ("float32", "bfloat16")
 QUANTS = ("auto", "none", "q4", "int8")  # the weights a load runs (decoding.model.quant, which keeps the same names)
 PLACEMENTS = ("local", "actors")
-TREE_SHAPES = ("chain", "static", "sequoia", "dyspec", "levels")  # the tree shapes a config may name (decoding.trees.trees builds them)
-DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # decoding.model.models.resolve_device turns it into a torch.device
+TREE_SHAPES = ("chain", "static", "sequoia", "dyspec", "levels")  # the tree shapes a config may name (decoding.trees.shapes builds them)
+DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # decoding.model.loading.resolve_device turns it into a torch.device
 DRAFT_MEMORIES = ("warm", "cold")
 TREE_FITS = ("measured", "budget")
 
@@ -191,7 +191,7 @@ class SpecConfig:
     # method's own default (Method.defaults), else the default written here
     k: int = 4
     adaptive_k: bool = False
-    # trees (decoding/trees/trees.py): chain | static (tree_paths: JSON rank paths, e.g. [[0],[1],[0,0]]) | sequoia
+    # trees (decoding/trees/shapes.py): chain | static (tree_paths: JSON rank paths, e.g. [[0],[1],[0,0]]) | sequoia
     # (tree_acceptance: per-rank acceptance, e.g. [0.6,0.1,0.05]) | dyspec | levels; tree_budget: draft nodes per step
     tree: str = "chain"
     tree_paths: str = ""

@@ -1494,7 +1494,7 @@ def _f(v, fmt="{:.1f}", none="-") -> str:
 
 def report_markdown(summary: dict, plot_name: str | None = "soak.png") -> str:
     """The run's tables in Markdown: outcomes, faults, resources, targets."""
-    from evaluation.report import markdown_table
+    from evaluation.markdown import markdown_table
 
     run, th, ch = summary["run"], summary["throughput"], summary["checks"]
     host = run.get("host") or {}

@@ -35,10 +35,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from decoding.config import METHODS, SpecConfig
-from evaluation import benchmark as bm
-from evaluation.bench import finish, long_prompts, run_cluster, run_local
+from evaluation import bench_figures as bm
+from evaluation.bench_report import render
+from evaluation.bench_run import finish, long_prompts, run_cluster, run_local
 from evaluation.hf_peer import PEER_MODES
-from evaluation.report import render
 from evaluation.traces import TraceWriter
 from evaluation.workloads import DEFAULT_PROMPTS, Prompt, WorkloadError, load_prompts, select, with_later_turns
 from jobs.common import Parser, add_config_args, config_from_args, fail, output_dir, parse_ints, run_cli
@@ -221,7 +221,7 @@ def check_readme(readme: Path) -> None:
     """Before any work: the README exists and has the block a finished run rewrites."""
     if not readme.is_file():
         fail(f"--readme: {readme} does not exist")
-    from evaluation.report import check_block
+    from evaluation.markdown import check_block
 
     try:
         check_block(readme, "bench-results")
@@ -233,7 +233,8 @@ def publish(summary: dict, readme: Path) -> None:
     """The run's tables into the README's bench-results block; its plots and summary to docs/bench/ beside it."""
     import shutil
 
-    from evaluation.report import replace_block, results_markdown
+    from evaluation.bench_report import results_markdown
+    from evaluation.markdown import replace_block
 
     docs = readme.resolve().parent / "docs" / "bench"
     docs.mkdir(parents=True, exist_ok=True)

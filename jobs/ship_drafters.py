@@ -47,7 +47,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def main_with_args(args) -> int:
     import dataclasses
 
-    from decoding.model.models import set_threads
+    from decoding.model.loading import set_threads
     from decoding.paths import specray_home
     from training.runs import SHIPPED_RECIPES, learning_curves, publish, read_history, train_on_data
 

@@ -295,7 +295,7 @@ def prepare(args):
     out = output_dir(args.out, "--out")
     docs = output_dir(args.docs, "--docs") if args.docs else None
     if args.readme:
-        from evaluation.report import check_block
+        from evaluation.markdown import check_block
 
         try:
             check_block(Path(args.readme), "soak-results")
@@ -304,7 +304,7 @@ def prepare(args):
     if shutil.which("redis-server") is None:
         fail("redis-server is not installed (apt-get install -y redis-server): the soak's registry runs on it")
     from decoding.config import ConfigError, SpecConfig
-    from decoding.engine import SpecDecoder
+    from decoding.in_process import SpecDecoder
 
     t_start = time.monotonic()
     try:
@@ -366,7 +366,7 @@ def run_soak(args, prep):
 def report(args, argv: list[str], soak, prep) -> int:
     """The analysis, its files, the docs copy and the README block; exit 0 when nothing was lost and the service drained."""
     from evaluation import soak as S
-    from evaluation.report import replace_block
+    from evaluation.markdown import replace_block
 
     summary = S.analyse(soak, growth_from_s=args.growth_from_s)
     summary["run"]["model"] = args.model

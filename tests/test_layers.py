@@ -120,7 +120,7 @@ DECODING_ROOMS = [
     "decoding.loop",
     "decoding.decoder",
     "decoding.schedules",
-    "decoding.engine",
+    "decoding.in_process",
 ]
 
 

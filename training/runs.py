@@ -62,7 +62,7 @@ def train_on_data(
 ) -> dict:
     """Train (or resume) ``run`` on the data in ``data``; the artifact goes to ``out``. Returns a summary."""
     from decoding.drafters.trained import get_recipe
-    from decoding.model.models import load_model
+    from decoding.model.loading import load_model
     from training.features import TargetFeatures, distill_training_set
     from training.trainer import TrainSpec
 

@@ -305,7 +305,7 @@ def write_run(rows: list[dict], settings, space, prompts: list, held_out: list, 
 
 
 def write_verify(best: dict, summary: dict) -> Path:
-    """best.json again, with the winner's verification (``tuning.verify``) in it."""
+    """best.json again, with the winner's verification (``tuning.remeasure``) in it."""
     meta = {k: v for k, v in summary.items() if k not in ("files", "best", "verify", "published")}
     doc = best_document(best, meta)
     doc["verify"] = summary["verify"]

@@ -282,7 +282,7 @@ def test_roles_from_command_lines():
 # ---- the greedy references --------------------------------------------------------------------------------------
 def test_a_shorter_greedy_request_is_checked_against_the_prefix_of_the_reference(tiny_model_dir):
     from decoding.config import SpecConfig
-    from decoding.engine import SpecDecoder
+    from decoding.in_process import SpecDecoder
     from jobs.soak import References
 
     dec = SpecDecoder(SpecConfig(model=str(tiny_model_dir), dtype="float32"))

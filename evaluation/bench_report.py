@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from evaluation import benchmark as bm
+from evaluation import bench_figures as bm
+from evaluation.markdown import markdown_table
 from evaluation.traces import read_run
 
 
@@ -214,26 +215,6 @@ def _notes(summary: dict) -> list[str]:
 
 
 # ---- Markdown (the README's Results) ---------------------------------------------------------
-def markdown_table(head: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
-def check_block(path: Path, name: str) -> tuple[str, str, str]:
-    """(text, begin, end) of ``path`` with its ``<!-- name -->`` ... ``<!-- /name -->`` block; ValueError without it."""
-    begin, end = f"<!-- {name} -->", f"<!-- /{name} -->"
-    text = Path(path).read_text()
-    if begin not in text or end not in text:
-        raise ValueError(f"{path} has no {begin} ... {end} block to rewrite")
-    return text, begin, end
-
-
-def replace_block(path: Path, name: str, body: str) -> None:
-    """Rewrite what lies between ``<!-- name -->`` and ``<!-- /name -->`` in ``path``; ValueError without them."""
-    text, begin, end = check_block(path, name)
-    Path(path).write_text(text[: text.index(begin)] + f"{begin}\n{body}\n{end}" + text[text.index(end) + len(end) :])
-
-
 def category_mean(summary: dict, method: str) -> float | None:
     """The mean over categories of a method's speedup (every category weighs the same, however many tokens)."""
     vals = [v[method]["speedup"] for v in summary["categories"].values() if v.get(method, {}).get("speedup") is not None]

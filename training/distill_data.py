@@ -264,7 +264,7 @@ class DistillWorker:
 
     def __init__(self, spec: dict, threads: int, device: str = "auto"):
         from decoding.config import SpecConfig
-        from decoding.engine import SpecDecoder
+        from decoding.in_process import SpecDecoder
 
         self.spec = DistillSpec.from_dict(spec)
         cfg = SpecConfig(model=self.spec.model, dtype=self.spec.dtype, quant=self.spec.quant, threads=threads, device=device)

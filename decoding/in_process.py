@@ -24,11 +24,11 @@ from decoding.loop.goodput import CALIBRATION_ROWS, CostModel
 from decoding.loop.loop import Batch, ContextTooLong, Generation, Sequence, generate_many
 from decoding.methods import method_of
 from decoding.model.adapter import ModelAdapter
-from decoding.model.models import LoadedModel, load_model, set_threads
+from decoding.model.loading import LoadedModel, load_model, set_threads
 from decoding.paths import specray_home
 from decoding.sampling import SamplingParams
 from decoding.schedules import triforce
-from decoding.trees.trees import tree_shape
+from decoding.trees.shapes import tree_shape
 
 # the modules that define the methods' drafters: importing them registers their builders (decoding.builders)
 DRAFTER_MODULES = (base, ngram, model_free, artifacts, triforce)
