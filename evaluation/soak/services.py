@@ -17,7 +17,6 @@ from evaluation.soak.processes import _proc_table
 HEAD_RESOURCE = "specray_soak_head"
 
 
-
 # ---- the cluster and redis -----------------------------------------------------------------------------------
 def _die_with_parent() -> None:
     """In a child before exec (Linux): SIGTERM it when the process that started it dies, even by SIGKILL."""
