@@ -32,6 +32,7 @@ import typing
 from dataclasses import dataclass, field
 
 from decoding.errors import ConfigError
+from decoding.limits import check_config
 
 # the methods (METHODS: their names, re-exported here), their option groups and the constants they share live in the table
 from decoding.methods import ACTOR_TRANSPORTS, METHOD_TABLE, METHODS, OPTION_OF, TRIFORCE_BOTTOMS, TWO_SIDED_SCHEDULES
@@ -265,10 +266,7 @@ class SpecConfig:
         _check(bool(self.model), "model", "must name a model")
         _check(self.dtype in DTYPES, "dtype", f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
         _check(self.quant in QUANTS, "quant", f"unknown quantisation {self.quant!r}; choose from {', '.join(QUANTS)}")
-        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, "top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
-        _check(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        check_config(self)  # temperature, top_p, top_k, seed, max_new_tokens: the limits the HTTP API has too
         _check(self.threads is None or self.threads >= 1, "threads", f"must be >= 1, got {self.threads}")
         _check(
             DEVICE_RE.fullmatch(self.device) is not None,
