@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 from decoding.config import SpecConfig
 from decoding.errors import ConfigError
 from decoding.methods import WORKER_ROLES as ROLES  # bundle 0 is the target, bundle 1 the draft
+from decoding.methods import on_actors
 
 
 class PlacementError(ConfigError):
@@ -317,15 +318,15 @@ def build_actor_decoder(
 
     ``placement_group`` / ``caller_holds_first`` / ``layout``: place the workers in an existing group (see :func:`place_workers`).
     """
-    from actors.driver import ActorDecoder, schedule_for
+    from actors.driver import ActorDecoder
     from cluster.runtime import connect
 
-    schedule_for(cfg)  # fail on a method the actors cannot run before starting anything
+    plan = on_actors(cfg)  # how the method runs on the workers, asked once: one they cannot run fails before anything starts
     ray_info = connect(address)
     target, draft, placement, cleanup = place_workers(cfg, placement_group, caller_holds_first, layout)
     placement["ray"] = ray_info
     try:
-        return ActorDecoder(cfg, target, draft, placement, on_close=cleanup)
+        return ActorDecoder(cfg, target, draft, placement, on_close=cleanup, plan=plan)
     except BaseException:
         cleanup()
         raise
