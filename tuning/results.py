@@ -169,12 +169,6 @@ def write_parquet(rows: Sequence[dict], path: Path) -> Path:
     return path
 
 
-def read_parquet(path: Path) -> list[dict]:
-    import pyarrow.parquet as pq
-
-    return pq.read_table(path).to_pylist()
-
-
 def plot_pareto(rows: Sequence[dict], path: Path, title: str = "") -> Path:
     """Speedup vs mean accepted tokens: every trial by method, the Pareto front joined, fidelity failures as red x."""
     import matplotlib
