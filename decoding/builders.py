@@ -31,11 +31,12 @@ from decoding.errors import ConfigError
 
 if TYPE_CHECKING:
     from decoding.config import SpecConfig
-    from decoding.drafters.base import Drafter
     from decoding.drafters.draft_memory import DraftMemory
     from decoding.model.loading import LoadedModel
 
-    Builder = Callable[[SpecConfig, LoadedModel, object, DraftMemory | None], Drafter | None]
+    # returns a decoding.drafters.base.Drafter or None; base registers the ``ar`` builder here, so this module does
+    # not import it back, not even for type checkers (no import circle)
+    Builder = Callable[[SpecConfig, LoadedModel, object, DraftMemory | None], object]
 
 BUILDERS: dict[str, Builder] = {}  # method name -> its drafter builder
 

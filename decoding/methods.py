@@ -30,12 +30,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 from decoding.errors import ConfigError
 
-if TYPE_CHECKING:
-    from decoding.config import SpecConfig
+# A configuration (decoding.config.SpecConfig) in this table's annotations. decoding.config imports the table, so the
+# table does not import it back, not even for type checkers: no import circle.
+SpecConfig = Any
 
 
 class ArtifactFacts(Protocol):
