@@ -1,8 +1,11 @@
-"""The pure half of the benchmark: run order, greedy identity with AR, and the summary maths.
+"""The bench's figures, the pure half of the benchmark: its rows, run order, greedy identity with AR, and the summary
+maths.
 
 Everything here works on plain Python rows (dicts, as ``pyarrow.Table.to_pylist``
-returns them) or on torch tensors; files, plots, Ray and the CLI live in
-``jobs/bench.py``.
+returns them) or on torch tensors. The other bench modules: ``evaluation.prompt_runner`` (configurations back to
+back on a prompt), ``evaluation.bench_run`` (a run, in process or over Ray actors, and its files),
+``evaluation.bench_report`` (tables, plots, the README's Results), ``evaluation.tree_variants`` (trees against
+chains); the command lines are ``jobs/bench.py`` and ``jobs/bench_trees.py``.
 
 Two tables describe a run:
 

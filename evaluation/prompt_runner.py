@@ -1,6 +1,6 @@
 """Run one prompt through several specray configurations back to back and build benchmark rows.
 
-This is the specray half of ``specray bench`` (``jobs/bench.py`` adds the
+This is the specray half of ``specray bench`` (``evaluation.bench_run`` adds the
 Hugging Face peer on top) and the measurement inside a Tune trial
 (``tuning/trainable.py``): one decoder per named configuration
 (``cluster.decoders.open_decoder``), those in process sharing one loaded model
