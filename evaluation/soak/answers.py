@@ -183,10 +183,10 @@ def classify_stream(status: int, headers, events: list[str], endpoint: str) -> V
     return Verdict(OK, "", status, response_id=rid, text="".join(parts), tokens=tokens, finish_reason=finishes[0], where=where)
 
 
-def _has_content(line: str) -> bool:
+def has_content(line: str) -> bool:
     """Whether an SSE line of a chunk carries generated text (not the role chunk or an empty finish).
 
-    >>> _has_content('data: {"choices":[{"delta":{"content":"Hi"}}]}'), _has_content('data: {"choices":[{"text":""}]}')
+    >>> has_content('data: {"choices":[{"delta":{"content":"Hi"}}]}'), has_content('data: {"choices":[{"text":""}]}')
     (True, False)
     """
     return ('"content":"' in line and '"content":""' not in line) or ('"text":"' in line and '"text":""' not in line)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from evaluation.soak.answers import ERROR, OK, VIOLATIONS, RequestRecord, Verdict, _has_content, classify_plain, classify_stream, path_of
+from evaluation.soak.answers import ERROR, OK, VIOLATIONS, RequestRecord, Verdict, classify_plain, classify_stream, has_content, path_of
 from evaluation.soak.faults import FaultInjection
 from evaluation.soak.plan import FaultRecord, Mix, SoakPlan, log
 from evaluation.soak.processes import ProcessSampler
@@ -118,7 +118,7 @@ class Soak(FaultInjection):
                             async for line in r.aiter_lines():
                                 if line.startswith("data:"):
                                     events.append(line[5:].strip())
-                                    if rec.t_first is None and _has_content(line):
+                                    if rec.t_first is None and has_content(line):
                                         rec.t_first = self.clock()
                             verdict = classify_stream(r.status_code, r.headers, events, rec.endpoint)
                 else:

@@ -11,7 +11,7 @@ from evaluation.soak.plan import log
 
 
 # ---- processes -----------------------------------------------------------------------------------------------
-def _proc_table() -> dict[int, tuple[int, str]]:
+def proc_table() -> dict[int, tuple[int, str]]:
     """pid -> (ppid, command line) of every process this user can see (Linux /proc)."""
     out = {}
     for name in os.listdir("/proc"):
@@ -30,7 +30,7 @@ def _proc_table() -> dict[int, tuple[int, str]]:
 
 def descendants(root: int, table: dict[int, tuple[int, str]] | None = None) -> dict[int, str]:
     """pid -> command line of ``root`` and every process below it."""
-    table = table if table is not None else _proc_table()
+    table = table if table is not None else proc_table()
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
         children.setdefault(ppid, []).append(pid)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from cluster.runtime import free_port
-from evaluation.soak.processes import _proc_table
+from evaluation.soak.processes import proc_table
 
 HEAD_RESOURCE = "specray_soak_head"
 
@@ -134,7 +134,7 @@ class SoakCluster:
 
     def node_of_pid(self, pid: int):
         """The node whose raylet started ``pid`` (a worker process), or None."""
-        table, raylets = _proc_table(), self.raylet_pids()
+        table, raylets = proc_table(), self.raylet_pids()
         while pid in table:
             if pid in raylets:
                 return raylets[pid]
