@@ -72,7 +72,7 @@ class DraftModelDrafter(Drafter):
 
 
 def model_depth(target) -> int:
-    """The number of decoder layers of a loaded target (``decoding.model.loading.LoadedModel``)."""
+    """The number of decoder layers of a loaded target (``decoding.model.models.LoadedModel``)."""
     return len(ModelAdapter(target.model).layers)
 
 
