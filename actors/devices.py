@@ -5,7 +5,9 @@ hides the GPUs from a worker that was given none (it leaves
 ``CUDA_VISIBLE_DEVICES`` alone when zero GPUs are assigned), so in a Tune trial,
 a Serve replica or a bench worker torch would see every GPU of the node. Inside
 a Ray worker ``auto`` therefore means the GPUs Ray assigned to it (Ray then sets
-``CUDA_VISIBLE_DEVICES`` to them, so ``cuda`` is the first of them), else CPU.
+``CUDA_VISIBLE_DEVICES`` to them, so ``cuda`` is the first of them), else CPU:
+this module says whether Ray gave the worker any, ``decoding.model.loading.auto_device``
+decides what ``auto`` is from that.
 
 >>> placed_device("cpu"), placed_device("cuda:1")   # explicit devices are kept
 ('cpu', 'cuda:1')
@@ -22,13 +24,15 @@ def in_ray_worker() -> bool:
 
 
 def placed_device(requested: str = "auto") -> str:
-    """``requested`` unless it is ``auto`` inside a Ray worker: then ``cuda`` if Ray gave the worker a GPU, else ``cpu``."""
+    """``requested`` unless it is ``auto`` inside a Ray worker: then what ``auto`` means for a process given the GPUs
+    Ray gave this worker (``decoding.model.loading.auto_device``: ``cuda`` if it has one, else ``cpu``)."""
     if requested != "auto" or not in_ray_worker():
         return requested
     import ray
-    import torch
 
-    return "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
+    from decoding.model.loading import auto_device
+
+    return auto_device(gpus_given=bool(ray.get_gpu_ids()))
 
 
 def placed(cfg):

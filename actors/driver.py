@@ -30,7 +30,7 @@ from decoding.config import SpecConfig
 from decoding.decoder import DecoderBase, GenerationLost, context_error, decode, encode
 from decoding.errors import ConfigError
 from decoding.loop.prefill import ContextTooLong
-from decoding.methods import ACTOR_TRANSPORTS, WORKER_ROLES, on_actors
+from decoding.methods import ACTOR_TRANSPORTS, WORKER_ROLES, OnActors, on_actors
 from decoding.sampling import SamplingParams
 from decoding.schedules.two_sided import DraftRequest, TwoSidedGeneration, VerifyRequest, generate_two_sided, round_summary
 
@@ -47,14 +47,8 @@ class WorkerTimeout(WorkerError):
     pass
 
 
-def schedule_for(cfg: SpecConfig) -> str:
-    """The two-sided schedule a method runs over actors (``decoding.schedules.two_sided``), from the table; TriForce's
-    levels pick theirs."""
-    return on_actors(cfg).schedule_of(cfg)
-
-
 class ActorExecutor:
-    """Runs schedule requests on two ``ModelActor`` handles (actors.worker) with timeouts and clear failures."""
+    """Runs schedule requests on two ``ModelActor`` handles (actors.model_actor) with timeouts and clear failures."""
 
     def __init__(
         self, target, draft, timeout_s: float = 120.0, transport: str = "calls", parallel: bool = True, actor_ids: dict | None = None
@@ -167,10 +161,12 @@ class ActorDecoder(DecoderBase):
     the method's two-sided schedule, one sequence at a time (each worker holds one cache). The target's tokenizer is
     copied here once: text and ids are converted in this process, without a round trip."""
 
-    def __init__(self, cfg: SpecConfig, target, draft, placement: dict | None = None, on_close=None):
+    def __init__(self, cfg: SpecConfig, target, draft, placement: dict | None = None, on_close=None, plan: OnActors | None = None):
+        """``plan``: how the method runs on the workers (``decoding.methods.on_actors``), when the caller has asked the
+        table already (``cluster.placement.build_actor_decoder``, before placing anything); else asked here."""
         self.cfg = cfg
-        self.plan = on_actors(cfg)  # how the method runs on the workers (decoding.methods)
-        self.schedule = self.plan.schedule_of(cfg)
+        self.plan = plan or on_actors(cfg)
+        self.schedule = self.plan.schedule_of(cfg)  # the two-sided schedule (decoding.schedules.two_sided); TriForce's levels pick theirs
         self.target, self.draft = target, draft
         self.placement = dict(placement or {})
         self.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)

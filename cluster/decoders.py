@@ -3,7 +3,7 @@
 The method table says whether a configuration runs on a target and a draft worker
 (``decoding.methods.runs_on_actors``: ``pearl`` always, ``placement=actors`` for the methods that can); such a
 configuration gets an ``actors.driver.ActorDecoder`` over two workers placed on the Ray cluster
-(``cluster.placement``), any other an in-process ``decoding.engine.SpecDecoder``. Both implement
+(``cluster.placement``), any other an in-process ``decoding.in_process.SpecDecoder``. Both implement
 ``decoding.decoder.Decoder``: generate, bench, Tune trials and Serve replicas use what they get.
 
 Where the workers go: into ``placement_group`` when one is given, else into the placement group this process runs
@@ -34,7 +34,7 @@ def open_decoder(
     """The decoder ``cfg`` runs on (see the module docstring); ``address``: the Ray cluster to join for workers
     (default ``RAY_ADDRESS``, else an embedded local Ray)."""
     if in_process or not runs_on_actors(cfg.method, cfg.placement):
-        from decoding.engine import SpecDecoder
+        from decoding.in_process import SpecDecoder
 
         return SpecDecoder(placed(cfg))  # device=auto inside a Ray worker: the GPU Ray gave it, else CPU
     from cluster.placement import build_actor_decoder

@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 from decoding.config import SpecConfig
 from decoding.errors import ConfigError
 from decoding.methods import WORKER_ROLES as ROLES  # bundle 0 is the target, bundle 1 the draft
+from decoding.methods import on_actors
 
 
 class PlacementError(ConfigError):
@@ -144,7 +145,7 @@ def cpu_gpu(res: dict) -> dict:
 
 
 # ---- a Serve replica beside its two workers ------------------------------------------------------------------
-# An actor entry's replica (serving.placement) reserves the group through Serve's placement_group_bundles:
+# An actor entry's replica (serving.placed_worker) reserves the group through Serve's placement_group_bundles:
 #
 # - three nodes that can each hold one of replica, target, draft: three bundles, STRICT_SPREAD: draft and target on
 #   different nodes, the replica on a third;
@@ -243,14 +244,14 @@ def place_workers(cfg: SpecConfig, placement_group=None, caller_holds_first: boo
     Tune trial runs in its group's first bundle), so the target asks no CPUs of
     its own there; the caller only waits while the target computes.
     ``layout`` (with ``placement_group``): ``{role: {"index", "bundle", "threads"}}``, which bundle
-    each worker goes into and what it asks of it (a Serve replica's group, ``serving.placement``).
+    each worker goes into and what it asks of it (a Serve replica's group, ``serving.placed_worker``).
     """
     import ray
     from ray.util.placement_group import placement_group as make_group
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from actors.worker import ModelActor
+    from actors.model_actor import ModelActor
 
     if placement_group is None:
         plan = plan_placement(cfg, ray.nodes())
@@ -317,15 +318,15 @@ def build_actor_decoder(
 
     ``placement_group`` / ``caller_holds_first`` / ``layout``: place the workers in an existing group (see :func:`place_workers`).
     """
-    from actors.driver import ActorDecoder, schedule_for
+    from actors.driver import ActorDecoder
     from cluster.runtime import connect
 
-    schedule_for(cfg)  # fail on a method the actors cannot run before starting anything
+    plan = on_actors(cfg)  # how the method runs on the workers, asked once: one they cannot run fails before anything starts
     ray_info = connect(address)
     target, draft, placement, cleanup = place_workers(cfg, placement_group, caller_holds_first, layout)
     placement["ray"] = ray_info
     try:
-        return ActorDecoder(cfg, target, draft, placement, on_close=cleanup)
+        return ActorDecoder(cfg, target, draft, placement, on_close=cleanup, plan=plan)
     except BaseException:
         cleanup()
         raise

@@ -94,10 +94,6 @@ def connect(address: str | None = None, num_cpus: int | None = None, log_to_driv
     return describe()
 
 
-def started_here() -> bool:
-    return _STARTED_HERE
-
-
 def describe() -> dict:
     import ray
 

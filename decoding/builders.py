@@ -1,12 +1,12 @@
 """The methods' drafter builders: each is registered beside the drafter it builds, and the engine reads them.
 
 ``decoding.methods`` declares the methods (names, knobs, schedules, how they run on actors) and imports no drafter.
-The module that defines a method's drafter registers its builder with :func:`builds`; ``decoding.engine`` imports
+The module that defines a method's drafter registers its builder with :func:`builds`; ``decoding.in_process`` imports
 those modules, so wherever a decoder is built every method has its builder. Ground level: imports nothing of the
 project but ``decoding.errors``.
 
 A builder is ``(cfg, target, device, memory) -> Drafter | None``: ``cfg`` a ``SpecConfig``, ``target`` the loaded
-target (``decoding.model.models.LoadedModel``), ``device`` where a separate draft model goes, ``memory`` the
+target (``decoding.model.loading.LoadedModel``), ``device`` where a separate draft model goes, ``memory`` the
 decoder's ``DraftMemory`` (model-free drafters' state across requests). It checks what depends on the model (an exit
 layer below the model's depth) and returns None for no drafter (AR).
 
@@ -19,7 +19,7 @@ True
 >>> builder_of("example")
 Traceback (most recent call last):
 ...
-decoding.errors.ConfigError: method: no drafter builder is registered for 'example' (decoding.engine imports the drafters' modules)
+decoding.errors.ConfigError: method: no drafter builder is registered for 'example' (decoding.in_process imports the drafters' modules)
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ from decoding.errors import ConfigError
 
 if TYPE_CHECKING:
     from decoding.config import SpecConfig
-    from decoding.drafters.base import Drafter
     from decoding.drafters.draft_memory import DraftMemory
-    from decoding.model.models import LoadedModel
+    from decoding.model.loading import LoadedModel
 
-    Builder = Callable[[SpecConfig, LoadedModel, object, DraftMemory | None], Drafter | None]
+    # returns a decoding.drafters.base.Drafter or None; base registers the ``ar`` builder here, so this module does
+    # not import it back, not even for type checkers (no import circle)
+    Builder = Callable[[SpecConfig, LoadedModel, object, DraftMemory | None], object]
 
 BUILDERS: dict[str, Builder] = {}  # method name -> its drafter builder
 
@@ -57,5 +58,5 @@ def builder_of(method: str) -> Builder:
         return BUILDERS[method]
     except KeyError:
         raise ConfigError(
-            "method", f"no drafter builder is registered for {method!r} (decoding.engine imports the drafters' modules)"
+            "method", f"no drafter builder is registered for {method!r} (decoding.in_process imports the drafters' modules)"
         ) from None

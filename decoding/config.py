@@ -20,6 +20,98 @@ True
 3
 >>> "exit_layer" in cfg.to_dict(), SpecConfig(method="eagle").k, cfg.replace(method="eagle").k
 (False, 3, 6)
+
+The options
+-----------
+Each method reads some groups of them (``decoding.methods.OPTION_GROUPS``):
+
+draft_model: for ``sps``, a separate model with the same tokenizer. When
+    unset, the draft is a shallow model made of the target's first
+    ``draft_layers`` layers plus its final norm and LM head.
+k: the most a step drafts (tokens proposed per target forward); with
+    ``adaptive_k=false`` exactly k (for experiments). ``k=auto``
+    (``--set k=auto``) is the default and keeps k's value as the cap.
+adaptive_k: (default true) choose the draft length per step and per
+    sequence, 0 to k, maximising expected committed tokens per second from
+    the sequence's measured acceptance, the measured cost of a target
+    forward by batch rows and tokens on this device, and what its drafter's
+    proposals cost (``decoding.loop.goodput``): drafting stops where it does
+    not pay and is probed again now and then, so no method runs slower than
+    AR by much; long drafts at low load, none at high load. Trees draft
+    whole or not at all. Methods with a schedule of their own (pearl,
+    triforce) keep their k. Sampled output then depends on measured times
+    (which draft lengths drew which random numbers): the same distribution,
+    not the same tokens from run to run; ``adaptive_k=false`` reproduces them.
+exit_layer: for ``early-exit``, the number of target layers that draft.
+confidence_threshold: stop drafting when the drafter's top-1 probability
+    falls below it (Kangaroo's double early exit); 0 disables the stop.
+ngram_max / ngram_min: the longest and shortest suffix n-gram the prompt
+    lookup drafter tries to match.
+placement: ``local`` (one process) or ``actors`` (draft and target in
+    separate Ray actors; ``pearl`` always uses actors; ``triforce`` puts
+    its middle and bottom levels in the draft actor, see triforce_schedule).
+draft_threads / target_threads: torch threads (and Ray CPUs) of the draft
+    and target workers; unset = half the node's CPUs each on one node.
+num_gpus_per_model: GPUs per worker; unset = 1 with two or more GPUs in the
+    cluster, 0.5 with one, 0 without.
+rpc_timeout_s: the longest wait for a worker's answer before the
+    generation fails (a dead worker fails at once).
+placement_timeout_s: the longest wait for the placement group's resources.
+actor_transport: ``calls`` (plain actor calls) or ``compiled`` (Ray
+    compiled graphs) between the driver and the workers.
+tree: the shape drafts take (``sps``, ``early-exit``, ``ngram``, and ``trained``
+    drafters with Medusa, Hydra or distilled-draft recipes): ``chain``
+    (k drafts in a row), ``static`` (the rank paths in ``tree_paths``),
+    ``sequoia`` (the tree of ``tree_budget`` nodes and depth <= k maximising
+    the expected accepted length under ``tree_acceptance``, a per-rank
+    acceptance vector; unset = a generic falling profile,
+    ``jobs.bench_trees --calibrate`` measures yours) or
+    ``levels`` (EAGLE-2's dynamic tree: grown level by level, the 8 most
+    probable children of each level fed in one draft forward, then the
+    ``tree_budget`` best nodes kept) or
+    ``dyspec`` (grown per step best-first by draft probability, up to
+    ``tree_budget`` nodes, depth <= k). ``ngram`` merges several earlier
+    matches into a trie of as many nodes as the shape has.
+triforce_*: for ``triforce`` (decoding/schedules/triforce.py), whose top level drafts
+    ``k`` tokens per full-target forward with the target over a retrieval
+    cache of ``triforce_budget`` prompt tokens in chunks of
+    ``triforce_chunk_size``; that middle level is drafted for by
+    ``triforce_bottom``: ``layers`` (the target's first ``draft_layers``
+    layers), ``model`` (``draft_model``) or ``ngram`` (``ngram_max`` /
+    ``ngram_min``), which proposes ``triforce_gamma`` tokens per middle
+    forward; the model bottoms keep a StreamingLLM cache of
+    ``triforce_sinks`` first positions plus the latest ``triforce_window``.
+    With ``placement=actors`` the middle and bottom levels run in a draft
+    worker (holding its own copy of the target and of its cache, kept exact
+    by the KV each verdict ships) and the full target in a target worker;
+    ``triforce_schedule`` is ``sps`` (the top verifies, then the middle
+    drafts: TriForce's own order) or ``pearl`` (the middle drafts the next
+    tokens while the top verifies the last ones).
+    The default bottom is ``ngram``: on SmolLM2-135M the first 8 layers
+    (plus norm and head, which alone cost a fifth of a full forward) had
+    their drafts accepted by the middle level 2% of the time, n-gram 12-40%.
+drafter: for ``trained``, a trained drafter artifact (its name under
+    ``$SPECRAY_HOME/drafters`` or a directory): a Kangaroo adapter, Medusa
+    or Hydra heads, a feature-level head or a distilled draft model
+    (``specray train-drafter``). Its recipe knobs (exit layer, heads) come
+    from the artifact; ``k`` and ``confidence_threshold`` apply.
+draft_vocab: for ``trained``, draft over only this many of the most
+    frequent tokens of the drafter's training data (VocabTrim: a smaller
+    LM head for drafting); 0 = the full head.
+recycling / suffix / hybrid (decoding/drafters/recycling.py, suffix.py, hybrid.py):
+    model-free tree drafters, ``k`` is the tree depth. ``recycle_width``:
+    candidates kept per token in Token Recycling's adjacency matrix (1 =
+    chains); ``tree_paths`` (with tree=static) replaces its Sequoia template.
+    ``suffix_factor``: draft nodes per matched token; ``suffix_min_prob``:
+    the least path probability a suffix draft keeps; ``suffix_depth``: the
+    suffix tries' depth (longest substring counted); ``suffix_cache_tokens``:
+    tokens of earlier outputs the global suffix cache keeps.
+    ``draft_memory``: ``warm`` (the adjacency matrix and suffix cache live
+    with the decoder across requests) or ``cold`` (reset every request, for
+    fair per-prompt benchmarks). ``tree_fit``: ``measured`` (tree size by
+    expected tokens per second under the verification cost measured on this
+    host, cached under $SPECRAY_HOME/calibration) or ``budget`` (exactly
+    ``tree_budget`` nodes).
 """
 
 from __future__ import annotations
@@ -32,6 +124,7 @@ import typing
 from dataclasses import dataclass, field
 
 from decoding.errors import ConfigError
+from decoding.limits import check_config
 
 # the methods (METHODS: their names, re-exported here), their option groups and the constants they share live in the table
 from decoding.methods import ACTOR_TRANSPORTS, METHOD_TABLE, METHODS, OPTION_OF, TRIFORCE_BOTTOMS, TWO_SIDED_SCHEDULES
@@ -40,8 +133,8 @@ from decoding.treespec import TreeError, parse_acceptance, parse_paths
 DTYPES = ("float32", "bfloat16")
 QUANTS = ("auto", "none", "q4", "int8")  # the weights a load runs (decoding.model.quant, which keeps the same names)
 PLACEMENTS = ("local", "actors")
-TREE_SHAPES = ("chain", "static", "sequoia", "dyspec", "levels")  # the tree shapes a config may name (decoding.trees.trees builds them)
-DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # decoding.model.models.resolve_device turns it into a torch.device
+TREE_SHAPES = ("chain", "static", "sequoia", "dyspec", "levels")  # the tree shapes a config may name (decoding.trees.shapes builds them)
+DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # decoding.model.loading.resolve_device turns it into a torch.device
 DRAFT_MEMORIES = ("warm", "cold")
 TREE_FITS = ("measured", "budget")
 
@@ -59,39 +152,17 @@ COMMON = (
 
 @dataclass(frozen=True, init=False)
 class SpecConfig:
-    """Everything that determines what a generation computes and how.
+    """Everything that determines what a generation computes and how: the common fields below, and the options its
+    method reads (documented in this module's docstring).
 
     Common fields
     -------------
-    method: one of ``ar`` (baseline), ``sps`` (separate draft model),
-        ``ngram`` (prompt lookup), ``early-exit`` (self-speculation) and
-        ``pearl`` (draft and target in parallel on two workers).
+    method: a name in ``decoding.methods.METHODS``, the table of methods (``ar`` is the baseline; docs/methods.md
+        describes every method and the options it reads).
     model: ``smollm2-135m`` (bundled) or a local Hugging Face model directory.
-
-    Options (each method reads some; ``decoding.methods.OPTION_GROUPS``)
-    -------
-    draft_model: for ``sps``, a separate model with the same tokenizer. When
-        unset, the draft is a shallow model made of the target's first
-        ``draft_layers`` layers plus its final norm and LM head.
-    k: the most a step drafts (tokens proposed per target forward); with
-        ``adaptive_k=false`` exactly k (for experiments). ``k=auto``
-        (``--set k=auto``) is the default and keeps k's value as the cap.
-    adaptive_k: (default true) choose the draft length per step and per
-        sequence, 0 to k, maximising expected committed tokens per second from
-        the sequence's measured acceptance, the measured cost of a target
-        forward by batch rows and tokens on this device, and what its drafter's
-        proposals cost (``decoding.loop.goodput``): drafting stops where it does
-        not pay and is probed again now and then, so no method runs slower than
-        AR by much; long drafts at low load, none at high load. Trees draft
-        whole or not at all. Methods with a schedule of their own (pearl,
-        triforce) keep their k.
-    exit_layer: for ``early-exit``, the number of target layers that draft.
-    confidence_threshold: stop drafting when the drafter's top-1 probability
-        falls below it (Kangaroo's double early exit); 0 disables the stop.
-    ngram_max / ngram_min: the longest and shortest suffix n-gram the prompt
-        lookup drafter tries to match.
     temperature / top_p / top_k: sampling; temperature 0 is greedy decoding.
-        The same warping is applied to draft and target distributions.
+        The same warping is applied to draft and target distributions. Their
+        limits, and seed's and max_new_tokens', are the HTTP API's (``decoding.limits``).
     seed: seed of the ``torch.Generator`` that drives every random draw.
     quant: the target's weights (decoding/model/quant.py): ``auto`` (default: the
         GGUF's own 4-bit blocks when the model is a Q4_1 GGUF run in bfloat16 on
@@ -106,75 +177,10 @@ class SpecConfig:
         and wider blocks run eager; eager too, with one warning, where compiling
         fails. Off by default: a 22.3 -> 16.9 ms one-token q4 step on the 2-core
         host, against minutes of compiling per width.
-    placement: ``local`` (one process) or ``actors`` (draft and target in
-        separate Ray actors; ``pearl`` always uses actors; ``triforce`` puts
-        its middle and bottom levels in the draft actor, see triforce_schedule).
-    draft_threads / target_threads: torch threads (and Ray CPUs) of the draft
-        and target workers; unset = half the node's CPUs each on one node.
-    num_gpus_per_model: GPUs per worker; unset = 1 with two or more GPUs in the
-        cluster, 0.5 with one, 0 without.
-    rpc_timeout_s: the longest wait for a worker's answer before the
-        generation fails (a dead worker fails at once).
-    placement_timeout_s: the longest wait for the placement group's resources.
-    actor_transport: ``calls`` (plain actor calls) or ``compiled`` (Ray
-        compiled graphs) between the driver and the workers.
-    tree: the shape drafts take (``sps``, ``early-exit``, ``ngram``, and ``trained``
-        drafters with Medusa, Hydra or distilled-draft recipes): ``chain``
-        (k drafts in a row), ``static`` (the rank paths in ``tree_paths``),
-        ``sequoia`` (the tree of ``tree_budget`` nodes and depth <= k maximising
-        the expected accepted length under ``tree_acceptance``, a per-rank
-        acceptance vector; unset = a generic falling profile,
-        ``jobs.bench_trees --calibrate`` measures yours) or
-        ``levels`` (EAGLE-2's dynamic tree: grown level by level, the 8 most
-        probable children of each level fed in one draft forward, then the
-        ``tree_budget`` best nodes kept) or
-        ``dyspec`` (grown per step best-first by draft probability, up to
-        ``tree_budget`` nodes, depth <= k). ``ngram`` merges several earlier
-        matches into a trie of as many nodes as the shape has.
-    triforce_*: for ``triforce`` (decoding/schedules/triforce.py), whose top level drafts
-        ``k`` tokens per full-target forward with the target over a retrieval
-        cache of ``triforce_budget`` prompt tokens in chunks of
-        ``triforce_chunk_size``; that middle level is drafted for by
-        ``triforce_bottom``: ``layers`` (the target's first ``draft_layers``
-        layers), ``model`` (``draft_model``) or ``ngram`` (``ngram_max`` /
-        ``ngram_min``), which proposes ``triforce_gamma`` tokens per middle
-        forward; the model bottoms keep a StreamingLLM cache of
-        ``triforce_sinks`` first positions plus the latest ``triforce_window``.
-        With ``placement=actors`` the middle and bottom levels run in a draft
-        worker (holding its own copy of the target and of its cache, kept exact
-        by the KV each verdict ships) and the full target in a target worker;
-        ``triforce_schedule`` is ``sps`` (the top verifies, then the middle
-        drafts: TriForce's own order) or ``pearl`` (the middle drafts the next
-        tokens while the top verifies the last ones).
-        The default bottom is ``ngram``: on SmolLM2-135M the first 8 layers
-        (plus norm and head, which alone cost a fifth of a full forward) had
-        their drafts accepted by the middle level 2% of the time, n-gram 12-40%.
-    drafter: for ``trained``, a trained drafter artifact (its name under
-        ``$SPECRAY_HOME/drafters`` or a directory): a Kangaroo adapter, Medusa
-        or Hydra heads, a feature-level head or a distilled draft model
-        (``specray train-drafter``). Its recipe knobs (exit layer, heads) come
-        from the artifact; ``k`` and ``confidence_threshold`` apply.
-    draft_vocab: for ``trained``, draft over only this many of the most
-        frequent tokens of the drafter's training data (VocabTrim: a smaller
-        LM head for drafting); 0 = the full head.
     device: where the model(s) of an in-process decoder live: ``auto`` (CUDA
         when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``. Inside Ray
         workers the outer layers turn ``auto`` into the GPU Ray gave the worker,
         else CPU (actors/devices.py).
-    recycling / suffix / hybrid (decoding/drafters/recycling.py, suffix.py, hybrid.py):
-        model-free tree drafters, ``k`` is the tree depth. ``recycle_width``:
-        candidates kept per token in Token Recycling's adjacency matrix (1 =
-        chains); ``tree_paths`` (with tree=static) replaces its Sequoia template.
-        ``suffix_factor``: draft nodes per matched token; ``suffix_min_prob``:
-        the least path probability a suffix draft keeps; ``suffix_depth``: the
-        suffix tries' depth (longest substring counted); ``suffix_cache_tokens``:
-        tokens of earlier outputs the global suffix cache keeps.
-        ``draft_memory``: ``warm`` (the adjacency matrix and suffix cache live
-        with the decoder across requests) or ``cold`` (reset every request, for
-        fair per-prompt benchmarks). ``tree_fit``: ``measured`` (tree size by
-        expected tokens per second under the verification cost measured on this
-        host, cached under $SPECRAY_HOME/calibration) or ``budget`` (exactly
-        ``tree_budget`` nodes).
     """
 
     # ---- common: every configuration has them -------------------------------------------------------------------------
@@ -195,7 +201,7 @@ class SpecConfig:
     # method's own default (Method.defaults), else the default written here
     k: int = 4
     adaptive_k: bool = True
-    # trees (decoding/trees/trees.py): chain | static (tree_paths: JSON rank paths, e.g. [[0],[1],[0,0]]) | sequoia
+    # trees (decoding/trees/shapes.py): chain | static (tree_paths: JSON rank paths, e.g. [[0],[1],[0,0]]) | sequoia
     # (tree_acceptance: per-rank acceptance, e.g. [0.6,0.1,0.05]) | dyspec | levels; tree_budget: draft nodes per step
     tree: str = "chain"
     tree_paths: str = ""
@@ -258,27 +264,12 @@ class SpecConfig:
     def __post_init__(self) -> None:
         _check(self.method in METHODS, "method", f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
         entry = METHOD_TABLE[self.method]
-        self._check_common()
+        _check_common(self)
         # the groups the method reads, and any group an option was given in: a value given must be valid
         for group in dict.fromkeys([*entry.groups, *sorted(OPTION_OF[name] for name in self._given)]):
             _GROUP_CHECKS[group](self)
         _check(self.tree == "chain" or not entry.chains_only, "tree", f"{self.method} drafts chains only")
         _check(not entry.needs_drafter or bool(self.drafter), "drafter", f"method {self.method} needs drafter=NAME or a directory")
-
-    def _check_common(self) -> None:
-        _check(bool(self.model), "model", "must name a model")
-        _check(self.dtype in DTYPES, "dtype", f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
-        _check(self.quant in QUANTS, "quant", f"unknown quantisation {self.quant!r}; choose from {', '.join(QUANTS)}")
-        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, "top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
-        _check(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
-        _check(self.threads is None or self.threads >= 1, "threads", f"must be >= 1, got {self.threads}")
-        _check(
-            DEVICE_RE.fullmatch(self.device) is not None,
-            "device",
-            f"unknown device {self.device!r}; choose from auto, cpu, cuda, cuda:N",
-        )
 
     @property
     def given(self) -> dict:
@@ -346,6 +337,20 @@ class SpecConfig:
                 raise ConfigError(key or "set", f"expected key=value, got {item!r}")
             changes[key] = value.strip() if key == "k" and value.strip().lower() == "auto" else _parse_value(key, value.strip())
         return self.replace(**changes)
+
+
+def _check_common(c: SpecConfig) -> None:
+    """The common fields (every configuration has them)."""
+    _check(bool(c.model), "model", "must name a model")
+    _check(c.dtype in DTYPES, "dtype", f"unknown dtype {c.dtype!r}; choose from {', '.join(DTYPES)}")
+    _check(c.quant in QUANTS, "quant", f"unknown quantisation {c.quant!r}; choose from {', '.join(QUANTS)}")
+    check_config(c)  # temperature, top_p, top_k, seed, max_new_tokens: the limits the HTTP API has too
+    _check(c.threads is None or c.threads >= 1, "threads", f"must be >= 1, got {c.threads}")
+    _check(
+        DEVICE_RE.fullmatch(c.device) is not None,
+        "device",
+        f"unknown device {c.device!r}; choose from auto, cpu, cuda, cuda:N",
+    )
 
 
 # ---- each option group's checks (a method's groups, and any group an option was given in) -------------------------

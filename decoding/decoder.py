@@ -5,7 +5,7 @@ sampling and seeded generator (``sequence``), runs it (``run``: alone, in this t
 may instead join the batch of the decoder's target), reports a generation's figures (``stats``) and releases what it
 holds (``close``). Two runtimes implement it:
 
-- in process, ``decoding.engine.SpecDecoder``: the model here; its sequences join the loop's batches;
+- in process, ``decoding.in_process.SpecDecoder``: the model here; its sequences join the loop's batches;
 - over a target and a draft worker, ``actors.driver.ActorDecoder``: the two-sided schedule, one sequence at a time.
 
 ``cluster.decoders.open_decoder`` picks the runtime of a configuration from the method table and its placement, in

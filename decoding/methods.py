@@ -3,7 +3,7 @@
 Every outer layer asks this table instead of comparing method names: ``tuning.space`` derives Tune's space from
 ``knobs`` (and fixes invalid samples with ``resolve`` / ``fit``); ``actors``, ``cluster``, ``tuning.resources``,
 ``serving`` and ``jobs`` read ``actors``. The table declares and builds nothing: each method's drafter builder is
-registered beside its drafter (``decoding.builders``) and ``decoding.engine.build_drafter`` calls it. Adding a
+registered beside its drafter (``decoding.builders``) and ``decoding.in_process.build_drafter`` calls it. Adding a
 method is one :class:`Method` entry in :data:`METHOD_TABLE` and its drafter with its builder.
 
 >>> method_of("pearl").actors.schedule_of(None), method_of("pearl").schedule
@@ -30,12 +30,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 from decoding.errors import ConfigError
 
-if TYPE_CHECKING:
-    from decoding.config import SpecConfig
+# A configuration (decoding.config.SpecConfig) in this table's annotations. decoding.config imports the table, so the
+# table does not import it back, not even for type checkers: no import circle.
+SpecConfig = Any
 
 
 class ArtifactFacts(Protocol):
@@ -118,7 +119,7 @@ class KnobSpec:
 _K = KnobSpec("k", "int", 1, 8)
 _CONFIDENCE = KnobSpec("confidence_threshold", "float", 0.0, 0.9, step=0.05)
 _DRAFT_LAYERS = KnobSpec("draft_layers", "int", 1, DEPTH)
-# token trees (decoding/trees/trees.py): the drafters that grow trees also search the shape and the node budget (static trees
+# token trees (decoding/trees/shapes.py): the drafters that grow trees also search the shape and the node budget (static trees
 # need user paths, so they are not searched; sequoia uses the config's tree_acceptance)
 _TREE = (KnobSpec("tree", "choice", choices=("chain", "sequoia", "dyspec")), KnobSpec("tree_budget", "int", 4, 32))
 # model-free tree drafters: k is the tree depth; tree_budget applies with tree_fit=budget (measured picks the size from

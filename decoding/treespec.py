@@ -1,6 +1,6 @@
 """What a tree description in a configuration may say, parsed and checked: rank paths (``tree_paths``) and a per-rank
 acceptance vector (``tree_acceptance``). Pure Python, ground level: ``decoding.config`` checks a config with it and
-``decoding.trees.trees`` builds trees from what it returns.
+``decoding.trees.shapes`` builds trees from what it returns.
 """
 
 from __future__ import annotations

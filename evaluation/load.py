@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from decoding.errors import ConfigError
-from evaluation.report import markdown_table, replace_block
+from evaluation.markdown import markdown_table, replace_block
 
 
 def percentile(values: list[float], q: float, digits: int | None = None) -> float | None:

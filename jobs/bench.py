@@ -35,10 +35,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from decoding.config import METHODS, SpecConfig
-from evaluation import benchmark as bm
-from evaluation.bench import finish, long_prompts, run_cluster, run_local
+from evaluation import bench_figures as bm
+from evaluation.bench_report import publish, render
+from evaluation.bench_run import finish, long_prompts, run_cluster, run_local
 from evaluation.hf_peer import PEER_MODES
-from evaluation.report import render
 from evaluation.traces import TraceWriter
 from evaluation.workloads import DEFAULT_PROMPTS, Prompt, WorkloadError, load_prompts, select, with_later_turns
 from jobs.common import Parser, add_config_args, config_from_args, fail, output_dir, parse_ints, run_cli
@@ -221,40 +221,12 @@ def check_readme(readme: Path) -> None:
     """Before any work: the README exists and has the block a finished run rewrites."""
     if not readme.is_file():
         fail(f"--readme: {readme} does not exist")
-    from evaluation.report import check_block
+    from evaluation.markdown import check_block
 
     try:
         check_block(readme, "bench-results")
     except ValueError as e:
         fail(f"--readme: {e}")
-
-
-def publish(summary: dict, readme: Path) -> None:
-    """The run's tables into the README's bench-results block; its plots and summary to docs/bench/ beside it."""
-    import shutil
-
-    from evaluation.report import replace_block, results_markdown
-
-    docs = readme.resolve().parent / "docs" / "bench"
-    docs.mkdir(parents=True, exist_ok=True)
-    plots = []
-    for p in summary["plots"]:
-        shutil.copy(p, docs / Path(p).name)
-        plots.append(f"docs/bench/{Path(p).name}")
-    slim = {k: v for k, v in summary.items() if k not in ("config",)}
-    (docs / "summary.json").write_text(json.dumps(slim, indent=2, default=str))
-    host = summary["host"]
-    caption = (
-        f"Run {summary['run_id']} on {host['platform']} ({host['cpus']} CPUs), {summary['model']} {summary['dtype']}, "
-        f"{summary['threads']} torch threads, {summary['max_new_tokens']} new tokens per prompt, "
-        f"{summary['prompts_complete']} prompts"
-        + (" (later turns of multi-turn questions included)" if summary.get("later_turns") else "")
-        + f"; plots: {', '.join(f'`{p}`' for p in plots)}; figures: `docs/bench/summary.json`."
-    )
-    if summary.get("command"):
-        caption += f"\n\nRegenerate with:\n\n```\n{summary['command']}\n```"
-    replace_block(readme, "bench-results", results_markdown(summary) + "\n\n" + caption)
-    print(f"wrote the Results into {readme} and the plots to {docs}", file=sys.stderr)
 
 
 def main_with_args(args) -> int:

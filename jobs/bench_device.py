@@ -78,7 +78,7 @@ def main_with_args(args) -> int:
 def measure(base, methods: list[str], rows: list[int], spec_rows: int, n_prompts: int, peer_modes: list[str]) -> dict:
     import torch
 
-    from decoding.engine import SpecDecoder
+    from decoding.in_process import SpecDecoder
     from decoding.timing import device_name, synchronize
     from evaluation.workloads import load_prompts
 

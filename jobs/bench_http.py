@@ -44,7 +44,7 @@ def main_with_args(args) -> int:
     from cluster.registry import Entry, open_registry
     from cluster.runtime import connect, free_port, shutdown_if_started_here
     from decoding.config import SpecConfig
-    from decoding.engine import SpecDecoder
+    from decoding.in_process import SpecDecoder
     from evaluation import load
     from serving.app import start
     from serving.settings import ServeSettings

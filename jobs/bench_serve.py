@@ -127,7 +127,7 @@ def run(args) -> dict:
     import torch
     from ray import serve
 
-    from decoding.engine import SpecDecoder
+    from decoding.in_process import SpecDecoder
     from evaluation import load
     from evaluation.workloads import WorkloadError, load_prompts
 

@@ -5,7 +5,7 @@
         --dtype bfloat16 --threads 2 --out bench-trees
 
 Every prompt runs ``ar``, each drafter as a chain for every k in ``--chain-k`` and as a tree for every shape
-and node budget, in an order rotated per prompt (``evaluation.runner.PromptRunner``). Printed: per variant
+and node budget, in an order rotated per prompt (``evaluation.prompt_runner.PromptRunner``). Printed: per variant
 tokens/s, speedup over ar, tau (mean tokens committed per target forward), nodes per step and verify ms per
 step; per drafter the best chain and the best tree by speedup and their tau ratio (the issue's figure), and
 the node budget beyond which the verify cost outweighs the extra acceptance (the budget after which speedup
@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from evaluation.trees_bench import TREE_DRAFTERS, calibrate, render, run_variants, variants
+from evaluation.tree_variants import TREE_DRAFTERS, calibrate, render, run_variants, variants
 from jobs.bench import load_workload
 from jobs.common import Parser, add_config_args, command, config_from_args, fail, output_dir, parse_ints
 

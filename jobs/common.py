@@ -12,7 +12,6 @@ from pathlib import Path
 import kernels
 from decoding.config import METHODS, SpecConfig
 from decoding.errors import ConfigError
-from decoding.limits import check_config
 
 
 class UsageError(Exception):
@@ -148,9 +147,7 @@ def config_from_args(args) -> SpecConfig:
     flags = {f: getattr(args, f) for f in _FLAG_FIELDS if getattr(args, f, None) is not None}
     for item in args.set:
         check_text(item, "--set")
-    cfg = cfg.with_overrides(args.set, **flags)
-    check_config(cfg)  # the same limits as the HTTP API (temperature, top_p, top_k, seed, max tokens)
-    return cfg
+    return cfg.with_overrides(args.set, **flags)  # checked as it is built: the HTTP API's sampling limits too
 
 
 def run_cli(parser: argparse.ArgumentParser, body, argv=None) -> int:

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from jobs.common import Parser, command, fail, output_dir, parse_ints
-from training.distill import PHASES, DistillSpec
+from training.distill_data import PHASES, DistillSpec
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -74,12 +74,12 @@ def main_with_args(args) -> int:
     from decoding.config import SpecConfig
 
     SpecConfig(model=args.model, dtype=args.dtype, quant=args.quant, device=args.device)  # bad values fail here, naming the field
-    from decoding.model.models import resolve
+    from decoding.model.loading import resolve
 
     resolve(args.model)  # an unknown model fails before Ray starts
     out = output_dir(args.out, "--out")
     from cluster.runtime import connect, shutdown_if_started_here
-    from training.distill import distill
+    from training.distill_data import distill
 
     connect(args.address)
     try:

@@ -95,7 +95,7 @@ def main_with_args(args) -> int:
         print(f"usage: {reply.usage.completion_tokens} tokens; specray stats: {stats}")
 
         from cluster.registry import open_registry
-        from decoding.engine import SpecDecoder
+        from decoding.in_process import SpecDecoder
 
         local = SpecDecoder(open_registry(args.registry).get(entry).config)
         ids = local.generate_ids(local.encode(QUESTION, chat=True), max_new_tokens=args.max_new_tokens).token_ids

@@ -183,7 +183,7 @@ def check_models(settings, catalog) -> None:
 def model_loads(name: str) -> None:
     """Raise ConfigError unless ``name`` resolves to a model whose config reads and whose weights are there."""
     from decoding.errors import ConfigError
-    from decoding.model.models import resolve
+    from decoding.model.loading import resolve
 
     kind, path, _ = resolve(name)
     if kind != "dir":
@@ -203,7 +203,7 @@ def check_placed_entries(settings, catalog) -> None:
     wants and what the cluster has, and exit 2, instead of a deployment that never gets its placement group)."""
     from cluster.runtime import shutdown_if_started_here
     from decoding.errors import ConfigError
-    from serving.placement import placed_entries
+    from serving.placed_worker import placed_entries
 
     if not settings.place_actor_entries:
         return

@@ -47,8 +47,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def main_with_args(args) -> int:
     import dataclasses
 
-    from decoding.model.models import set_threads
-    from decoding.paths import specray_home
+    from decoding.model.loading import set_threads
+    from decoding.paths import portable, specray_home
     from training.runs import SHIPPED_RECIPES, learning_curves, publish, read_history, train_on_data
 
     names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else list(SHIPPED_RECIPES)
@@ -82,7 +82,9 @@ def main_with_args(args) -> int:
             progress=not args.no_progress,
             deadline=None if args.max_minutes is None else time.time() + 60 * args.max_minutes,
         )
-        results[name]["shipped"] = str(publish(work, shipped / name))
+        results[name]["shipped"] = publish(work, shipped / name)
+        for key in ("artifact", "shipped"):  # the committed record names no place of this machine
+            results[name][key] = portable(results[name][key])
     # the record and the curves cover every shipped drafter trained so far, not only this run's (runs of a few
     # drafters each, e.g. in parallel, add up)
     record = Path(args.docs) / "training.json"

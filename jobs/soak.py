@@ -3,12 +3,12 @@
     specray soak --duration-s 1800 --repeats 2 --out runs/soak --docs docs/soak --readme docs/soak.md
     specray soak --duration-s 120 --schedule 20:replica_kill,40:worker_kill --model /path/to/hf-model
 
-Builds its own test cluster on this machine (``evaluation.soak.SoakCluster``: a head that keeps Serve's
+Builds its own test cluster on this machine (``evaluation.soak.services.SoakCluster``: a head that keeps Serve's
 controller, proxy, ingress and the engine replica; four 1-CPU worker nodes for the actor entry's placement group
 and a spare) and a persistent redis-server holding the registry, with three entries besides the plain model (the
 base model as AR, ``soak/ngram``, ``soak/suffix`` and ``soak/pearl`` on two model workers), all in float32 so every
 completed greedy answer can be checked against the same request run alone in this process. Then it runs
-``evaluation.soak.Soak`` for ``--duration-s`` (Poisson arrivals at ``--rate`` plus a floor of ``--min-streams``,
+``evaluation.soak.harness.Soak`` for ``--duration-s`` (Poisson arrivals at ``--rate`` plus a floor of ``--min-streams``,
 under ``--max-streams``) with the faults of ``--faults`` at evenly spread times (``--repeats`` each) or at the times
 of ``--schedule``, and prints one progress line every ``--progress-s``.
 
@@ -34,7 +34,7 @@ APP = "specray"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from evaluation.soak import FAULTS
+    from evaluation.soak.plan import FAULTS
 
     p = Parser(prog="specray soak", description="Faults under load: steady HTTP load with chaos, checking that nothing is lost.")
     p.add_argument("--duration-s", type=float, default=1800.0, help="how long the load runs (default 1800)")
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _plan(args):
-    from evaluation.soak import FAULTS, SoakPlan, even_schedule, parse_schedule
+    from evaluation.soak.plan import FAULTS, SoakPlan, even_schedule, parse_schedule
 
     if args.duration_s < 10:
         fail(f"--duration-s: at least 10 seconds, got {args.duration_s:g}")
@@ -193,7 +193,7 @@ def entries(model: str, depth: int) -> dict:
 
 def head_pinned(settings_cls):
     """Serve settings whose ingress and engine replica ask for the head's resource (the node a soak never removes)."""
-    from evaluation.soak import HEAD_RESOURCE
+    from evaluation.soak.services import HEAD_RESOURCE
 
     class HeadPinned(settings_cls):
         def ingress_deployment_options(self) -> dict:
@@ -280,7 +280,7 @@ def publisher(registry_url: str, config: dict):
 
 
 def results_block(summary: dict, command: str) -> str:
-    from evaluation.soak import report_markdown
+    from evaluation.soak.outputs import report_markdown
 
     return report_markdown(summary, plot_name=None) + f"\n\nRegenerate with:\n\n```\n{command}\n```"
 
@@ -295,7 +295,7 @@ def prepare(args):
     out = output_dir(args.out, "--out")
     docs = output_dir(args.docs, "--docs") if args.docs else None
     if args.readme:
-        from evaluation.report import check_block
+        from evaluation.markdown import check_block
 
         try:
             check_block(Path(args.readme), "soak-results")
@@ -304,7 +304,7 @@ def prepare(args):
     if shutil.which("redis-server") is None:
         fail("redis-server is not installed (apt-get install -y redis-server): the soak's registry runs on it")
     from decoding.config import ConfigError, SpecConfig
-    from decoding.engine import SpecDecoder
+    from decoding.in_process import SpecDecoder
 
     t_start = time.monotonic()
     try:
@@ -327,11 +327,13 @@ def run_soak(args, prep):
     """The soak on its own cluster and redis: deploy, warm up, load with faults; both are stopped however it ends."""
     from cluster.registry import Entry, open_registry
     from cluster.runtime import PATIENT_SERVE
-    from evaluation import soak as S
+    from evaluation.soak.harness import Soak
+    from evaluation.soak.plan import Mix
+    from evaluation.soak.services import RedisServer, SoakCluster
 
     for key, value in PATIENT_SERVE.items():  # a busy machine starts Serve's proxy slowly (read by the cluster's processes)
         os.environ.setdefault(key, value)
-    redis, cluster = S.RedisServer(), S.SoakCluster()
+    redis, cluster = RedisServer(), SoakCluster()
     try:
         redis.start()
         with open_registry(redis.url) as reg:
@@ -348,14 +350,14 @@ def run_soak(args, prep):
             f"{len(prep.plan.schedule)} fault(s)",
             file=sys.stderr,
         )
-        mix = S.Mix(
+        mix = Mix(
             models={args.model: 0.3, "soak/ngram": 0.3, "soak/suffix": 0.25, "soak/pearl": 0.15},
             placed=("soak/pearl",),
             max_tokens=tuple(prep.max_tokens),
         )
         publish = publisher(redis.url, prep.configs["soak/ngram"].to_dict())
         kw = {"engine": engine, "placed": ["soak/pearl"], "expected": prep.refs, "publish": publish, "workdir": prep.out / "publish"}
-        return S.Soak(url, prep.plan, mix, prep.prompts, cluster, redis, **kw).run()
+        return Soak(url, prep.plan, mix, prep.prompts, cluster, redis, **kw).run()
     finally:  # the whole test cluster goes (Serve's actors with it), then redis
         t_down = time.monotonic()
         cluster.shutdown()
@@ -365,14 +367,15 @@ def run_soak(args, prep):
 
 def report(args, argv: list[str], soak, prep) -> int:
     """The analysis, its files, the docs copy and the README block; exit 0 when nothing was lost and the service drained."""
-    from evaluation import soak as S
-    from evaluation.report import replace_block
+    from evaluation.markdown import replace_block
+    from evaluation.soak.analysis import analyse
+    from evaluation.soak.outputs import report_markdown, write_outputs
 
-    summary = S.analyse(soak, growth_from_s=args.growth_from_s)
+    summary = analyse(soak, growth_from_s=args.growth_from_s)
     summary["run"]["model"] = args.model
     summary["run"]["command"] = "specray soak " + " ".join(argv)
-    paths = S.write_outputs(soak, summary, prep.out)
-    print(S.report_markdown(summary, plot_name=None))
+    paths = write_outputs(soak, summary, prep.out)
+    print(report_markdown(summary, plot_name=None))
     print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     if prep.docs is not None:
         prep.docs.mkdir(parents=True, exist_ok=True)

@@ -162,8 +162,8 @@ def main_with_args(args) -> int:
 
     from decoding.config import SpecConfig  # heavy imports after the cheap checks
     from decoding.drafters.trained import get_recipe
-    from decoding.engine import SpecDecoder
-    from decoding.model.models import load_model, model_fingerprint
+    from decoding.in_process import SpecDecoder
+    from decoding.model.loading import load_model, model_fingerprint
     from decoding.paths import specray_home
     from training.data import data_dir, generate_data, load_examples
     from training.trainer import TrainSpec

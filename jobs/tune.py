@@ -209,8 +209,8 @@ def run(args, callbacks=None) -> tuple[int, dict]:
         fail("specray tune needs Ray Tune: pip install 'specray[cluster]'")
     from cluster.runtime import connect, shutdown_if_started_here
     from tuning import results as res
-    from tuning.report import render
     from tuning.search import build_space, model_depth, new_tuner, restore_tuner, trial_statuses, was_interrupted
+    from tuning.search_report import render
     from tuning.trainable import TrialSetup
 
     settings = settings_for(args)
@@ -242,7 +242,7 @@ def run(args, callbacks=None) -> tuple[int, dict]:
     if interrupted:
         summary["resume"] = f"specray tune --resume {exp}"
     elif best is not None and (args.verify_best if args.verify_best is not None else args.publish is not None):
-        from tuning.verify import verify
+        from tuning.remeasure import verify
 
         summary["verify"] = verify(winner, space, base, held_out or prompts, settings.warmup, settings.verify_repeats, bool(held_out))
         res.write_verify(best, summary)

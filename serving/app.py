@@ -6,7 +6,7 @@
 
 ``build_app`` is the ``.bind()`` graph: ``OpenAIIngress(ModelServer, placed)``, where ``ModelServer`` is the model
 replica (:class:`serving.worker.ModelWorker`: one batching engine per model) and ``placed`` one deployment per
-registry entry that runs on two workers (:class:`serving.placement.PlacedWorker`, each reserving its placement
+registry entry that runs on two workers (:class:`serving.placed_worker.PlacedWorker`, each reserving its placement
 group). ``app_builder`` is the import path of a Serve config file (``infra/serve.yaml``).
 """
 
@@ -16,7 +16,7 @@ from ray.serve import Application
 from cluster.runtime import keep_replica_grpc_on_loopback
 from serving.catalog import Catalog, ModelNotFound
 from serving.ingress import OpenAIIngress
-from serving.placement import PlacedWorker, deployment_name, placed_entries
+from serving.placed_worker import PlacedWorker, deployment_name, placed_entries
 from serving.settings import ServeSettings
 from serving.worker import ModelWorker
 
@@ -33,7 +33,7 @@ class LoopbackModelWorker(ModelWorker):
 
 
 class LoopbackPlacedWorker(PlacedWorker):
-    """An actor entry's replica (``serving.placement``), its gRPC server kept on loopback under the embedded Ray."""
+    """An actor entry's replica (``serving.placed_worker``), its gRPC server kept on loopback under the embedded Ray."""
 
     def __init__(self, *args, **kwargs):
         keep_replica_grpc_on_loopback()
@@ -47,7 +47,7 @@ Ingress = serve.deployment(OpenAIIngress, name=INGRESS_NAME)
 
 def placed_deployments(settings: ServeSettings) -> dict:
     """One deployment per registry entry that runs on actors, each reserving its placement group; validated against the
-    cluster now (``serving.placement.placed_entries`` raises a ConfigError naming the entry, what it wants and what there is)."""
+    cluster now (``serving.placed_worker.placed_entries`` raises a ConfigError naming the entry, what it wants and what there is)."""
     if not settings.place_actor_entries:
         return {}
     catalog = Catalog(settings.registry, settings.base_model, settings.dtype, watch=False)

@@ -1,6 +1,6 @@
 """One decoding batch per model in a replica: a thread steps it, request handlers feed it.
 
-:class:`EngineLoop` owns a ``decoding.loop.loop.Batch`` over one target model (one
+:class:`EngineLoop` owns a ``decoding.loop.batch.Batch`` over one target model (one
 model and dtype). Handlers :meth:`~EngineLoop.submit` a ``Sequence`` and a
 ``done`` callback; the loop thread admits waiting sequences between steps
 (up to ``max_rows`` in the batch at once, the rest wait in order), runs a

@@ -34,7 +34,7 @@ from cluster.runtime import keep_replica_grpc_on_loopback
 from serving import protocol as P
 from serving.catalog import Catalog, ModelNotFound
 from serving.guard import Guard
-from serving.metrics import ServingMetrics
+from serving.prometheus import ServingMetrics
 from serving.settings import ServeSettings
 
 log = logging.getLogger("ray.serve")
@@ -282,7 +282,7 @@ class OpenAIIngress:
         self.settings = ServeSettings.from_dict(settings)
         Guard.configure(self.settings)
         self.model = model
-        self.placed = dict(placed or {})  # entry name -> {"config": its config JSON at deploy time, "handle"} (serving.placement)
+        self.placed = dict(placed or {})  # entry name -> {"config": its config JSON at deploy time, "handle"} (serving.placed_worker)
         self.metrics = ServingMetrics()
         self.catalog = Catalog(
             self.settings.registry,

@@ -202,11 +202,11 @@ class _Sampling(BaseModel):
     model_config = _STRICT
 
     model: str = Field(min_length=1, description="a registry entry name or a plain model id (GET /v1/models)")
-    max_tokens: int | None = Field(None, ge=1, le=L.MAX_TOKENS_MAX)
-    temperature: float | None = Field(None, ge=0.0, le=L.TEMPERATURE_MAX, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int | None = Field(None, ge=0, le=L.TOP_K_MAX, description="0 disables it")
-    seed: int | None = Field(None, ge=0, le=L.SEED_MAX)
+    max_tokens: int | None = Field(None, **L.BOUNDS["max_tokens"])
+    temperature: float | None = Field(None, **L.BOUNDS["temperature"], allow_inf_nan=False)
+    top_p: float | None = Field(None, **L.BOUNDS["top_p"], allow_inf_nan=False)
+    top_k: int | None = Field(None, **L.BOUNDS["top_k"], description="0 disables it")
+    seed: int | None = Field(None, **L.BOUNDS["seed"])
     n: int | None = Field(None, description="only 1")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -346,7 +346,7 @@ class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=L.MAX_TOKENS_MAX)
+    max_completion_tokens: int | None = Field(None, **L.BOUNDS["max_tokens"])
     tools: list | None = Field(None, description="not supported")
     functions: list | None = Field(None, description="not supported")
 

@@ -84,7 +84,7 @@ class ServeSettings:
     drain_timeout_s: on shutdown, how long replicas wait for in-flight requests to finish.
     place_actor_entries: serve each registry entry whose draft and target run on actors (pearl,
         ``placement=actors``) as Tune measured it: a deployment of its own whose replica reserves a
-        placement group for its two workers (``serving.placement``), validated against the cluster at
+        placement group for its two workers (``serving.placed_worker``), validated against the cluster at
         deploy time; ``false`` serves them in the model replica with the sequential schedule.
     placed_replica_num_cpus: Ray CPUs of such a replica when it has a bundle of its own (three nodes or more);
         otherwise it rides in its target worker's bundle, as a Tune trial does.
@@ -211,7 +211,7 @@ class ServeSettings:
         return opts
 
     def placed_deployment_options(self, plan) -> dict:
-        """Options of an actor entry's own deployment (``serving.placement``): one replica and its placement group."""
+        """Options of an actor entry's own deployment (``serving.placed_worker``): one replica and its placement group."""
         return {
             "num_replicas": 1,
             "max_ongoing_requests": self.max_ongoing_requests,

@@ -16,10 +16,10 @@ the decoder when the request's sampling differs from the entry's), pump events (
 at a stop sequence or once the consumer is gone).
 
 :class:`ModelWorker` hosts a decoder per configuration in process, loaded on first use and kept in an LRU (weights
-shared between configurations of one model and dtype: ``decoding.model.models`` caches loads per process); it runs
+shared between configurations of one model and dtype: ``decoding.model.loading`` caches loads per process); it runs
 one :class:`serving.batching.EngineLoop` per model and dtype, a thread that steps one batch whose rows are the
 in-flight requests, whatever their drafter. Sequences that decode alone (TriForce in process) run in a thread pool.
-An actor entry's replica (``serving.placement.PlacedWorker``) is the same pipeline over one decoder on two workers.
+An actor entry's replica (``serving.placed_worker.PlacedWorker``) is the same pipeline over one decoder on two workers.
 """
 
 from __future__ import annotations

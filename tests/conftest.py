@@ -85,7 +85,7 @@ def tiny_model():
 
 @pytest.fixture(scope="session")
 def smollm2_fp32():
-    from decoding.model.models import load_model
+    from decoding.model.loading import load_model
 
     return load_model("smollm2-135m", "float32")
 
@@ -105,7 +105,7 @@ def ar_greedy(smollm2_fp32):
     Each (question, length) is generated once per session, whichever module asks first.
     """
     from decoding.config import SpecConfig
-    from decoding.engine import SpecDecoder
+    from decoding.in_process import SpecDecoder
 
     decoders, outputs = {}, {}
 
@@ -125,7 +125,7 @@ def ar_greedy(smollm2_fp32):
 def long_prompt_and_ar(smollm2_fp32):
     """A Spec-Bench long-context prompt of 1.1-1.2K tokens (chat template included) and AR's 32 greedy float32 tokens."""
     from decoding.config import SpecConfig
-    from decoding.engine import SpecDecoder
+    from decoding.in_process import SpecDecoder
     from evaluation.workloads import load_prompts, long_context_prompt
 
     ar = SpecDecoder(SpecConfig(dtype="float32", max_new_tokens=32, threads=1))

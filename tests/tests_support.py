@@ -88,7 +88,7 @@ def tiny_openai_server(model_dir, name: str = "tiny-peer", usage: bool = True):
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from decoding.config import SpecConfig
-    from decoding.engine import SpecDecoder
+    from decoding.in_process import SpecDecoder
 
     dec = SpecDecoder(SpecConfig(model=str(model_dir), dtype="float32", threads=1))
     lock = threading.Lock()

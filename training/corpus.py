@@ -1,6 +1,6 @@
 """The prompt corpus of the self-distillation data: every kind of task of the 13 Spec-Bench categories, none of its prompts.
 
-The target model answers these prompts (``training.distill``); a drafter trained on the answers learns to predict
+The target model answers these prompts (``training.distill_data``); a drafter trained on the answers learns to predict
 the target. The corpus is written here, offline and deterministically (a seed), in three phases:
 
 1. **seed**: the model writes material for the next phase: questions about a topic (factual, open, how-to),

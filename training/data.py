@@ -95,7 +95,7 @@ def generate_data(
 ) -> dict:
     """Generate (or resume, or extend with missing layers) the data set in ``out``; returns its meta.
 
-    ``decoder`` is an ``ar`` :class:`~decoding.engine.SpecDecoder` (its model, dtype and chat template are used).
+    ``decoder`` is an ``ar`` :class:`~decoding.in_process.SpecDecoder` (its model, dtype and chat template are used).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """The target's hidden states for training, computed as training draws each window (prefill speed), never stored.
 
-Training examples from the self-distillation data (``training.distill``) hold token ids only: ``tokens`` [T]
+Training examples from the self-distillation data (``training.distill_data``) hold token ids only: ``tokens`` [T]
 (prompt + answer) and ``answer_from`` (the first answer position). :meth:`TargetFeatures.example` picks a window
 of rows, runs the frozen target over the text up to the window's end (the whole left context, as drafting sees
 it) and returns the example in the form the objectives read (``training.objectives``): ``start`` and
@@ -68,7 +68,7 @@ class TargetFeatures:
 
 
 def examples_from_rows(rows: list[dict], min_answer: int = 2) -> list[dict]:
-    """Training examples from self-distillation rows (``training.distill.read_rows``): prompt + answer ids as one
+    """Training examples from self-distillation rows (``training.distill_data.read_rows``): prompt + answer ids as one
     ``tokens`` tensor, ``answer_from`` the prompt's length; rows with fewer than ``min_answer`` answer tokens, or
     skipped, are left out."""
     out = []
@@ -84,7 +84,7 @@ def distill_training_set(data_dir, max_sequences: int | None = None, eval_sequen
     """(train, held-out) examples from a ``specray distill`` data directory: its ``train`` split (the first
     ``max_sequences`` of them, in shard order, which interleaves the task kinds) and ``eval_sequences`` of its
     ``heldout`` split."""
-    from training.distill import read_rows
+    from training.distill_data import read_rows
 
     columns = ["id", "kind", "split", "prompt_ids", "answer_ids", "finish_reason"]
     rows = read_rows(data_dir, columns=columns)

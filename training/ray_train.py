@@ -84,7 +84,7 @@ def _worker(config: dict) -> None:
     import ray.train
     import torch
 
-    from decoding.model.models import load_model
+    from decoding.model.loading import load_model
     from training.data import load_examples
     from training.trainer import TrainSpec, train
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from decoding.errors import ConfigError
+from decoding.paths import portable
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def train_on_data(
 ) -> dict:
     """Train (or resume) ``run`` on the data in ``data``; the artifact goes to ``out``. Returns a summary."""
     from decoding.drafters.trained import get_recipe
-    from decoding.model.models import load_model
+    from decoding.model.loading import load_model
     from training.features import TargetFeatures, distill_training_set
     from training.trainer import TrainSpec
 
@@ -87,7 +88,7 @@ def train_on_data(
         eval_every=run.eval_every,
     )
     tokens = sum(int(e["tokens"].shape[0] - e["answer_from"]) for e in train_set)
-    extra = {"data": str(data), "train_sequences": len(train_set), "train_answer_tokens": tokens, "eval_sequences": len(eval_set)}
+    extra = {"data": portable(data), "train_sequences": len(train_set), "train_answer_tokens": tokens, "eval_sequences": len(eval_set)}
     t0 = time.perf_counter()
     if on_cluster:
         from training.ray_train import train_on_cluster
@@ -116,13 +117,18 @@ def train_on_data(
             eval_examples=eval_set,
             weights_dtype=torch.bfloat16,
         )
+    return _summary(run, out, knobs, train_set, tokens, time.perf_counter() - t0, training)
+
+
+def _summary(run: DataRun, out: Path, knobs: dict, train_set: list, tokens: int, seconds: float, training: dict) -> dict:
+    """What :func:`train_on_data` returns: the artifact, its recipe and data, and the figures of its training."""
     return {
         "artifact": str(out),
         "recipe": run.recipe,
         "knobs": knobs,
         "train_sequences": len(train_set),
         "train_answer_tokens": tokens,
-        "train_seconds": round(time.perf_counter() - t0, 1),
+        "train_seconds": round(seconds, 1),
         "steps": training.get("steps"),
         "loss_first": training.get("loss_first"),
         "loss_last": training.get("loss_last"),

@@ -13,6 +13,7 @@ uninterrupted one would have. Ray Train runs this same function per worker
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -201,12 +202,114 @@ def train(
     the held-out set (default: the last ``eval_fraction`` of ``examples``). ``weights_dtype``: the artifact's
     storage dtype (default: as trained, float32).
     """
+    _check_inputs(spec, examples)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    s = _session(spec, target_hf, examples, shard, features, eval_examples)
+    ckpt_path = out / "checkpoint.pt"
+    step, history, before = _resume(s, ckpt_path)
+    if before is None:
+        before = s.evaluate()
+    model, backward, opt_step = wrap(s.module, s.opt) if wrap else (s.module, lambda loss: loss.backward(), s.opt.step)
+    bar = _Progress(spec.steps, step, progress and s.chief)
+    seen = {i for done in range(step) for i in draws(spec, len(s.train_set), done)[1]}  # distinct sequences drawn so far
+
+    def checkpoint() -> None:
+        if s.chief:
+            _save_checkpoint(ckpt_path, s.module, s.opt, step, history, spec, {"eval_before": before})
+
+    t0 = time.perf_counter()
+    try:
+        while step < spec.steps:
+            total, agree, idx = _optimiser_step(s, step, model, backward, opt_step)
+            step += 1
+            seen.update(idx)
+            row = {"step": step, "loss": total, "agree": agree, "lr": lr_at(spec, step - 1), "sequences_seen": len(seen)}
+            s.learning_curve(row, step)
+            history.append(row)
+            bar.update(step, total, agree)
+            if step % spec.checkpoint_every == 0 or step == spec.steps:
+                checkpoint()
+                if report:
+                    report(row, ckpt_path if s.chief else None)
+            if on_step:
+                on_step(step, row)
+            if deadline is not None and time.time() > deadline:
+                checkpoint()
+                break
+    except KeyboardInterrupt:
+        checkpoint()
+        bar.close()
+        raise
+    bar.close()
+    training = _training(s, step, history, before, t0, extra_training)
+    if save and s.chief:
+        plot_loss(history, out / "loss.png", f"{spec.recipe} ({spec.loss})")
+        save_artifact(out, spec.recipe, s.knobs, s.module, target_hf, target_name, training, vocab=s.vocab, weights_dtype=weights_dtype)
+        (out / "history.json").write_text(json.dumps(history))
+    return training
+
+
+def _check_inputs(spec: TrainSpec, examples: list[dict]) -> None:
     if spec.loss not in LOSSES:
         raise ValueError(f"loss: unknown loss {spec.loss!r}; choose from {', '.join(LOSSES)}")
     if len(examples) < 2:
         raise ValueError(f"need at least 2 sequences (one held out), got {len(examples)}")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+
+
+def _training(s: _Session, step: int, history: list, before, t0: float, extra: dict | None) -> dict:
+    """The artifact's ``training`` description, the held-out agreement after training measured now (``t0``: when
+    this run's steps began)."""
+    s.module.eval()
+    after = s.evaluate()
+    return {
+        "spec": s.spec.to_dict(),
+        "knobs": s.knobs,
+        "steps": step,
+        "train_sequences": len(s.train_set),
+        "eval_sequences": len(s.eval_set),
+        "loss_first": history[0]["loss"] if history else None,
+        "loss_last": history[-1]["loss"] if history else None,
+        "eval_agreement_before": before,
+        "eval_agreement": after,
+        "train_seconds_this_run": round(time.perf_counter() - t0, 1),
+        **(extra or {}),
+    }
+
+
+@dataclass
+class _Session:
+    """What one call of :func:`train` trains and measures with (:func:`_session` builds it)."""
+
+    spec: TrainSpec
+    recipe: object
+    knobs: dict
+    shared: Shared  # evaluation: agreement over the full vocabulary
+    train_shared: Shared  # the losses' vocabulary
+    vocab: list
+    train_set: list[dict]
+    eval_set: list[dict]
+    prepare: Callable
+    device: torch.device
+    module: torch.nn.Module
+    opt: torch.optim.Optimizer
+    chief: bool  # rank 0: writes checkpoints and the artifact
+
+    def evaluate(self) -> list[float]:
+        """Held-out agreement of the module now."""
+        s = self
+        return evaluate(s.recipe, s.module, s.shared, s.eval_set, s.knobs, s.spec.window, s.device, s.prepare)
+
+    def learning_curve(self, row: dict, step: int) -> None:
+        """Every ``eval_every`` steps (rank 0), the held-out agreement into the step's ``row``."""
+        if self.spec.eval_every and step % self.spec.eval_every == 0 and self.chief:
+            self.module.eval()
+            row["eval_agreement"] = self.evaluate()
+            self.module.train()
+
+
+def _session(spec: TrainSpec, target_hf, examples: list[dict], shard: tuple[int, int], features, eval_examples) -> _Session:
+    """The recipe's module and optimiser, and the training and held-out sets of this worker (``shard``)."""
     recipe = get_recipe(spec.recipe)
     depth = target_hf.config.num_hidden_layers
     knobs = recipe.check(spec.knobs, depth)
@@ -220,7 +323,6 @@ def train(
     prepare = features.example if features is not None else _crop
     rank, world = shard
     train_set = train_set[rank::world] or train_set
-    chief = rank == 0
     device = next(target_hf.parameters()).device  # the drafter trains where the target is (SpecConfig.device)
 
     torch.manual_seed(spec.seed)  # module init (random parts) is reproducible
@@ -232,81 +334,35 @@ def train(
     else:
         train_shared = Shared(target_hf, vocab[: spec.train_vocab]) if spec.train_vocab else shared
     opt = torch.optim.AdamW(module.parameters(), lr=spec.lr, weight_decay=0.0)
-    ckpt_path = out / "checkpoint.pt"
-    step, history, before = 0, [], None
-    if ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, weights_only=False, map_location=device)
-        if ckpt["spec"] == spec.to_dict():
-            module.load_state_dict(ckpt["module"])
-            opt.load_state_dict(ckpt["opt"])
-            step, history, before = ckpt["step"], ckpt["history"], ckpt.get("eval_before")
-    if before is None:
-        before = evaluate(recipe, module, shared, eval_set, knobs, spec.window, device, prepare)
-    model, backward, opt_step = wrap(module, opt) if wrap else (module, lambda loss: loss.backward(), opt.step)
-    bar = _Progress(spec.steps, step, progress and chief)
-    seen = {i for done in range(step) for i in draws(spec, len(train_set), done)[1]}  # distinct sequences drawn so far
-    t0 = time.perf_counter()
-    try:
-        while step < spec.steps:
-            for group in opt.param_groups:
-                group["lr"] = lr_at(spec, step)
-            g, idx = draws(spec, len(train_set), step)
-            opt.zero_grad(set_to_none=True)
-            total, agree = 0.0, 0.0
-            for i in idx:
-                ex = prepare(train_set[i], spec.window, g, device)
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.autocast):
-                    loss, head_agree = example_loss(recipe, model, train_shared, ex, knobs, LOSSES[spec.loss])
-                backward(loss / len(idx))
-                total += float(loss.detach()) / len(idx)
-                agree += head_agree[0] / len(idx)
-            torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
-            opt_step()
-            step += 1
-            seen.update(idx)
-            row = {"step": step, "loss": total, "agree": agree, "lr": lr_at(spec, step - 1), "sequences_seen": len(seen)}
-            if spec.eval_every and step % spec.eval_every == 0 and chief:
-                module.eval()
-                row["eval_agreement"] = evaluate(recipe, module, shared, eval_set, knobs, spec.window, device, prepare)
-                module.train()
-            history.append(row)
-            bar.update(step, total, agree)
-            if step % spec.checkpoint_every == 0 or step == spec.steps:
-                if chief:
-                    _save_checkpoint(ckpt_path, module, opt, step, history, spec, {"eval_before": before})
-                if report:
-                    report(row, ckpt_path if chief else None)
-            if on_step:
-                on_step(step, row)
-            if deadline is not None and time.time() > deadline:
-                if chief:
-                    _save_checkpoint(ckpt_path, module, opt, step, history, spec, {"eval_before": before})
-                break
-    except KeyboardInterrupt:
-        if chief:
-            _save_checkpoint(ckpt_path, module, opt, step, history, spec, {"eval_before": before})
-        bar.close()
-        raise
-    bar.close()
-    module.eval()
-    after = evaluate(recipe, module, shared, eval_set, knobs, spec.window, device, prepare)
-    training = {
-        "spec": spec.to_dict(),
-        "knobs": knobs,
-        "steps": step,
-        "train_sequences": len(train_set),
-        "eval_sequences": len(eval_set),
-        "loss_first": history[0]["loss"] if history else None,
-        "loss_last": history[-1]["loss"] if history else None,
-        "eval_agreement_before": before,
-        "eval_agreement": after,
-        "train_seconds_this_run": round(time.perf_counter() - t0, 1),
-        **(extra_training or {}),
-    }
-    if save and chief:
-        plot_loss(history, out / "loss.png", f"{spec.recipe} ({spec.loss})")
-        save_artifact(out, spec.recipe, knobs, module, target_hf, target_name, training, vocab=vocab, weights_dtype=weights_dtype)
-        import json
+    return _Session(spec, recipe, knobs, shared, train_shared, vocab, train_set, eval_set, prepare, device, module, opt, rank == 0)
 
-        (out / "history.json").write_text(json.dumps(history))
-    return training
+
+def _resume(s: _Session, ckpt_path: Path) -> tuple[int, list, list | None]:
+    """(step, history, held-out agreement before training) from a checkpoint of the same spec, else from the start."""
+    if ckpt_path.exists():
+        ckpt = torch.load(ckpt_path, weights_only=False, map_location=s.device)
+        if ckpt["spec"] == s.spec.to_dict():
+            s.module.load_state_dict(ckpt["module"])
+            s.opt.load_state_dict(ckpt["opt"])
+            return ckpt["step"], ckpt["history"], ckpt.get("eval_before")
+    return 0, [], None
+
+
+def _optimiser_step(s: _Session, step: int, model, backward, opt_step) -> tuple[float, float, list[int]]:
+    """One optimiser step over the sequences ``step`` draws: (mean loss, mean head agreement, the sequences drawn)."""
+    spec = s.spec
+    for group in s.opt.param_groups:
+        group["lr"] = lr_at(spec, step)
+    g, idx = draws(spec, len(s.train_set), step)
+    s.opt.zero_grad(set_to_none=True)
+    total, agree = 0.0, 0.0
+    for i in idx:
+        ex = s.prepare(s.train_set[i], spec.window, g, s.device)
+        with torch.autocast(s.device.type, dtype=torch.bfloat16, enabled=spec.autocast):
+            loss, head_agree = example_loss(s.recipe, model, s.train_shared, ex, s.knobs, LOSSES[spec.loss])
+        backward(loss / len(idx))
+        total += float(loss.detach()) / len(idx)
+        agree += head_agree[0] / len(idx)
+    torch.nn.utils.clip_grad_norm_(s.module.parameters(), 1.0)
+    opt_step()
+    return total, agree, idx

@@ -169,12 +169,6 @@ def write_parquet(rows: Sequence[dict], path: Path) -> Path:
     return path
 
 
-def read_parquet(path: Path) -> list[dict]:
-    import pyarrow.parquet as pq
-
-    return pq.read_table(path).to_pylist()
-
-
 def plot_pareto(rows: Sequence[dict], path: Path, title: str = "") -> Path:
     """Speedup vs mean accepted tokens: every trial by method, the Pareto front joined, fidelity failures as red x."""
     import matplotlib
@@ -305,7 +299,7 @@ def write_run(rows: list[dict], settings, space, prompts: list, held_out: list, 
 
 
 def write_verify(best: dict, summary: dict) -> Path:
-    """best.json again, with the winner's verification (``tuning.verify``) in it."""
+    """best.json again, with the winner's verification (``tuning.remeasure``) in it."""
     meta = {k: v for k, v in summary.items() if k not in ("files", "best", "verify", "published")}
     doc = best_document(best, meta)
     doc["verify"] = summary["verify"]

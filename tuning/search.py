@@ -139,7 +139,7 @@ def new_tuner(settings: TuneSettings, setup: TrialSetup, callbacks=None, verbose
             num_samples=settings.num_samples,
             max_concurrent_trials=concurrency(settings),
             time_budget_s=settings.time_budget_s,
-            reuse_actors=True,  # a worker keeps its loaded model (decoding.model.models caches per process) for the next trial
+            reuse_actors=True,  # a worker keeps its loaded model (decoding.model.loading caches per process) for the next trial
         ),
         run_config=tune.RunConfig(
             name=settings.name,
@@ -173,7 +173,7 @@ def can_restore(experiment: Path) -> bool:
 def model_depth(base: SpecConfig) -> int:
     """Decoder layers of the target (the bound of the layer knobs); loads the model in this process (cached)."""
     from decoding.model.adapter import ModelAdapter
-    from decoding.model.models import load_model
+    from decoding.model.loading import load_model
 
     return len(ModelAdapter(load_model(base.model, base.dtype).model).layers)
 

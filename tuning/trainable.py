@@ -14,7 +14,7 @@ Figures (all over the prompts done so far):
 - ``mean_accepted_tokens``: tokens committed per decoding target forward (tau);
 - fidelity under greedy decoding: ``identical_fraction`` (outputs token-identical
   to AR's) and ``suspicious`` (divergences at an AR logit margin wider than the
-  dtype's rounding, see ``evaluation.benchmark.compare_to_reference``).
+  dtype's rounding, see ``evaluation.bench_figures.compare_to_reference``).
   ``fidelity_ok`` = no suspicious divergence; with sampling it is not checked
   (``fidelity_checked`` false) and counts as ok.
 - ``score``: the speedup when ``fidelity_ok``, else 0: a config that diverges
@@ -34,7 +34,7 @@ import kernels
 from actors.devices import placed
 from decoding.config import SpecConfig
 from decoding.errors import ConfigError
-from evaluation import benchmark as bm
+from evaluation import bench_figures as bm
 from evaluation.workloads import Prompt
 
 CANDIDATE = "candidate"
@@ -149,7 +149,7 @@ def measure(
     own placement group (the target beside the trial in bundle 0, the draft in bundle 1; see :mod:`tuning.resources`),
     or in a new group outside a trial.
     """
-    from evaluation.runner import PromptRunner
+    from evaluation.prompt_runner import PromptRunner
 
     if not prompts:
         raise ConfigError("prompts", "no prompts to measure on")

@@ -27,10 +27,10 @@ from decoding.drafters.early_exit import EarlyExitDrafter
 from decoding.drafters.trained import RECIPES, Recipe, TrimmedHead, get_recipe, trim_vocab
 from decoding.errors import ConfigError
 from decoding.model.adapter import ModelAdapter
-from decoding.model.models import model_fingerprint
+from decoding.model.loading import model_fingerprint
 from decoding.paths import specray_home
 from decoding.trees.hardware import chooser_for
-from decoding.trees.trees import Dynamic, tree_shape
+from decoding.trees.shapes import Dynamic, tree_shape
 
 FORMAT = 1
 WEIGHTS, DESCRIPTION = "drafter.safetensors", "drafter.json"

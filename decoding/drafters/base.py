@@ -18,7 +18,7 @@ import torch
 from decoding.builders import builds
 from decoding.model.adapter import KVCache, ModelAdapter
 from decoding.sampling import SamplingParams
-from decoding.trees.trees import Tree
+from decoding.trees.shapes import Tree
 
 
 class DecodeState:

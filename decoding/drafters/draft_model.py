@@ -7,8 +7,8 @@ from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.drafters.drafting import draft_chain, draft_tree, max_nodes_of, tree_forward
 from decoding.errors import ConfigError
 from decoding.model.adapter import KVCache, ModelAdapter
-from decoding.model.models import load_model
-from decoding.trees.trees import Dynamic, Tree
+from decoding.model.loading import load_model
+from decoding.trees.shapes import Dynamic, Tree
 
 
 class DraftModelDrafter(Drafter):
@@ -70,7 +70,7 @@ class DraftModelDrafter(Drafter):
 
 
 def model_depth(target) -> int:
-    """The number of decoder layers of a loaded target (``decoding.model.models.LoadedModel``)."""
+    """The number of decoder layers of a loaded target (``decoding.model.loading.LoadedModel``)."""
     return len(ModelAdapter(target.model).layers)
 
 

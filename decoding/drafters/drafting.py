@@ -8,7 +8,7 @@ import torch
 from decoding.drafters.base import DecodeState
 from decoding.model.adapter import KVCache, ModelAdapter
 from decoding.sampling import choose, warp
-from decoding.trees.trees import Dynamic, Tree
+from decoding.trees.shapes import Dynamic, Tree
 
 
 def draft_chain(step, first_logits, k, state, threshold, feed_last):

@@ -34,7 +34,7 @@ from torch import nn
 from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.drafters.drafting import draft_chain, draft_tree, max_nodes_of, tree_forward
 from decoding.model.adapter import KVCache, ModelAdapter
-from decoding.trees.trees import Dynamic, Tree
+from decoding.trees.shapes import Dynamic, Tree
 
 EPS = 1e-6
 

@@ -6,7 +6,7 @@ import torch
 
 from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.drafters.drafting import draft_chain, draft_tree, max_nodes_of, tree_forward
-from decoding.trees.trees import Dynamic, Tree
+from decoding.trees.shapes import Dynamic, Tree
 
 
 class EarlyExitDrafter(Drafter):

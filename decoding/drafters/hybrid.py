@@ -29,7 +29,7 @@ from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.drafters.ngram import NgramDrafter
 from decoding.drafters.recycling import RecyclingDrafter, verified_nodes
 from decoding.drafters.suffix import SuffixDrafter
-from decoding.trees.trees import Tree
+from decoding.trees.shapes import Tree
 
 NGRAM_PRIOR = 0.6  # prompt lookup's per-token acceptance before any is measured
 SOURCES = ("ngram", "suffix", "recycling", "eagle")

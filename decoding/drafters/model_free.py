@@ -14,7 +14,7 @@ from decoding.drafters.suffix import SuffixDrafter
 from decoding.errors import ConfigError
 from decoding.model.adapter import ModelAdapter
 from decoding.trees.hardware import chooser_for
-from decoding.trees.trees import Tree, parse_paths
+from decoding.trees.shapes import Tree, parse_paths
 
 if TYPE_CHECKING:
     from decoding.config import SpecConfig

@@ -7,7 +7,7 @@ import torch
 from decoding.builders import builds
 from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.drafters.drafting import max_nodes_of
-from decoding.trees.trees import Tree, tree_shape
+from decoding.trees.shapes import Tree, tree_shape
 
 
 class NgramDrafter(Drafter):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoding.drafters.base import DecodeState, Drafter, Proposal
-from decoding.trees.trees import Tree, sequoia_tree
+from decoding.trees.shapes import Tree, sequoia_tree
 
 # Per-rank acceptance of recycled candidates before any is measured: P(the rank-r candidate is the target's next
 # token). Measured on SmolLM2-135M bfloat16 over a few Spec-Bench prompts (top-1 ~0.4); the drafter replaces it with

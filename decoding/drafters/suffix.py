@@ -30,7 +30,7 @@ from collections import deque
 import torch
 
 from decoding.drafters.base import DecodeState, Drafter, Proposal
-from decoding.trees.trees import Tree
+from decoding.trees.shapes import Tree
 
 
 class _Node:

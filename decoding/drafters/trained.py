@@ -43,7 +43,7 @@ from decoding.drafters.eagle import EagleDrafter, EagleNet, VocabHead
 from decoding.drafters.early_exit import EarlyExitDrafter
 from decoding.errors import ConfigError
 from decoding.model.adapter import KVCache, ModelAdapter
-from decoding.trees.trees import Dynamic, Tree
+from decoding.trees.shapes import Dynamic, Tree
 
 # ---- the target's frozen shared parts ---------------------------------------------------------
 

@@ -122,7 +122,7 @@ def greedy_tree_accept(
     ancestors are ok. Siblings are distinct tokens, so at most one node per depth is accepted.
 
     >>> tokens = torch.tensor([[9, 4, 5, 6]]); parents = torch.tensor([-1, 0, 0, 2])   # 4 and 5 under the root, 6 under 5
-    >>> from decoding.trees.trees import tree_mask
+    >>> from decoding.trees.shapes import tree_mask
     >>> greedy_tree_accept(tokens, parents, tree_mask(parents), torch.tensor([0, 1, 1, 2]), torch.tensor([[5, 0, 6, 1]])).tolist()
     [3]
     """
@@ -154,7 +154,7 @@ def verify_tree_greedy(node_tokens, parents, mask, depth, target_logits, accept=
     [T] or [B, T], target_logits [B, T, V] (or their ``argmax`` [B, T]); ``max_depth``: the deepest node's depth
     (host; default: read from ``depth``, which stops the host).
 
-    >>> from decoding.trees.trees import Tree
+    >>> from decoding.trees.shapes import Tree
     >>> tree = Tree.from_paths([[0], [1], [1, 0]])                          # nodes: root, a, b, b's child
     >>> tokens = torch.tensor([[9, 4, 5, 6]])
     >>> argmax = torch.tensor([[5, 0, 6, 1]])                               # the target wants 5, then 6, then 1

@@ -10,7 +10,7 @@ worker, and ``generate_two_sided`` with ``LocalExecutor`` runs them in process
 (one action after the other), which is how the tests drive them. Two
 schedules: ``SequentialSchedule`` (``"sps"``) and ``PearlSchedule`` (``"pearl"``).
 
-What is the loop's is the loop's (``decoding/loop/loop.py``): its invariant (the
+What is the loop's is the loop's (``decoding/loop/``): its invariant (the
 target cache holds every committed token but the last one, "pending"), its
 context check (``check_context``), its prefill (``prefill``, ``fill``), its
 verification rule (``verify``, ``committed_by``) and its output (``Output``:

@@ -33,7 +33,7 @@ import torch
 from decoding.model.adapter import ModelAdapter
 from decoding.paths import specray_home
 from decoding.timing import device_name, synchronize
-from decoding.trees.trees import Tree, expected_accepted, sequoia_tree
+from decoding.trees.shapes import Tree, expected_accepted, sequoia_tree
 
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # verification widths timed (nodes, the root included)
 BUDGETS = (2, 4, 6, 8, 12, 16, 24, 32, 48, 63)  # draft-node budgets the chooser considers

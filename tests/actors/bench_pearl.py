@@ -47,7 +47,7 @@ def main():
     from cluster.placement import place_workers
     from cluster.runtime import connect
     from decoding.config import SpecConfig
-    from decoding.engine import SpecDecoder
+    from decoding.in_process import SpecDecoder
     from evaluation.workloads import load_prompts
 
     base = SpecConfig(dtype=args.dtype, max_new_tokens=args.max_new_tokens, k=args.k, draft_layers=args.draft_layers)
@@ -68,7 +68,7 @@ def main():
     if args.method == "pearl":
         texts = [q["turns"][0] for q in spec_bench_prompts(per_category=1, categories=args.categories.split(","))[: args.prompts]]
     else:
-        from evaluation.bench import long_prompts
+        from evaluation.bench_run import long_prompts
 
         texts = [p.prompt for p in long_prompts(load_prompts(), [args.context_tokens], args.prompts, base)]
     ids = [enc.encode(t, chat=True) for t in texts]
@@ -145,7 +145,7 @@ def synthetic_run(args, actor_cfg, target, draft, ids, refs, ar, totals):
         def __init__(self, cfg_json, threads, alpha):
             from decoding.config import SpecConfig
             from decoding.model.adapter import ModelAdapter
-            from decoding.model.models import load_model, set_threads
+            from decoding.model.loading import load_model, set_threads
 
             cfg = SpecConfig.from_json(cfg_json)
             set_threads(threads)

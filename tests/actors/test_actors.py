@@ -18,7 +18,7 @@ ray = pytest.importorskip("ray")
 from actors.driver import ActorDecoder, WorkerDied, WorkerTimeout  # noqa: E402
 from cluster.placement import PlacementError, place_workers  # noqa: E402
 from decoding.config import SpecConfig  # noqa: E402
-from decoding.engine import SpecDecoder  # noqa: E402
+from decoding.in_process import SpecDecoder  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 

@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")
 from actors.driver import WorkerDied  # noqa: E402
 from cluster.placement import build_actor_decoder  # noqa: E402
 from decoding.config import SpecConfig  # noqa: E402
-from decoding.engine import SpecDecoder  # noqa: E402
+from decoding.in_process import SpecDecoder  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 

@@ -328,7 +328,7 @@ def test_a_watcher_follows_redis_through_a_restart():
     """Redis restarts (same port, its append-only file kept): the watcher subscribes again and later updates reach it,
     and a serving catalog that watches serves the new version without re-reading on its own. (The watcher's thread
     used to end at the first connection error, silently: nothing was pushed after a restart.)"""
-    from evaluation.soak import RedisServer
+    from evaluation.soak.services import RedisServer
     from serving.catalog import Catalog
 
     srv = RedisServer()

@@ -1,5 +1,5 @@
 """A PEARL registry entry served as Tune runs it: its own deployment whose replica reserves a placement group, the
-target and draft workers inside it on other nodes (``serving.placement``), on several Ray nodes on this machine
+target and draft workers inside it on other nodes (``serving.placed_worker``), on several Ray nodes on this machine
 (``ray.cluster_utils.Cluster``); real HTTP with the ``openai`` client.
 
 Then the node of that replica is removed: the requests in flight end cleanly (503, or an error event in the stream,
@@ -26,8 +26,8 @@ openai = pytest.importorskip("openai")
 from cluster.registry import Entry, open_registry  # noqa: E402
 from cluster.runtime import PATIENT_SERVE  # noqa: E402
 from decoding.config import SpecConfig  # noqa: E402
-from decoding.engine import SpecDecoder  # noqa: E402
 from decoding.errors import ConfigError  # noqa: E402
+from decoding.in_process import SpecDecoder  # noqa: E402
 from serving.settings import ServeSettings  # noqa: E402
 
 pytestmark = pytest.mark.cluster
@@ -170,7 +170,7 @@ RECOVERY_S = 30.0  # the soak's target for the first success after a worker kill
 
 
 def test_a_model_worker_killed_while_idle_is_restarted_and_the_next_request_waits_for_it(served, ar_text):
-    """A worker killed between requests: Ray starts it again in its bundle (actors.worker.WORKER_RESTARTS) and the
+    """A worker killed between requests: Ray starts it again in its bundle (actors.model_actor.WORKER_RESTARTS) and the
     replica waits for it: the request sent right after the kill succeeds (its first try lost the worker before any
     token and runs again), on the same replica. The replica used to exit, and Serve replaced it with a new group and
     two new workers (15 s here, 45-51 s in the 30-minute soak on a loaded machine)."""

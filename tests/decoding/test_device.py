@@ -15,9 +15,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from decoding.config import SpecConfig
-from decoding.engine import SpecDecoder
 from decoding.errors import ConfigError
-from decoding.model.models import load_model, resolve_device
+from decoding.in_process import SpecDecoder
+from decoding.model.loading import load_model, resolve_device
 
 
 class DeviceLog(TorchDispatchMode):
@@ -147,7 +147,7 @@ def test_a_batch_creates_nothing_off_the_model_device(tiny_model_dir, one_thread
     prompts = ["the cat sat on the mat and the cat", "a b a b a b", "once upon a time there was a time"]
     ids = [dec.encode(p) for p in prompts]
     reference = [dec.generate_ids(x, max_new_tokens=10).token_ids for x in ids]
-    from decoding.engine import cost_model
+    from decoding.in_process import cost_model
     from decoding.loop.batch import generate_many
 
     log = DeviceLog()

@@ -5,7 +5,7 @@ import torch
 from tests_support import compare_with_ar, spec_bench_prompts
 
 from decoding.config import SpecConfig
-from decoding.engine import SpecDecoder
+from decoding.in_process import SpecDecoder
 
 CATEGORIES = ["writing", "coding", "math_reasoning", "summarization", "rag", "translation"]
 PROMPTS = spec_bench_prompts(per_category=2, categories=CATEGORIES)  # 12 prompts, 6 categories

@@ -27,9 +27,9 @@ from decoding.methods import (
 ROOT = Path(__file__).resolve().parents[2]
 # the modules that used to answer "which methods run on actors, which knobs, which drafter" with string if-chains
 CONSULTERS = [
-    "decoding/engine.py",
+    "decoding/in_process.py",
     "actors/driver.py",
-    "actors/worker.py",
+    "actors/model_actor.py",
     "tuning/space.py",
     "tuning/resources.py",
     "serving/worker.py",
@@ -38,7 +38,7 @@ CONSULTERS = [
 
 
 def test_every_method_has_one_entry_named_after_it():
-    import decoding.engine  # noqa: F401  (imports the drafters' modules, which register their builders)
+    import decoding.in_process  # noqa: F401  (imports the drafters' modules, which register their builders)
     from decoding.builders import BUILDERS
 
     assert tuple(METHOD_TABLE) == METHODS and set(BUILDERS) == set(METHODS)  # a builder per method, none for others
@@ -107,8 +107,8 @@ def test_the_table_builds_each_methods_drafter(tiny_model_dir):
     from decoding.drafters.ngram import NgramDrafter
     from decoding.drafters.recycling import RecyclingDrafter
     from decoding.drafters.suffix import SuffixDrafter
-    from decoding.engine import build_drafter
-    from decoding.model.models import load_model
+    from decoding.in_process import build_drafter
+    from decoding.model.loading import load_model
     from decoding.schedules.triforce import TriForceDrafter
 
     loaded = load_model(str(tiny_model_dir), "float32")  # 2 layers

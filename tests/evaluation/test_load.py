@@ -68,7 +68,7 @@ def test_any_openai_server_is_measured_as_a_peer(tiny_model_dir, usage):
     from tests_support import tiny_openai_server
 
     from decoding.config import SpecConfig
-    from decoding.engine import SpecDecoder
+    from decoding.in_process import SpecDecoder
     from evaluation.load import peer_base_url, peer_model, references, run_load
 
     dec = SpecDecoder(SpecConfig(model=str(tiny_model_dir), dtype="float32", threads=1))

@@ -11,7 +11,14 @@ import sys
 
 import pytest
 
-from evaluation import soak as S
+from evaluation.load import percentile
+from evaluation.soak.analysis import analyse, fault_rows, resource_growth, resource_targets
+from evaluation.soak.answers import RequestRecord, classify_plain, classify_stream, dechunk, sse_payloads
+from evaluation.soak.faults import first_success
+from evaluation.soak.harness import Soak
+from evaluation.soak.outputs import write_outputs
+from evaluation.soak.plan import FAULTS, FaultRecord, Mix, SoakPlan, even_schedule, parse_schedule
+from evaluation.soak.processes import ProcessSampler, descendants, role_of
 
 
 def chunk(rid: str, text: str | None = None, finish: str | None = None, chat: bool = True, **extra) -> str:
@@ -34,22 +41,22 @@ GOOD_CHAT = [ROLE, chunk("a", "Hel"), chunk("a", "lo"), chunk("a", None, "length
 
 # ---- streams ---------------------------------------------------------------------------------------------------
 def test_a_complete_chat_stream_is_ok_with_its_text_and_tokens():
-    v = S.classify_stream(200, {"X-Specray-Request-Id": "a"}, GOOD_CHAT, "chat")
+    v = classify_stream(200, {"X-Specray-Request-Id": "a"}, GOOD_CHAT, "chat")
     assert (v.outcome, v.text, v.tokens, v.finish_reason, v.response_id) == ("ok", "Hello", 3, "length", "a")
     usage_chunk = json.dumps({"id": "a", "choices": [], **USAGE})
-    assert S.classify_stream(200, {}, GOOD_CHAT[:-1] + [usage_chunk, "[DONE]"], "chat").outcome == "ok"
+    assert classify_stream(200, {}, GOOD_CHAT[:-1] + [usage_chunk, "[DONE]"], "chat").outcome == "ok"
 
 
 def test_a_completion_stream_is_ok():
     events = [chunk("c", "x", chat=False), chunk("c", "y", chat=False), chunk("c", "", "stop", chat=False, **USAGE), "[DONE]"]
-    v = S.classify_stream(200, {}, events, "completions")
+    v = classify_stream(200, {}, events, "completions")
     assert (v.outcome, v.text, v.finish_reason) == ("ok", "xy", "stop")
 
 
 def test_an_error_event_before_done_is_a_clean_end():
-    v = S.classify_stream(200, {}, [ROLE, chunk("a", "Hel"), error_event(), "[DONE]"], "chat")
+    v = classify_stream(200, {}, [ROLE, chunk("a", "Hel"), error_event(), "[DONE]"], "chat")
     assert (v.outcome, v.status, v.code) == ("error", 503, "replica_unavailable")
-    assert S.classify_stream(200, {}, [error_event("rate_limit_error", "queue_full"), "[DONE]"], "chat").status == 429
+    assert classify_stream(200, {}, [error_event("rate_limit_error", "queue_full"), "[DONE]"], "chat").status == 429
 
 
 @pytest.mark.parametrize(
@@ -72,12 +79,12 @@ def test_an_error_event_before_done_is_a_clean_end():
     ],
 )
 def test_streams_that_break_the_rules(events, outcome, why):
-    v = S.classify_stream(200, {}, events, "chat")
+    v = classify_stream(200, {}, events, "chat")
     assert v.outcome == outcome and why in v.detail, (v.outcome, v.detail)
 
 
 def test_a_stream_whose_header_names_another_request_is_mixed():
-    v = S.classify_stream(200, {"x-specray-request-id": "b"}, GOOD_CHAT, "chat")
+    v = classify_stream(200, {"x-specray-request-id": "b"}, GOOD_CHAT, "chat")
     assert v.outcome == "mixed" and "header names b" in v.detail
 
 
@@ -92,13 +99,13 @@ def api_error(kind: str, code: str) -> bytes:
 
 
 def test_plain_answers():
-    v = S.classify_plain(200, {"X-Specray-Request-Id": "p"}, plain(chat=True), "chat")
+    v = classify_plain(200, {"X-Specray-Request-Id": "p"}, plain(chat=True), "chat")
     assert (v.outcome, v.text, v.tokens, v.response_id) == ("ok", "hi", 3, "p")
-    assert S.classify_plain(200, {}, plain(), "completions").text == "hi"
-    assert S.classify_plain(200, {"x-specray-request-id": "q"}, plain(), "completions").outcome == "mixed"
-    v = S.classify_plain(503, {}, api_error("service_unavailable", "replica_unavailable"), "chat")
+    assert classify_plain(200, {}, plain(), "completions").text == "hi"
+    assert classify_plain(200, {"x-specray-request-id": "q"}, plain(), "completions").outcome == "mixed"
+    v = classify_plain(503, {}, api_error("service_unavailable", "replica_unavailable"), "chat")
     assert (v.outcome, v.status, v.code, v.detail) == ("error", 503, "replica_unavailable", "m")  # one line
-    v = S.classify_plain(429, {"Retry-After": "1"}, api_error("rate_limit_error", "queue_full"), "chat")
+    v = classify_plain(429, {"Retry-After": "1"}, api_error("rate_limit_error", "queue_full"), "chat")
     assert (v.outcome, v.retry_after) == ("error", "1")
 
 
@@ -115,36 +122,36 @@ def test_plain_answers():
     ],
 )
 def test_plain_answers_that_break_the_rules(status, headers, body, outcome):
-    assert S.classify_plain(status, headers, body, "completions").outcome == outcome
+    assert classify_plain(status, headers, body, "completions").outcome == outcome
 
 
 def test_a_chunked_event_stream_read_off_a_socket():
     events = [chunk("a", "x", chat=False), chunk("a", "", "stop", chat=False), "[DONE]"]
     body = "".join(f"data: {e}\n\n" for e in events).encode()
     wire = b"".join(f"{len(part):x}\r\n".encode() + part + b"\r\n" for part in (body[:7], body[7:40], body[40:])) + b"0\r\n\r\n"
-    assert S.sse_payloads(S.dechunk(wire)) == events
-    assert S.classify_stream(200, {}, S.sse_payloads(S.dechunk(wire)), "completions").outcome == "ok"
+    assert sse_payloads(dechunk(wire)) == events
+    assert classify_stream(200, {}, sse_payloads(dechunk(wire)), "completions").outcome == "ok"
 
 
 # ---- the schedule ----------------------------------------------------------------------------------------------
 def test_schedules():
-    assert S.even_schedule(list(S.FAULTS), 2, 180, 1740)[:3] == [(180.0, "replica_kill"), (310.0, "worker_kill"), (440.0, "node_removal")]
-    assert len(S.even_schedule(list(S.FAULTS), 2, 180, 1740)) == 12 and S.even_schedule([], 2, 0, 10) == []
-    assert S.parse_schedule("20:queue_fill,5:replica_kill") == [(5.0, "replica_kill"), (20.0, "queue_fill")]
+    assert even_schedule(list(FAULTS), 2, 180, 1740)[:3] == [(180.0, "replica_kill"), (310.0, "worker_kill"), (440.0, "node_removal")]
+    assert len(even_schedule(list(FAULTS), 2, 180, 1740)) == 12 and even_schedule([], 2, 0, 10) == []
+    assert parse_schedule("20:queue_fill,5:replica_kill") == [(5.0, "replica_kill"), (20.0, "queue_fill")]
     for bad in ("5:nope", "x:replica_kill", "-1:replica_kill", "replica_kill"):
         with pytest.raises(ValueError, match="SECONDS:FAULT"):
-            S.parse_schedule(bad)
+            parse_schedule(bad)
 
 
 # ---- recovery, windows, checks ---------------------------------------------------------------------------------
-def soak_with(records: list[dict], faults: list[S.FaultRecord] = ()) -> S.Soak:
-    plan = S.SoakPlan(duration_s=100, window_s=20)
-    mix = S.Mix(models={"m": 1.0, "e/pearl": 1.0}, placed=("e/pearl",))
-    soak = S.Soak("http://127.0.0.1:1", plan, mix, ["p"], None, None, engine=["m"], placed=["e/pearl"])
+def soak_with(records: list[dict], faults: list[FaultRecord] = ()) -> Soak:
+    plan = SoakPlan(duration_s=100, window_s=20)
+    mix = Mix(models={"m": 1.0, "e/pearl": 1.0}, placed=("e/pearl",))
+    soak = Soak("http://127.0.0.1:1", plan, mix, ["p"], None, None, engine=["m"], placed=["e/pearl"])
     for i, r in enumerate(records):
         base = {"kind": "load", "model": "m", "endpoint": "chat", "stream": False, "temperature": 0.0, "seed": None}
         base.update(max_tokens=8, prompt_idx=0, timeout_s=60, outcome="ok")
-        soak.records.append(S.RequestRecord(idx=i, **{**base, **r}))
+        soak.records.append(RequestRecord(idx=i, **{**base, **r}))
     soak.faults.extend(faults)
     return soak
 
@@ -159,17 +166,17 @@ def test_recovery_is_the_first_answer_served_after_the_fault():
         {"t_start": 20, "t_end": 40},
         {"t_start": 32, "t_end": 52},
     ]
-    fault = S.FaultRecord("replica_kill", 0, 10.0, t_inject=10.0, t_end=10.0, target="engine replica pid 1")
+    fault = FaultRecord("replica_kill", 0, 10.0, t_inject=10.0, t_end=10.0, target="engine replica pid 1")
     soak = soak_with(records, [fault])
-    assert S.first_success(soak.records, 10.0, ["m"]).t_end == 31
-    (row,) = S.fault_rows(soak)
+    assert first_success(soak.records, 10.0, ["m"]).t_end == 31
+    (row,) = fault_rows(soak)
     assert row["recovery_s"] == 21.0 and row["during_s"] == 21.0
     assert row["in_flight"] == 2 and row["affected"] == 1 and row["violations"] == 0
-    assert row["p99_before_s"] == pytest.approx(S.percentile([9, 8.2], 99))
+    assert row["p99_before_s"] == pytest.approx(percentile([9, 8.2], 99))
     assert row["sent_during"] == 3 and row["p99_after_s"] == 20.0
-    worker = S.FaultRecord("worker_kill", 1, 10.0, t_inject=10.0, t_end=10.0)
+    worker = FaultRecord("worker_kill", 1, 10.0, t_inject=10.0, t_end=10.0)
     soak.faults[:] = [worker]
-    assert S.fault_rows(soak)[0]["recovery_s"] == 15.0  # the actor entry's first answer after the fault
+    assert fault_rows(soak)[0]["recovery_s"] == 15.0  # the actor entry's first answer after the fault
 
 
 def test_seeded_answers_must_agree_with_their_repeats_and_ids_must_be_unique():
@@ -179,7 +186,7 @@ def test_seeded_answers_must_agree_with_their_repeats_and_ids_must_be_unique():
     assert [r.check for r in soak.records] == ["consistent", "consistent", "inconsistent", None]
     assert soak.records[2].outcome == "wrong_output"
     soak = soak_with([{"response_id": "a", "t_start": 0, "t_end": 1}, {"response_id": "a", "t_start": 0, "t_end": 2}])
-    summary = S.analyse(soak)
+    summary = analyse(soak)
     assert summary["violations"]["duplicated"] == 2 and summary["checks"]["duplicate_ids"] == ["a"]
 
 
@@ -195,7 +202,7 @@ def test_resource_growth_per_process_and_per_role():
         rows.append({"t_s": t, "pid": 5, "role": "model worker (target)", "rss_mb": 1100.0, "fds": 40})
     for t in range(330, 1801, 30):
         rows.append({"t_s": t, "pid": 6, "role": "model worker (target)", "rss_mb": 200.0 if t < 390 else 1100.0, "fds": 40})
-    g = S.resource_growth(rows, 300, 1800)
+    g = resource_growth(rows, 300, 1800)
     procs = {p["pid"]: p for p in g["processes"]}
     assert set(procs) == {1, 2}  # 3 to 6 did not live through the window; idle workers come and go
     # medians of the samples in [300, 360] s and in [1740, 1800] s
@@ -207,25 +214,25 @@ def test_resource_growth_per_process_and_per_role():
     assert "idle worker" not in roles and roles["engine replica"]["rss_growth_pct"] == 0.0 and roles["engine replica"]["processes"] == 2
     worker = roles["model worker (target)"]  # its total straddles the restart (a loading process): not a growth
     assert worker["rss_growth_pct"] == 0.0 and worker["alive_to"] == 1 and worker["rss_sum_from_mb"] == 200.0
-    targets = {t["target"].split(" (")[0]: t for t in S.resource_targets({"resources": g})}
+    targets = {t["target"].split(" (")[0]: t for t in resource_targets({"resources": g})}
     assert not targets["RSS growth < 5% for every process"]["met"] and "gcs" in targets["RSS growth < 5% for every process"]["value"]
     assert not targets["no fd growth in any process"]["met"]
     assert targets["no role ends with more processes than it had"]["met"]
     leaked = rows + [{"t_s": t, "pid": 7, "role": "model worker (target)", "rss_mb": 1100.0, "fds": 40} for t in range(900, 1801, 30)]
-    targets = {t["target"].split(" (")[0]: t for t in S.resource_targets({"resources": S.resource_growth(leaked, 300, 1800)})}
+    targets = {t["target"].split(" (")[0]: t for t in resource_targets({"resources": resource_growth(leaked, 300, 1800)})}
     assert not targets["no role ends with more processes than it had"]["met"]
 
 
 def test_the_report_and_its_files(tmp_path):
     records = [{"t_start": t, "t_first": t + 1, "t_end": t + 2, "tokens": 8, "stream": True} for t in range(0, 90, 3)]
     records.append({"t_start": 40, "t_end": 41, "outcome": "error", "status": 503, "code": "replica_unavailable"})
-    fault = S.FaultRecord("replica_kill", 0, 40.0, t_inject=40.0, t_end=40.0, target="engine replica pid 7")
-    soak = soak_with(records, [fault, S.FaultRecord("queue_fill", 1, 95.0, error="not injected: the run ended first")])
+    fault = FaultRecord("replica_kill", 0, 40.0, t_inject=40.0, t_end=40.0, target="engine replica pid 7")
+    soak = soak_with(records, [fault, FaultRecord("queue_fill", 1, 95.0, error="not injected: the run ended first")])
     soak.sampler.rows = [{"t_s": t, "pid": 9, "role": "redis", "rss_mb": 10.0, "fds": 8} for t in range(0, 100, 5)]
     soak.drain = {"drained": True}
-    summary = S.analyse(soak, growth_from_s=10)
+    summary = analyse(soak, growth_from_s=10)
     assert summary["faults_injected"] == {"replica_kill": 1} and summary["checks"]["violations"] == 0
-    paths = S.write_outputs(soak, summary, tmp_path / "out")
+    paths = write_outputs(soak, summary, tmp_path / "out")
     text = paths["report"].read_text()
     assert "| replica_kill | 40 | 4.0 |" in text and "not injected" in text
     assert "| redis | 1 | 1 / 1 | 10.0 | 10.0 | +0.0% (pid 9) | +0 |" in text
@@ -239,7 +246,7 @@ def test_the_report_and_its_files(tmp_path):
 def test_the_sampler_sees_a_child_process_with_its_memory_and_fds():
     child = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(50 * 2**20); time.sleep(60)"])
     try:
-        sampler = S.ProcessSampler(lambda: 0.0)
+        sampler = ProcessSampler(lambda: 0.0)
         for _ in range(50):  # until the child has its 50 MB
             sampler.rows.clear()
             sampler.sample()
@@ -267,9 +274,9 @@ def test_roles_from_command_lines():
         16: (10, "/usr/bin/redis-server 127.0.0.1:1234"),
         20: (1, "unrelated"),
     }
-    kids = S.descendants(10, table)
+    kids = descendants(10, table)
     assert set(kids) == {10, 11, 12, 13, 14, 15, 16}
-    assert [S.role_of(kids[p]) for p in (11, 12, 13, 14, 15, 16)] == [
+    assert [role_of(kids[p]) for p in (11, 12, 13, 14, 15, 16)] == [
         "gcs",
         "raylet",
         "ingress replica",
@@ -282,13 +289,13 @@ def test_roles_from_command_lines():
 # ---- the greedy references --------------------------------------------------------------------------------------
 def test_a_shorter_greedy_request_is_checked_against_the_prefix_of_the_reference(tiny_model_dir):
     from decoding.config import SpecConfig
-    from decoding.engine import SpecDecoder
+    from decoding.in_process import SpecDecoder
     from jobs.soak import References
 
     dec = SpecDecoder(SpecConfig(model=str(tiny_model_dir), dtype="float32"))
     prompts = ["the cat sat on the mat", "one two three"]
     refs = References(dec, prompts, max_tokens=12, long_tokens=20)
-    rec = S.RequestRecord(
+    rec = RequestRecord(
         idx=0, kind="load", model="m", endpoint="chat", stream=False, temperature=0.0, seed=None, max_tokens=5, prompt_idx=1, timeout_s=60.0
     )
     alone = dec.decode(dec.generate_ids(dec.encode(prompts[1], chat=True), max_new_tokens=5).token_ids)

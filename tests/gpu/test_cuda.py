@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from decoding.config import SpecConfig
-from decoding.engine import SpecDecoder
 from decoding.errors import ConfigError
+from decoding.in_process import SpecDecoder
 
 PROMPT = "the cat sat on the mat and the cat sat on the"
 METHODS = {
@@ -45,7 +45,7 @@ def kernels_on():
 def test_auto_is_cuda():
     dec_cfg = SpecConfig()
     assert dec_cfg.device == "auto"
-    from decoding.model.models import resolve_device
+    from decoding.model.loading import resolve_device
 
     assert resolve_device("auto").type == "cuda"
     with pytest.raises(ConfigError, match="^device: "):
@@ -87,7 +87,7 @@ def test_sequence_rows_sample_on_cuda(tiny_model_dir):
 def test_tree_kernel_runs_on_cuda(kernels_on):
     from decoding import accel
     from decoding.loop.verify import greedy_tree_accept
-    from decoding.trees.trees import Tree
+    from decoding.trees.shapes import Tree
 
     tree = Tree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0]])
     g = torch.Generator(device="cuda").manual_seed(0)

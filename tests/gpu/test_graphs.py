@@ -20,7 +20,7 @@ from decoding.drafters.ngram import NgramDrafter
 from decoding.loop.batch import Batch, Sequence, generate_many
 from decoding.model.adapter import ModelAdapter
 from decoding.sampling import SamplingParams
-from decoding.trees.trees import Dynamic, Tree
+from decoding.trees.shapes import Dynamic, Tree
 
 VOCAB = 48
 

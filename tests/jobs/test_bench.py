@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from tiny_models import build_tiny_model, write_prompts
 
-from evaluation import benchmark as bm
-from evaluation import hf_peer, report, traces
+from evaluation import bench_figures as bm
+from evaluation import bench_report as report
+from evaluation import hf_peer, traces
 from jobs import bench
 from jobs.cli import main as cli_main
 
@@ -132,7 +133,7 @@ def test_later_turns_chosen_peer_modes_and_the_readme_block(tiny, tmp_path):
 
 def test_a_later_turn_holds_the_conversation_with_ar_answers(tiny):
     from decoding.config import SpecConfig
-    from evaluation.runner import PromptRunner
+    from evaluation.prompt_runner import PromptRunner
     from evaluation.workloads import load_prompts, with_later_turns
 
     cfg = SpecConfig(model=tiny["model"], dtype="float32", max_new_tokens=6, threads=1)

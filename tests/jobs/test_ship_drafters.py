@@ -14,9 +14,9 @@ def tiny_data(tmp_path_factory):
     """A 6-layer tiny model (the shipped distilled draft has 4 layers) and a small distill data set it wrote (one shard,
     a held-out prompt forced in)."""
     from decoding.config import SpecConfig
-    from decoding.engine import SpecDecoder
+    from decoding.in_process import SpecDecoder
     from training import corpus
-    from training.distill import DistillSpec, _write_manifest, run_shard, shard_path, write_shard
+    from training.distill_data import DistillSpec, _write_manifest, run_shard, shard_path, write_shard
 
     root = tmp_path_factory.mktemp("ship")
     model = build_tiny_model(root / "model", layers=6, hidden=32, context=512, weight_std=0.5)
@@ -32,7 +32,7 @@ def tiny_data(tmp_path_factory):
 
 def test_ship_drafters_trains_publishes_and_plots(tiny_data, capsys):
     from decoding.drafters.artifacts import load_artifact
-    from decoding.model.models import load_model
+    from decoding.model.loading import load_model
     from jobs.ship_drafters import main
 
     model, data, root = tiny_data

@@ -19,7 +19,7 @@ SCHEDULE = "2:worker_kill,4:queue_fill,9:slow_reader,14:redis_restart,24:replica
 def test_a_short_soak_with_every_fault_loses_nothing(tiny_model_dir, tmp_path, capsys):
     import pyarrow.parquet as pq
 
-    from evaluation.soak import FAULTS
+    from evaluation.soak.plan import FAULTS
     from jobs.cli import main
 
     readme = tmp_path / "README.md"

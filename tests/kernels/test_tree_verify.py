@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not in
 COMPARE = textwrap.dedent(
     """
     import torch
-    from decoding.trees.trees import Tree, tree_mask
+    from decoding.trees.shapes import Tree, tree_mask
     from decoding.loop.verify import greedy_tree_accept, verify_tree_greedy
     import kernels
     from decoding import accel

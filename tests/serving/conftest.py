@@ -113,7 +113,7 @@ class InProcess:
         self._decoders = {}
 
     def decoder(self, cfg: SpecConfig):
-        from decoding.engine import SpecDecoder
+        from decoding.in_process import SpecDecoder
 
         key = cfg.to_json()
         if key not in self._decoders:

@@ -1,4 +1,4 @@
-"""What an actor entry's replica (serving.placement.PlacedWorker) does when a model worker is lost, without Ray: the
+"""What an actor entry's replica (serving.placed_worker.PlacedWorker) does when a model worker is lost, without Ray: the
 decoder's workers are a script of states. A restarting worker is waited for (the generation that lost it before its
 first token runs again); one dead for good, a compiled graph, or a restart longer than RESTART_WAIT_S makes the
 replica exit (Serve replaces it). The real thing, on a Ray cluster over HTTP: tests/cluster/test_serve_placed.py."""
@@ -10,8 +10,8 @@ import asyncio
 import pytest
 
 from actors.driver import WorkerDied
-from serving import placement
-from serving.placement import PlacedWorker
+from serving import placed_worker as placement
+from serving.placed_worker import PlacedWorker
 
 
 class FakeDecoder:

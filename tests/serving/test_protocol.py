@@ -9,7 +9,7 @@ from decoding.config import SpecConfig
 from decoding.errors import ConfigError
 from serving import protocol as P
 from serving.catalog import Catalog, ModelNotFound
-from serving.metrics import ServingMetrics
+from serving.prometheus import ServingMetrics
 from serving.settings import ServeSettings
 from serving.textstream import TextAssembler
 

@@ -1,4 +1,4 @@
-"""Self-distillation data (training/corpus.py, training/distill.py, jobs/distill.py).
+"""Self-distillation data (training/corpus.py, training/distill_data.py, jobs/distill.py).
 
 Fast tier: the corpus (coverage, no Spec-Bench prompt, stable ids and splits) and one shard in process on a tiny
 model. Cluster tier: the job on a multi-node test cluster: shards split across the nodes' workers, a worker
@@ -12,7 +12,7 @@ from tests_support import assert_one_line_error, multinode_cluster
 
 from decoding.errors import ConfigError
 from training import corpus
-from training.distill import DistillSpec, phase_prompts, read_manifest, read_rows, run_shard, shard_path, shards_of, write_shard
+from training.distill_data import DistillSpec, phase_prompts, read_manifest, read_rows, run_shard, shard_path, shards_of, write_shard
 
 TINY = dict(per_kind=2, questions=4, articles=2, german=2, max_new_tokens={"1": 6, "2": 6, "3": 6}, shard_size=6, rows=4)
 
@@ -59,7 +59,7 @@ def test_no_spec_bench_prompt_enters_the_corpus(tmp_path):
 
 def test_one_shard_in_process(tiny_model_dir):
     from decoding.config import SpecConfig
-    from decoding.engine import SpecDecoder
+    from decoding.in_process import SpecDecoder
 
     spec = DistillSpec(model=str(tiny_model_dir), dtype="float32", **TINY)
     dec = SpecDecoder(SpecConfig(model=spec.model, dtype="float32", threads=1))
@@ -77,7 +77,7 @@ def test_one_shard_in_process(tiny_model_dir):
 
 
 def test_spec_of_a_resumed_run_must_match(tmp_path):
-    from training.distill import _check_resume, _write_manifest
+    from training.distill_data import _check_resume, _write_manifest
 
     spec = DistillSpec(model="m", **TINY)
     _write_manifest(tmp_path, {"spec": spec.to_dict(), "shards": {}, "phases": {}})
@@ -118,7 +118,7 @@ def test_bad_commands_fail_in_one_line(tmp_path, capsys):
 def test_distill_on_a_multinode_cluster_survives_a_killed_worker_and_resumes(tiny_model_dir, tmp_path):
     import ray
 
-    from training.distill import distill
+    from training.distill_data import distill
 
     spec = DistillSpec(model=str(tiny_model_dir), dtype="float32", **{**TINY, "max_new_tokens": {"1": 24, "2": 24, "3": 24}})
     out = tmp_path / "data"

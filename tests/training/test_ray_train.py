@@ -23,7 +23,7 @@ def test_deepspeed_needs_gpus_and_the_package():
 @pytest.mark.cluster
 def test_ray_train_writes_the_artifact(tmp_path, monkeypatch):
     from decoding.config import SpecConfig
-    from decoding.engine import SpecDecoder
+    from decoding.in_process import SpecDecoder
     from evaluation.workloads import load_prompts
     from training.data import generate_data
     from training.ray_train import train_on_cluster

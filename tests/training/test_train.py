@@ -96,7 +96,7 @@ def test_resume_after_interruption_matches_an_uninterrupted_run(target, examples
 
 def test_generate_data_resumes_and_adds_layers(tmp_path, monkeypatch):
     from decoding.config import SpecConfig
-    from decoding.engine import SpecDecoder
+    from decoding.in_process import SpecDecoder
     from evaluation.workloads import load_prompts
 
     monkeypatch.setenv("SPECRAY_HOME", str(tmp_path / "home"))

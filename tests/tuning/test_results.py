@@ -8,7 +8,7 @@ import pytest
 
 from decoding.config import SpecConfig
 from decoding.loop.metrics import StepRecord
-from evaluation import benchmark as bm
+from evaluation import bench_figures as bm
 from tuning import results as res
 from tuning.resources import bundles_for, max_concurrent
 from tuning.trainable import CANDIDATE, METRIC_KEYS, figures, invalid

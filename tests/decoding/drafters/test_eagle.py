@@ -20,7 +20,7 @@ from decoding.drafters.eagle import EagleDrafter, EagleNet, VocabHead, feature_n
 from decoding.drafters.trained import RECIPES, Shared
 from decoding.model.adapter import ModelAdapter
 from decoding.sampling import GREEDY
-from decoding.trees.trees import Dynamic
+from decoding.trees.shapes import Dynamic
 from training.features import TargetFeatures
 from training.objectives import eagle_objectives, ttt_mask
 
@@ -146,7 +146,7 @@ def artifacts(four_layer_dir, tmp_path_factory):
     """Random (perturbed) eagle, distilled-draft and Kangaroo artifacts for the 4-layer tiny model."""
     from decoding.drafters.artifacts import save_artifact
     from decoding.drafters.trained import get_recipe
-    from decoding.model.models import load_model
+    from decoding.model.loading import load_model
 
     target = load_model(str(four_layer_dir), "float32").model
     root = tmp_path_factory.mktemp("artifacts")
@@ -186,7 +186,7 @@ PROMPTS = ["Tell me about the sea.", "qzx vbn wrt plk"]  # the second offers not
 )
 def test_trained_parts_through_the_engine_are_lossless(four_layer_dir, artifacts, changes):
     from decoding.config import SpecConfig
-    from decoding.engine import SpecDecoder
+    from decoding.in_process import SpecDecoder
 
     base = SpecConfig(model=str(four_layer_dir), dtype="float32", max_new_tokens=24, threads=1)
     named = {"eagle": "eagle", "hybrid": "eagle", "sps": None, "early-exit": "kangaroo-l2"}[changes["method"]]
@@ -209,7 +209,7 @@ def test_hybrid_runs_its_head_only_where_copying_offers_little(four_layer_dir, a
     """The gate, on prepared states: a long repeated text (prompt lookup and suffix expect several tokens) leaves the
     head idle; a text with nothing to copy makes it draft, and its nodes join the merged tree."""
     from decoding.config import SpecConfig
-    from decoding.engine import SpecDecoder
+    from decoding.in_process import SpecDecoder
     from decoding.loop.prefill import prefill
 
     dec = SpecDecoder(SpecConfig(model=str(four_layer_dir), dtype="float32", method="hybrid", drafter=artifacts["eagle"], threads=1))
@@ -242,8 +242,8 @@ def test_hybrid_runs_its_head_only_where_copying_offers_little(four_layer_dir, a
 
 def test_wrong_artifacts_fail_in_one_line(four_layer_dir, artifacts):
     from decoding.config import SpecConfig
-    from decoding.engine import SpecDecoder
     from decoding.errors import ConfigError
+    from decoding.in_process import SpecDecoder
 
     base = SpecConfig(model=str(four_layer_dir), dtype="float32", threads=1)
     with pytest.raises(ConfigError, match="not eagle") as e:

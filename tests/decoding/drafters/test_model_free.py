@@ -24,7 +24,7 @@ from decoding.loop.verify import verify_tree_speculative
 from decoding.model.adapter import ModelAdapter
 from decoding.sampling import sample_from
 from decoding.trees import hardware
-from decoding.trees.trees import Tree
+from decoding.trees.shapes import Tree
 from tests.decoding.loop.test_loop import N_TOKENS, PROMPT, SAMPLING, exact_joint, sample_counts
 
 V = 12  # the tiny model's vocabulary

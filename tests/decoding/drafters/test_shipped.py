@@ -29,7 +29,7 @@ def test_each_artifact_is_small_and_names_its_target(artifact):
 @pytest.mark.slow
 @pytest.mark.parametrize("artifact", [p for p in ARTIFACTS if p.parent.name == "smollm2-135m"], ids=lambda p: p.name)
 def test_each_artifact_matches_the_bundled_model(artifact, smollm2_fp32):
-    from decoding.model.models import model_fingerprint
+    from decoding.model.loading import model_fingerprint
 
     description = json.loads((artifact / DESCRIPTION).read_text())
     assert description["target"]["fingerprint"] == model_fingerprint(smollm2_fp32.model)

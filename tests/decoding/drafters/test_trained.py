@@ -11,8 +11,8 @@ from decoding.drafters.trained import RECIPES, get_recipe
 from decoding.errors import ConfigError
 from decoding.loop.metrics import chi_square_pvalue
 from decoding.model.adapter import ModelAdapter
-from decoding.model.models import model_fingerprint
-from decoding.trees.trees import Dynamic, Tree
+from decoding.model.loading import model_fingerprint
+from decoding.trees.shapes import Dynamic, Tree
 from tests.decoding.loop.test_loop import N_TOKENS, PROMPT, SAMPLING, exact_joint, sample_counts
 
 KNOBS = {

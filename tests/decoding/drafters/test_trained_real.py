@@ -13,7 +13,7 @@ from tests_support import spec_bench_prompts
 from decoding.config import SpecConfig
 from decoding.drafters.artifacts import save_artifact
 from decoding.drafters.trained import RECIPES, get_recipe
-from decoding.engine import SpecDecoder
+from decoding.in_process import SpecDecoder
 
 PROMPTS = spec_bench_prompts(per_category=1, categories=["writing", "coding", "summarization"])
 BASE = SpecConfig(dtype="float32", max_new_tokens=32)

@@ -16,7 +16,7 @@ from decoding.loop.metrics import chi_square_pvalue
 from decoding.loop.verify import verify_speculative
 from decoding.model.adapter import ModelAdapter
 from decoding.sampling import SamplingParams, sample_from
-from decoding.trees.trees import Dynamic, Tree
+from decoding.trees.shapes import Dynamic, Tree
 from tests.decoding.loop.test_loop import exact_joint
 
 PROMPTS = [

@@ -171,7 +171,7 @@ def test_step_buffers_keep_their_addresses(model):
 def test_each_generator_lives_on_its_rows_device(tiny_model_dir):
     """Rows made by ``SpecDecoder.sequence()`` (Serve, generate_batch, distillation) draw on the model's device."""
     from decoding.config import SpecConfig
-    from decoding.engine import SpecDecoder
+    from decoding.in_process import SpecDecoder
 
     dec = SpecDecoder(SpecConfig(model=str(tiny_model_dir), dtype="float32", temperature=1.0))
     seq = dec.sequence(dec.encode("the cat sat"), 4, seed=1)

@@ -11,7 +11,7 @@ from conftest import tiny_llama
 
 from decoding.model.adapter import ModelAdapter
 from decoding.model.fast_layers import ATTEND_MAX, LayerStack, _attend, supported
-from decoding.trees.trees import Tree
+from decoding.trees.shapes import Tree
 
 
 def pair(model):

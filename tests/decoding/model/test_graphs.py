@@ -26,7 +26,7 @@ from decoding.loop.batch import Sequence, generate_many
 from decoding.model.adapter import ModelAdapter
 from decoding.model.fast_layers import Placement
 from decoding.model.graphs import CachePool, GraphRunner
-from decoding.trees.trees import Tree
+from decoding.trees.shapes import Tree
 
 VOCAB = 48
 

@@ -154,7 +154,7 @@ def test_quantised_tiny_model_decodes_like_its_dense_twin(tiny_model, mode):
     assert (a - b).abs().max() < 0.1 * b.abs().max()
     ar = generate(packed, ids, max_new_tokens=24).token_ids
     spec = generate(packed, ids, drafter=NgramDrafter(3, 1), k=3, max_new_tokens=24).token_ids
-    from evaluation.benchmark import compare_to_reference, reference_margins
+    from evaluation.bench_figures import compare_to_reference, reference_margins
 
     verdict = compare_to_reference(spec, ar, reference_margins(packed, ids, ar), "bfloat16")
     assert not verdict["suspicious"], verdict
@@ -173,7 +173,7 @@ def test_packed_linear_is_skipped_for_shapes_the_kernel_cannot_take(tiny_model):
 def test_bundled_gguf_runs_its_own_blocks():
     """quant=q4 on the bundled model reads the GGUF's blocks (q/k rows un-permuted as transformers does) and the
     kernel computes the file's own weights within the stated tolerance, the Q8_0 head included."""
-    from decoding.model.models import load_model, model_fingerprint, resolve
+    from decoding.model.loading import load_model, model_fingerprint, resolve
 
     loaded = load_model("smollm2-135m", "bfloat16", "cpu", "q4")
     dense = load_model("smollm2-135m", "float32", "cpu", "none")  # the GGUF de-quantised exactly
@@ -195,8 +195,8 @@ def test_speculation_under_q4_diverges_from_ar_only_at_near_ties():
     divergence may only sit where AR's top-1/top-2 margin is within bfloat16's rounding (the bench's rule)."""
     from tests_support import spec_bench_prompts
 
-    from decoding.engine import SpecDecoder
-    from evaluation.benchmark import compare_to_reference, reference_margins
+    from decoding.in_process import SpecDecoder
+    from evaluation.bench_figures import compare_to_reference, reference_margins
 
     base = SpecConfig(quant="q4", dtype="bfloat16", max_new_tokens=48, threads=1)
     ar = SpecDecoder(base)

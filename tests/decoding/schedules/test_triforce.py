@@ -262,8 +262,8 @@ def test_bad_knobs_name_the_field(knobs, field):
 
 
 def test_model_bottom_needs_a_draft_model(tiny_model_dir):
-    from decoding.engine import build_drafter
-    from decoding.model.models import load_model
+    from decoding.in_process import build_drafter
+    from decoding.model.loading import load_model
 
     loaded = load_model(str(tiny_model_dir), "float32")  # 2 layers
     with pytest.raises(ConfigError, match="draft_model"):

@@ -3,7 +3,7 @@
 import pytest
 
 from decoding.config import SpecConfig
-from decoding.engine import SpecDecoder
+from decoding.in_process import SpecDecoder
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from decoding.loop.metrics import chi_square_pvalue
 from decoding.loop.verify import verify_tree_greedy, verify_tree_speculative
 from decoding.model.adapter import ModelAdapter
 from decoding.sampling import sample_from
-from decoding.trees.trees import Dynamic, Tree, TreeError, chain, expected_accepted, sequoia_paths, tree_mask, validate_paths
+from decoding.trees.shapes import Dynamic, Tree, TreeError, chain, expected_accepted, sequoia_paths, tree_mask, validate_paths
 from tests.decoding.loop.test_loop import CONTROL_DRAWS, N_TOKENS, PROMPT, SAMPLING, exact_joint, sample_counts
 
 MEDUSA = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]

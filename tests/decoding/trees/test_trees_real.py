@@ -4,7 +4,7 @@ import pytest
 from tests_support import compare_with_ar, spec_bench_prompts
 
 from decoding.config import SpecConfig
-from decoding.engine import SpecDecoder
+from decoding.in_process import SpecDecoder
 
 PROMPTS = spec_bench_prompts(per_category=1, categories=["summarization", "coding", "math_reasoning"])
 STATIC = "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]"

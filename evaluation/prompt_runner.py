@@ -1,20 +1,20 @@
 """Run one prompt through several specray configurations back to back and build benchmark rows.
 
-This is the specray half of ``specray bench`` (``jobs/bench.py`` adds the
+This is the specray half of ``specray bench`` (``evaluation.bench_run`` adds the
 Hugging Face peer on top) and the measurement inside a Tune trial
 (``tuning/trainable.py``): one decoder per named configuration
 (``cluster.decoders.open_decoder``), those in process sharing one loaded model
-(``decoding.model.models`` caches per process), the baseline ``ar`` among them. The configurations run in an order
-rotated per prompt (:func:`evaluation.benchmark.method_order`) so no one of them
+(``decoding.model.loading`` caches per process), the baseline ``ar`` among them. The configurations run in an order
+rotated per prompt (:func:`evaluation.bench_figures.method_order`) so no one of them
 always runs first, and every greedy output is compared with the baseline's on
-the same prompt (:func:`evaluation.benchmark.compare_to_reference`).
+the same prompt (:func:`evaluation.bench_figures.compare_to_reference`).
 
 Names are free-form labels (the bench uses method names; a trial uses
 ``ar`` and ``candidate``); the rows' ``method`` column carries the name.
 
 >>> # runner = PromptRunner({"ar": SpecConfig(), "candidate": SpecConfig(method="ngram", k=6)})
 >>> # runner.warmup(prompts[0])
->>> # gens, steps = runner.run_prompt(prompts[0], index=0)   # rows for evaluation.benchmark.summarize_methods
+>>> # gens, steps = runner.run_prompt(prompts[0], index=0)   # rows for evaluation.bench_figures.summarize_methods
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 
 from decoding.config import SpecConfig
-from evaluation import benchmark as bm
+from evaluation import bench_figures as bm
 from evaluation.workloads import Prompt
 
 

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 from decoding.config import SpecConfig
-from evaluation import benchmark as bm
+from evaluation import bench_figures as bm
+from evaluation.bench_report import make_plots
 from evaluation.hf_peer import HFPeer
-from evaluation.report import make_plots
 from evaluation.traces import read_run
 from evaluation.workloads import Prompt, long_context_prompt
 
@@ -22,12 +22,12 @@ SHORT_CONTEXT = 16  # the reference context of a decoding forward whose time is 
 
 
 class Runner:
-    """The specray decoders (``evaluation.runner.PromptRunner``, one per method, sharing one loaded model) plus the
+    """The specray decoders (``evaluation.prompt_runner.PromptRunner``, one per method, sharing one loaded model) plus the
     HF peer; runs a prompt through all of them in an order rotated per prompt."""
 
     def __init__(self, cfg: SpecConfig, methods: list[str], peer: list[str] | None = None, worker: str = "local"):
         """``peer``: the HF modes to run beside specray's methods (None: no peer)."""
-        from evaluation.runner import PromptRunner  # heavy imports after the cheap checks
+        from evaluation.prompt_runner import PromptRunner  # heavy imports after the cheap checks
 
         self.cfg, self.worker = cfg, worker
         self.specray = PromptRunner({m: cfg.for_method(m) for m in methods}, worker=worker)
@@ -64,7 +64,7 @@ class Runner:
 
 def long_prompts(prompts: list[Prompt], lengths: list[int], per_length: int, cfg: SpecConfig) -> list[Prompt]:
     """``per_length`` long-context prompts per length, counted in the tokens the decoders will see (chat template included)."""
-    from decoding.engine import SpecDecoder
+    from decoding.in_process import SpecDecoder
 
     enc = SpecDecoder(cfg.replace(method="ar"))  # the model load is cached: the runner reuses it
     chat = bool(getattr(enc.tokenizer, "chat_template", None))

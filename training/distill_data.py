@@ -264,7 +264,7 @@ class DistillWorker:
 
     def __init__(self, spec: dict, threads: int, device: str = "auto"):
         from decoding.config import SpecConfig
-        from decoding.engine import SpecDecoder
+        from decoding.in_process import SpecDecoder
 
         self.spec = DistillSpec.from_dict(spec)
         cfg = SpecConfig(model=self.spec.model, dtype=self.spec.dtype, quant=self.spec.quant, threads=threads, device=device)
@@ -340,56 +340,76 @@ def distill(
 
     try:
         for phase in phases:
-            prompts = phase_prompts(spec, phase, out, spec_bench_turns)
-            shards = shards_of(prompts, spec.shard_size)
-            todo = deque(i for i in range(len(shards)) if not shard_path(out, phase, i).exists())
-            t0 = time.time()
-            done_prompts = sum(len(shards[i]) for i in range(len(shards)) if i not in todo)
-            bar = _Bar(len(prompts), done_prompts, f"phase {phase}", progress)
-            while len(pool) < min(workers, len(todo)):
-                pool.append(new_actor())
-            idle, running, attempts = list(pool), {}, {}
-            base_tokens: dict = {}
-            while todo or running:
-                while idle and todo:
-                    index = todo.popleft()
-                    actor = idle.pop()
-                    name = f"{phase}-{index:05d}"
-                    attempts[name] = attempts.get(name, 0) + 1
-                    running[actor.run.remote(name, shards[index], phase)] = (index, actor)
-                    if on_dispatch is not None:
-                        on_dispatch(name, actor)
-                ready, _ = ray.wait(list(running), num_returns=1, timeout=2.0)
-                for ref in ready:
-                    index, actor = running.pop(ref)
-                    name = f"{phase}-{index:05d}"
-                    try:
-                        rows, stats = ray.get(ref)
-                    except ray.exceptions.RayActorError as e:
-                        if attempts[name] >= max_attempts:
-                            raise RuntimeError(f"shard {name} failed {attempts[name]} times; last: {str(e).splitlines()[0]}") from None
-                        pool.remove(actor)
-                        replacement = new_actor()
-                        pool.append(replacement)
-                        idle.append(replacement)
-                        todo.appendleft(index)
-                        bar.note(f"worker lost on shard {name}: redone")
-                        continue
-                    path = shard_path(out, phase, index)
-                    if not path.exists():  # written once
-                        write_shard(path, rows)
-                    manifest["shards"][name] = {"prompts": len(rows), "attempts": attempts[name], **stats}
-                    _write_manifest(out, manifest)
-                    idle.append(actor)
-                    bar.advance(len(rows))
-                bar.tokens(_poll(pool, base_tokens), time.time() - t0)
-            bar.close()
-            _summarise_phase(manifest, phase, out)
-            _write_manifest(out, manifest)
+            _run_phase(spec, phase, out, spec_bench_turns, manifest, pool, new_actor, workers, progress, max_attempts, on_dispatch)
     finally:
         for actor in pool:
             ray.kill(actor)
     return manifest
+
+
+def _run_phase(
+    spec,
+    phase: int,
+    out: Path,
+    spec_bench_turns,
+    manifest: dict,
+    pool: list,
+    new_actor,
+    workers: int,
+    progress: bool,
+    max_attempts: int,
+    on_dispatch,
+) -> None:
+    """One phase's shards over the worker pool (``pool``, grown with ``new_actor`` up to ``workers``): each finished shard
+    written once and entered in the manifest; a lost worker is replaced and its shard run again (``max_attempts``)."""
+    import ray
+
+    prompts = phase_prompts(spec, phase, out, spec_bench_turns)
+    shards = shards_of(prompts, spec.shard_size)
+    todo = deque(i for i in range(len(shards)) if not shard_path(out, phase, i).exists())
+    t0 = time.time()
+    done_prompts = sum(len(shards[i]) for i in range(len(shards)) if i not in todo)
+    bar = _Bar(len(prompts), done_prompts, f"phase {phase}", progress)
+    while len(pool) < min(workers, len(todo)):
+        pool.append(new_actor())
+    idle, running, attempts = list(pool), {}, {}
+    base_tokens: dict = {}
+    while todo or running:
+        while idle and todo:
+            index = todo.popleft()
+            actor = idle.pop()
+            name = f"{phase}-{index:05d}"
+            attempts[name] = attempts.get(name, 0) + 1
+            running[actor.run.remote(name, shards[index], phase)] = (index, actor)
+            if on_dispatch is not None:
+                on_dispatch(name, actor)
+        ready, _ = ray.wait(list(running), num_returns=1, timeout=2.0)
+        for ref in ready:
+            index, actor = running.pop(ref)
+            name = f"{phase}-{index:05d}"
+            try:
+                rows, stats = ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                if attempts[name] >= max_attempts:
+                    raise RuntimeError(f"shard {name} failed {attempts[name]} times; last: {str(e).splitlines()[0]}") from None
+                pool.remove(actor)
+                replacement = new_actor()
+                pool.append(replacement)
+                idle.append(replacement)
+                todo.appendleft(index)
+                bar.note(f"worker lost on shard {name}: redone")
+                continue
+            path = shard_path(out, phase, index)
+            if not path.exists():  # written once
+                write_shard(path, rows)
+            manifest["shards"][name] = {"prompts": len(rows), "attempts": attempts[name], **stats}
+            _write_manifest(out, manifest)
+            idle.append(actor)
+            bar.advance(len(rows))
+        bar.tokens(_poll(pool, base_tokens), time.time() - t0)
+    bar.close()
+    _summarise_phase(manifest, phase, out)
+    _write_manifest(out, manifest)
 
 
 def _poll(pool, base: dict) -> int:

@@ -31,17 +31,17 @@ import ray
 import kernels
 from actors.devices import placed_device
 from decoding.drafters.artifacts import draft_adapter, is_artifact
-from decoding.engine import build_drafter
+from decoding.in_process import build_drafter
 from decoding.loop.metrics import peak_rss_mb, reset_peak_rss
 from decoding.methods import METHOD_TABLE, TARGET_WITH_DRAFTER, WORKER_ROLES
 from decoding.model.adapter import ModelAdapter
-from decoding.model.models import load_model, resolve_device, set_threads
+from decoding.model.loading import load_model, resolve_device, set_threads
 from decoding.sampling import SamplingParams
 from decoding.schedules.two_sided import DraftRequest, DraftResult, DraftSide, VerifyRequest, VerifyResult, VerifySide
 
 # a worker whose process dies is started again by Ray in the same placement-group bundle, loading its model again
 # (its handle and actor id stay): a Serve replica keeps serving on it instead of being replaced with new workers
-# (serving.placement). Calls in flight at the death fail (ActorUnavailableError: the generation is lost); calls are
+# (serving.placed_worker). Calls in flight at the death fail (ActorUnavailableError: the generation is lost); calls are
 # never retried. Once the restarts are spent, the next death is final (ActorDiedError).
 WORKER_RESTARTS = 3
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from decoding.model.adapter import ModelAdapter
-from evaluation import benchmark as bm
+from evaluation import bench_figures as bm
 from evaluation.workloads import DEFAULT_PROMPTS, WorkloadError, load_prompts, parse_prompts, select
 
 # ---- workloads ----------------------------------------------------------------------

@@ -7,7 +7,7 @@ import json
 import sys
 
 from decoding.config import SpecConfig
-from evaluation import benchmark as bm
+from evaluation import bench_figures as bm
 
 TREE_DRAFTERS = ("sps", "early-exit", "ngram")
 
@@ -27,7 +27,7 @@ def variants(base: SpecConfig, drafters, chain_k, shapes, budgets, depth, accept
 
 def calibrate(cfg: SpecConfig, prompts, width: int, depth: int) -> list[float]:
     """Per-rank acceptance of a drafter, greedy: P(the rank-r candidate is the accepted child at a spine node)."""
-    from decoding.engine import SpecDecoder
+    from decoding.in_process import SpecDecoder
 
     paths = json.dumps([[0] * d + [r] for d in range(depth) for r in range(width)])
     dec = SpecDecoder(cfg.replace(tree="static", tree_paths=paths, temperature=0.0))
@@ -65,7 +65,7 @@ def calibrate(cfg: SpecConfig, prompts, width: int, depth: int) -> list[float]:
 
 def run_variants(configs: dict[str, SpecConfig], prompts, drafters, warmup: int = 1) -> tuple[dict, dict]:
     """Every variant on every prompt, back to back in an order rotated per prompt; (summary, tree report)."""
-    from evaluation.runner import PromptRunner
+    from evaluation.prompt_runner import PromptRunner
 
     runner = PromptRunner(configs)
     runner.warmup(prompts[0], warmup)

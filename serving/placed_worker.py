@@ -2,7 +2,7 @@
 
 Such an entry gets a deployment of its own (:class:`PlacedWorker`: the request pipeline of ``serving.worker`` over a
 decoder on two workers) whose replica reserves a placement group through Serve's ``placement_group_bundles`` /
-``placement_group_strategy``: the replica in bundle 0, and its target and draft workers (``actors.worker.ModelActor``)
+``placement_group_strategy``: the replica in bundle 0, and its target and draft workers (``actors.model_actor.ModelActor``)
 created inside that group, so the group comes and goes with the replica. The layout depends on the cluster
 (``cluster.placement.plan_replica``: three nodes, one each; else the layout of a Tune trial, the replica beside the
 target).
@@ -113,7 +113,7 @@ class PlacedWorker(Worker):
         return {"entry": self.name, "placement": self.where(), "totals": dict(self.totals)}
 
     # ---- a lost worker ---------------------------------------------------------------------------
-    # A model worker whose process dies is started again by Ray in its bundle (actors.worker.WORKER_RESTARTS): the
+    # A model worker whose process dies is started again by Ray in its bundle (actors.model_actor.WORKER_RESTARTS): the
     # replica waits for it (a new process loading the model) instead of exiting, which would cost a new replica, a new
     # placement group and both workers loaded from scratch. The generations it lost end as 503s, unless they had not
     # delivered a token yet: those run again once the worker is back. A worker dead for good (its restarts spent, a

@@ -6,7 +6,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from evaluation import benchmark as bm
+from decoding.paths import portable
+from evaluation import bench_figures as bm
+from evaluation.markdown import markdown_table, replace_block
 from evaluation.traces import read_run
 
 
@@ -214,26 +216,6 @@ def _notes(summary: dict) -> list[str]:
 
 
 # ---- Markdown (the README's Results) ---------------------------------------------------------
-def markdown_table(head: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
-def check_block(path: Path, name: str) -> tuple[str, str, str]:
-    """(text, begin, end) of ``path`` with its ``<!-- name -->`` ... ``<!-- /name -->`` block; ValueError without it."""
-    begin, end = f"<!-- {name} -->", f"<!-- /{name} -->"
-    text = Path(path).read_text()
-    if begin not in text or end not in text:
-        raise ValueError(f"{path} has no {begin} ... {end} block to rewrite")
-    return text, begin, end
-
-
-def replace_block(path: Path, name: str, body: str) -> None:
-    """Rewrite what lies between ``<!-- name -->`` and ``<!-- /name -->`` in ``path``; ValueError without them."""
-    text, begin, end = check_block(path, name)
-    Path(path).write_text(text[: text.index(begin)] + f"{begin}\n{body}\n{end}" + text[text.index(end) + len(end) :])
-
-
 def category_mean(summary: dict, method: str) -> float | None:
     """The mean over categories of a method's speedup (every category weighs the same, however many tokens)."""
     vals = [v[method]["speedup"] for v in summary["categories"].values() if v.get(method, {}).get("speedup") is not None]
@@ -288,3 +270,44 @@ def results_markdown(summary: dict) -> str:
             ]
         )
     return per_category + "\n\n" + markdown_table(head2, rows2)
+
+
+# ---- the committed copy (README's Results, docs/bench/) --------------------------------------------------------
+PATH_FIELDS = ("prompts_file", "traces", "generations", "summary_path")  # the summary's file paths, besides its plots
+
+
+def committed_record(summary: dict) -> dict:
+    """The summary as ``docs/bench/summary.json`` keeps it: without the base config, its paths relative to the project
+    or ``$SPECRAY_HOME`` (:func:`decoding.paths.portable`), never this machine's."""
+    slim = {k: v for k, v in summary.items() if k != "config"}
+    for key in PATH_FIELDS:
+        if slim.get(key):
+            slim[key] = portable(slim[key])
+    slim["plots"] = [portable(p) for p in slim.get("plots") or []]
+    return slim
+
+
+def publish(summary: dict, readme: Path) -> None:
+    """The run's tables into the README's bench-results block; its plots and summary to docs/bench/ beside it."""
+    import json
+    import shutil
+
+    docs = readme.resolve().parent / "docs" / "bench"
+    docs.mkdir(parents=True, exist_ok=True)
+    plots = []
+    for p in summary["plots"]:
+        shutil.copy(p, docs / Path(p).name)
+        plots.append(f"docs/bench/{Path(p).name}")
+    (docs / "summary.json").write_text(json.dumps(committed_record(summary), indent=2, default=str))
+    host = summary["host"]
+    caption = (
+        f"Run {summary['run_id']} on {host['platform']} ({host['cpus']} CPUs), {summary['model']} {summary['dtype']}, "
+        f"{summary['threads']} torch threads, {summary['max_new_tokens']} new tokens per prompt, "
+        f"{summary['prompts_complete']} prompts"
+        + (" (later turns of multi-turn questions included)" if summary.get("later_turns") else "")
+        + f"; plots: {', '.join(f'`{p}`' for p in plots)}; figures: `docs/bench/summary.json`."
+    )
+    if summary.get("command"):
+        caption += f"\n\nRegenerate with:\n\n```\n{summary['command']}\n```"
+    replace_block(readme, "bench-results", results_markdown(summary) + "\n\n" + caption)
+    print(f"wrote the Results into {readme} and the plots to {docs}", file=sys.stderr)

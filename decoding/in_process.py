@@ -27,12 +27,12 @@ from decoding.loop.output import Generation
 from decoding.loop.prefill import ContextTooLong
 from decoding.methods import method_of
 from decoding.model.adapter import ModelAdapter
-from decoding.model.models import LoadedModel, load_model, set_threads
+from decoding.model.loading import LoadedModel, load_model, set_threads
 from decoding.paths import specray_home
 from decoding.sampling import SamplingParams
 from decoding.schedules import triforce
 from decoding.timing import device_name
-from decoding.trees.trees import tree_shape
+from decoding.trees.shapes import tree_shape
 
 # the modules that define the methods' drafters: importing them registers their builders (decoding.builders)
 DRAFTER_MODULES = (base, ngram, model_free, artifacts, triforce)

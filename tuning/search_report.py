@@ -76,7 +76,7 @@ def trial_table(rows: list[dict], prompts: int, top: int = 10) -> list[str]:
 
 
 def verify_line(v: dict) -> str:
-    """One line on the winner measured again outside Tune (``tuning.verify``), with the noise bands."""
+    """One line on the winner measured again outside Tune (``tuning.remeasure``), with the noise bands."""
     where = f"on {v.get('prompt_count', '?')} {v.get('prompts', 'tuning')} prompts x {v.get('repeats', 1)} pass(es)"
 
     def band(fig: dict) -> str:

@@ -67,16 +67,27 @@ class LoadedModel:
         return next(self.model.parameters()).device
 
 
+def auto_device(gpus_given: bool = True) -> str:
+    """What ``SpecConfig.device=auto`` means, decided here only: ``cuda`` when torch sees a GPU and the process was
+    given GPUs, else ``cpu``. Outside Ray every GPU torch sees is the process's; inside a Ray worker only the GPUs
+    Ray assigned it are (``actors.devices.placed_device`` says whether it has any).
+
+    >>> auto_device(gpus_given=False)
+    'cpu'
+    """
+    return "cuda" if gpus_given and torch.cuda.is_available() else "cpu"
+
+
 def resolve_device(name: str = "auto") -> torch.device:
-    """A ``SpecConfig.device`` value as a torch device: ``auto`` is CUDA when torch sees a GPU, else CPU (inside Ray
-    workers the outer layers resolve ``auto`` first: actors/devices.py). ``cuda`` / ``cuda:N`` on a machine without
-    that GPU fail naming the field.
+    """A ``SpecConfig.device`` value as a torch device: ``auto`` as :func:`auto_device` decides (inside Ray workers
+    the outer layers resolve ``auto`` first: actors/devices.py). ``cuda`` / ``cuda:N`` on a machine without that GPU
+    fail naming the field.
 
     >>> resolve_device("cpu")
     device(type='cpu')
     """
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        name = auto_device()
     if name == "cpu":
         return torch.device("cpu")
     match = re.fullmatch(r"cuda(?::(\d+))?", name)

@@ -1,8 +1,11 @@
-"""The pure half of the benchmark: run order, greedy identity with AR, and the summary maths.
+"""The bench's figures, the pure half of the benchmark: its rows, run order, greedy identity with AR, and the summary
+maths.
 
 Everything here works on plain Python rows (dicts, as ``pyarrow.Table.to_pylist``
-returns them) or on torch tensors; files, plots, Ray and the CLI live in
-``jobs/bench.py``.
+returns them) or on torch tensors. The other bench modules: ``evaluation.prompt_runner`` (configurations back to
+back on a prompt), ``evaluation.bench_run`` (a run, in process or over Ray actors, and its files),
+``evaluation.bench_report`` (tables, plots, the README's Results), ``evaluation.tree_variants`` (trees against
+chains); the command lines are ``jobs/bench.py`` and ``jobs/bench_trees.py``.
 
 Two tables describe a run:
 
@@ -250,74 +253,10 @@ def summarize_methods(gen_rows: Sequence[dict], step_rows: Sequence[dict], basel
     for s in steps:
         steps_by_method[s["method"]].append(s)
     base_rows = by_method.get(baseline, [])
-    base_rate = _rate(base_rows)
-    base_by_key = {_key(r): r for r in base_rows}
     repeats = sorted({r["repeat"] for r in rows})
 
-    out_methods = {}
-    for m in methods:
-        mrows, msteps = by_method[m], steps_by_method[m]
-        rate = _rate(mrows)
-        per_prompt = []
-        for r in mrows:
-            b = base_by_key[_key(r)]
-            if r["wall_s"] > 0 and b["wall_s"] > 0 and b["new_tokens"] > 0:
-                per_prompt.append((r["new_tokens"] / r["wall_s"]) / (b["new_tokens"] / b["wall_s"]))
-        per_repeat = [
-            ratio(_rate([r for r in mrows if r["repeat"] == k]), _rate([r for r in base_rows if r["repeat"] == k])) for k in repeats
-        ]
-        n_steps = len(msteps)
-        accepted = sum(s["accepted"] for s in msteps)
-        drafted = sum(s["drafted"] for s in msteps)
-        forwards = [r["target_forwards"] for r in mrows if r["target_forwards"] is not None]
-        new_tokens = sum(r["new_tokens"] for r in mrows)
-        compared = [r for r in mrows if r["identical"] is not None]
-        divergences = [
-            {k: r[k] for k in ("prompt_id", "category", "repeat", "first_diff", "margin", "suspicious")}
-            for r in compared
-            if not r["identical"]
-        ]
-        out_methods[m] = {
-            "kind": mrows[0]["kind"] if mrows else None,
-            "prompts": len(mrows),
-            "new_tokens": new_tokens,
-            "wall_s": sum(r["wall_s"] for r in mrows),
-            "tokens_per_s": rate,
-            "speedup": ratio(rate, base_rate),
-            "speedup_per_prompt": quantiles(per_prompt),
-            "speedup_per_repeat": quantiles(x for x in per_repeat if x is not None) if len(repeats) > 1 else None,
-            "steps": n_steps,
-            "mean_accepted_tokens": (accepted + n_steps) / n_steps if n_steps else None,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "per_position_acceptance": per_position_acceptance([StepRecord(s["drafted"], s["accepted"], 0.0, 0.0) for s in msteps])
-            if msteps
-            else [],
-            "target_forwards_per_token": sum(forwards) / new_tokens if forwards and new_tokens else None,
-            "draft_ms_per_step": 1e3 * sum(s["draft_s"] for s in msteps) / n_steps if n_steps else None,
-            "verify_ms_per_step": 1e3 * sum(s["verify_s"] for s in msteps) / n_steps if n_steps else None,
-            "identity": {
-                "compared": len(compared),
-                "identical": sum(bool(r["identical"]) for r in compared),
-                "fraction": sum(bool(r["identical"]) for r in compared) / len(compared) if compared else None,
-                "suspicious": sum(bool(d["suspicious"]) for d in divergences),
-                "divergences": divergences,
-            }
-            if m != baseline
-            else None,
-        }
-
-    def by(column: str) -> dict:  # per value of the column: every method's prompts, tokens/s and speedup over them
-        out = {}
-        for value in dict.fromkeys(r[column] for r in rows):
-            mine = defaultdict(list)
-            for r in rows:
-                if r[column] == value:
-                    mine[r["method"]].append(r)
-            sp = _speedups(mine, mine[baseline], methods)
-            out[value] = {m: {"prompts": len(mine[m]), "tokens_per_s": _rate(mine[m]), "speedup": sp[m]} for m in methods}
-        return out
-
-    categories, workers = by("category"), by("worker")
+    out_methods = {m: _method_figures(by_method[m], steps_by_method[m], base_rows, repeats, m == baseline) for m in methods}
+    categories, workers = _by_column(rows, "category", methods, baseline), _by_column(rows, "worker", methods, baseline)
 
     return {
         "baseline": baseline,
@@ -332,6 +271,71 @@ def summarize_methods(gen_rows: Sequence[dict], step_rows: Sequence[dict], basel
         "peer": peer_comparison(out_methods, baseline),
         "over_best_peer": over_best_peer(out_methods, categories),
     }
+
+
+def _method_figures(mrows: list, msteps: list, base_rows: list, repeats: list, is_baseline: bool) -> dict:
+    """One method's figures in the summary, from its rows and the baseline's over the same (prompt, repeat) pairs."""
+    base_by_key = {_key(r): r for r in base_rows}
+    rate = _rate(mrows)
+    per_prompt = []
+    for r in mrows:
+        b = base_by_key[_key(r)]
+        if r["wall_s"] > 0 and b["wall_s"] > 0 and b["new_tokens"] > 0:
+            per_prompt.append((r["new_tokens"] / r["wall_s"]) / (b["new_tokens"] / b["wall_s"]))
+    per_repeat = [ratio(_rate([r for r in mrows if r["repeat"] == k]), _rate([r for r in base_rows if r["repeat"] == k])) for k in repeats]
+    n_steps = len(msteps)
+    accepted = sum(s["accepted"] for s in msteps)
+    drafted = sum(s["drafted"] for s in msteps)
+    forwards = [r["target_forwards"] for r in mrows if r["target_forwards"] is not None]
+    new_tokens = sum(r["new_tokens"] for r in mrows)
+    return {
+        "kind": mrows[0]["kind"] if mrows else None,
+        "prompts": len(mrows),
+        "new_tokens": new_tokens,
+        "wall_s": sum(r["wall_s"] for r in mrows),
+        "tokens_per_s": rate,
+        "speedup": ratio(rate, _rate(base_rows)),
+        "speedup_per_prompt": quantiles(per_prompt),
+        "speedup_per_repeat": quantiles(x for x in per_repeat if x is not None) if len(repeats) > 1 else None,
+        "steps": n_steps,
+        "mean_accepted_tokens": (accepted + n_steps) / n_steps if n_steps else None,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "per_position_acceptance": per_position_acceptance([StepRecord(s["drafted"], s["accepted"], 0.0, 0.0) for s in msteps])
+        if msteps
+        else [],
+        "target_forwards_per_token": sum(forwards) / new_tokens if forwards and new_tokens else None,
+        "draft_ms_per_step": 1e3 * sum(s["draft_s"] for s in msteps) / n_steps if n_steps else None,
+        "verify_ms_per_step": 1e3 * sum(s["verify_s"] for s in msteps) / n_steps if n_steps else None,
+        "identity": None if is_baseline else _identity(mrows),
+    }
+
+
+def _identity(mrows: list) -> dict:
+    """How many of a method's greedy outputs were compared with the baseline's and identical, and its divergences."""
+    compared = [r for r in mrows if r["identical"] is not None]
+    divergences = [
+        {k: r[k] for k in ("prompt_id", "category", "repeat", "first_diff", "margin", "suspicious")} for r in compared if not r["identical"]
+    ]
+    return {
+        "compared": len(compared),
+        "identical": sum(bool(r["identical"]) for r in compared),
+        "fraction": sum(bool(r["identical"]) for r in compared) / len(compared) if compared else None,
+        "suspicious": sum(bool(d["suspicious"]) for d in divergences),
+        "divergences": divergences,
+    }
+
+
+def _by_column(rows: list, column: str, methods: list, baseline: str) -> dict:
+    """Per value of the column: every method's prompts, tokens/s and speedup over them."""
+    out = {}
+    for value in dict.fromkeys(r[column] for r in rows):
+        mine = defaultdict(list)
+        for r in rows:
+            if r[column] == value:
+                mine[r["method"]].append(r)
+        sp = _speedups(mine, mine[baseline], methods)
+        out[value] = {m: {"prompts": len(mine[m]), "tokens_per_s": _rate(mine[m]), "speedup": sp[m]} for m in methods}
+    return out
 
 
 def over_best_peer(methods: dict, categories: dict) -> dict | None:
