@@ -105,7 +105,7 @@ def test_no_circles_between_decodings_rooms():
 
 # decoding/'s rooms from the ground up: a room imports only rooms before it (no arrow back up)
 DECODING_ROOMS = [
-    # the ground: errors, $SPECRAY_HOME, kernel dispatch, the device's clock, warping, the sampling limits, tree descriptions, builder registry
+    # the ground: errors, $SPECRAY_HOME, kernel dispatch, the device clock, warping, sampling limits, tree descriptions, builders
     "decoding.errors",
     "decoding.paths",
     "decoding.accel",

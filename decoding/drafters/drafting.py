@@ -94,91 +94,109 @@ def draft_tree(
     had while drafting: level-wise trees rerank their nodes, and a drafter that kept per-node state in drafting order
     (early exit's hidden states) gathers it by this.
     """
-    parents, toks, probs = [-1], [], []  # the drafted tree so far: node i's parent, token [B] and q row [B, V]
-    fed = 0
-
-    def feed(lo, hi):
-        nonlocal fed
-        tree = Tree.from_parents(parents)
-        logits = step(torch.stack(toks[lo - 1 : hi - 1], 1), lo, hi, tree)  # [B, hi-lo, V]
-        fed = hi - 1
-        return {lo + i: logits[:, i] for i in range(hi - lo)}
-
-    def add(parent, tok, q):
-        parents.append(parent)
-        toks.append(tok)
-        if q is not None:
-            probs.append(q)
-        return len(parents) - 1
-
+    grow = _Growth(step)
     if isinstance(shape, Tree):
-        # the template's nodes ("slots") become drafted nodes where their parent was drafted and their rank is valid
-        shape = shape.prune(k)
-        slot_parent, slot_rank, slot_depth = shape.parents.tolist(), shape.rank.tolist(), shape.depth.tolist()
-        children_of_slot = [0] * shape.size
-        for parent_slot in slot_parent[1:]:
-            children_of_slot[parent_slot] += 1
-        node_of_slot, logits_of_node, candidates_of_node = {0: 0}, {0: root_logits}, {}
-        for level in range(1, shape.max_depth + 1):
-            lo = len(parents)
-            for slot in (i for i in range(shape.size) if slot_depth[i] == level):
-                parent = node_of_slot.get(slot_parent[slot])
-                if parent is None or parent not in logits_of_node:
-                    continue
-                if parent not in candidates_of_node:
-                    n_children = children_of_slot[slot_parent[slot]]
-                    candidates_of_node[parent] = candidates(logits_of_node[parent], n_children, state, stochastic=True)
-                cand_tokens, cand_q, _, cand_valid = candidates_of_node[parent]
-                if bool(cand_valid[slot_rank[slot]]):
-                    node_of_slot[slot] = add(parent, cand_tokens[:, slot_rank[slot]], cand_q)
-            hi = len(parents)
-            if hi == lo:
-                break
-            next_level = (slot for slot in range(shape.size) if slot_depth[slot] == level + 1)
-            grows = any(node_of_slot.get(slot_parent[child], -1) >= lo for child in next_level)
-            if grows or feed_last:
-                logits_of_node.update(feed(lo, hi))
+        _grow_static(grow, root_logits, shape.prune(k), state, feed_last)
     elif shape.width > 0:
-        return draft_levels(feed, add, parents, toks, root_logits, shape, k, state, feed_last, path_probs, order)
+        return draft_levels(grow.feed, grow.add, grow.parents, grow.toks, root_logits, shape, k, state, feed_last, path_probs, order)
     else:
-        import heapq
-
-        budget, depth, path_p = (shape.budget if k > 0 else 0), [0], [1.0]
-        heap: list = []  # (-path score, parent node, rank, candidate tokens [B, n], candidate scores [n])
-
-        def offer(node, logits):
-            if depth[node] < k:
-                cand_tokens, _, cand_scores, cand_valid = candidates(logits, min(shape.max_rank, budget), state, stochastic=False)
-                n_valid = int(cand_valid.sum())
-                if n_valid:
-                    neg_path_p = -path_p[node] * float(cand_scores[0])  # the path probability through the best candidate
-                    heapq.heappush(heap, (neg_path_p, node, 0, cand_tokens[:, :n_valid], cand_scores[:n_valid]))
-
-        offer(0, root_logits)
-        while len(parents) - 1 < budget:
-            unfed = [i for i in range(fed + 1, len(parents)) if depth[i] < k]
-            bound = max((path_p[i] for i in unfed), default=0.0)
-            if not heap or -heap[0][0] < bound:
-                if not unfed:
-                    break
-                for node, logits in feed(fed + 1, len(parents)).items():
-                    offer(node, logits)
-                continue
-            neg_path_p, parent, rank, cand_tokens, cand_scores = heapq.heappop(heap)
-            add(parent, cand_tokens[:, rank], None)
-            depth.append(depth[parent] + 1)
-            path_p.append(-neg_path_p)
-            if rank + 1 < cand_tokens.shape[1]:  # the parent's next candidate takes its place in the queue
-                heapq.heappush(heap, (-path_p[parent] * float(cand_scores[rank + 1]), parent, rank + 1, cand_tokens, cand_scores))
-        if feed_last and fed < len(parents) - 1:
-            feed(fed + 1, len(parents))
+        path_p = _grow_best_first(grow, root_logits, shape, k, state, feed_last)
         if path_probs is not None:
             path_probs[:] = path_p
     if order is not None:
-        order[:] = list(range(len(parents)))
+        order[:] = list(range(len(grow.parents)))
     bsz = root_logits.shape[0]
-    out = torch.stack(toks, 1) if toks else torch.zeros(bsz, 0, dtype=torch.long, device=root_logits.device)
-    return out, (torch.stack(probs, 1) if probs else None), Tree.from_parents(parents), fed
+    out = torch.stack(grow.toks, 1) if grow.toks else torch.zeros(bsz, 0, dtype=torch.long, device=root_logits.device)
+    return out, (torch.stack(grow.probs, 1) if grow.probs else None), Tree.from_parents(grow.parents), grow.fed
+
+
+class _Growth:
+    """A tree being drafted: node i's parent, token [B] and q row [B, V]; ``feed`` runs the draft on a block of nodes."""
+
+    def __init__(self, step):
+        self.step = step
+        self.parents, self.toks, self.probs = [-1], [], []
+        self.fed = 0  # nodes 1..fed went through the draft
+
+    def feed(self, lo: int, hi: int) -> dict:
+        """Feed nodes lo..hi-1; their next-token logits [B, V] by node."""
+        tree = Tree.from_parents(self.parents)
+        logits = self.step(torch.stack(self.toks[lo - 1 : hi - 1], 1), lo, hi, tree)  # [B, hi-lo, V]
+        self.fed = hi - 1
+        return {lo + i: logits[:, i] for i in range(hi - lo)}
+
+    def add(self, parent: int, tok: torch.Tensor, q) -> int:
+        self.parents.append(parent)
+        self.toks.append(tok)
+        if q is not None:
+            self.probs.append(q)
+        return len(self.parents) - 1
+
+
+def _grow_static(grow: _Growth, root_logits, shape: Tree, state: DecodeState, feed_last: bool) -> None:
+    """A static (Sequoia) template: the template's nodes ("slots") become drafted nodes where their parent was drafted
+    and their rank is a valid candidate; one draft forward per depth level."""
+    slot_parent, slot_rank, slot_depth = shape.parent_list, shape.rank.tolist(), shape.depth_list
+    children_of_slot = [0] * shape.size
+    for parent_slot in slot_parent[1:]:
+        children_of_slot[parent_slot] += 1
+    node_of_slot, logits_of_node, candidates_of_node = {0: 0}, {0: root_logits}, {}
+    for level in range(1, shape.max_depth + 1):
+        lo = len(grow.parents)
+        for slot in (i for i in range(shape.size) if slot_depth[i] == level):
+            parent = node_of_slot.get(slot_parent[slot])
+            if parent is None or parent not in logits_of_node:
+                continue
+            if parent not in candidates_of_node:
+                n_children = children_of_slot[slot_parent[slot]]
+                candidates_of_node[parent] = candidates(logits_of_node[parent], n_children, state, stochastic=True)
+            cand_tokens, cand_q, _, cand_valid = candidates_of_node[parent]
+            if bool(cand_valid[slot_rank[slot]]):
+                node_of_slot[slot] = grow.add(parent, cand_tokens[:, slot_rank[slot]], cand_q)
+        hi = len(grow.parents)
+        if hi == lo:
+            break
+        next_level = (slot for slot in range(shape.size) if slot_depth[slot] == level + 1)
+        grows = any(node_of_slot.get(slot_parent[child], -1) >= lo for child in next_level)
+        if grows or feed_last:
+            logits_of_node.update(grow.feed(lo, hi))
+
+
+def _grow_best_first(grow: _Growth, root_logits, shape: Dynamic, k: int, state: DecodeState, feed_last: bool) -> list[float]:
+    """DySpec's best-first growth by path probability up to the budget (see ``draft_tree``); returns each node's path
+    probability, in node order."""
+    import heapq
+
+    budget, depth, path_p = (shape.budget if k > 0 else 0), [0], [1.0]
+    heap: list = []  # (-path score, parent node, rank, candidate tokens [B, n], candidate scores [n])
+
+    def offer(node, logits):
+        if depth[node] < k:
+            cand_tokens, _, cand_scores, cand_valid = candidates(logits, min(shape.max_rank, budget), state, stochastic=False)
+            n_valid = int(cand_valid.sum())
+            if n_valid:
+                neg_path_p = -path_p[node] * float(cand_scores[0])  # the path probability through the best candidate
+                heapq.heappush(heap, (neg_path_p, node, 0, cand_tokens[:, :n_valid], cand_scores[:n_valid]))
+
+    offer(0, root_logits)
+    while len(grow.parents) - 1 < budget:
+        unfed = [i for i in range(grow.fed + 1, len(grow.parents)) if depth[i] < k]
+        bound = max((path_p[i] for i in unfed), default=0.0)
+        if not heap or -heap[0][0] < bound:
+            if not unfed:
+                break
+            for node, logits in grow.feed(grow.fed + 1, len(grow.parents)).items():
+                offer(node, logits)
+            continue
+        neg_path_p, parent, rank, cand_tokens, cand_scores = heapq.heappop(heap)
+        grow.add(parent, cand_tokens[:, rank], None)
+        depth.append(depth[parent] + 1)
+        path_p.append(-neg_path_p)
+        if rank + 1 < cand_tokens.shape[1]:  # the parent's next candidate takes its place in the queue
+            heapq.heappush(heap, (-path_p[parent] * float(cand_scores[rank + 1]), parent, rank + 1, cand_tokens, cand_scores))
+    if feed_last and grow.fed < len(grow.parents) - 1:
+        grow.feed(grow.fed + 1, len(grow.parents))
+    return path_p
 
 
 def draft_levels(feed, add, parents, toks, root_logits, shape: Dynamic, k: int, state: DecodeState, feed_last: bool, path_probs, order):

@@ -120,56 +120,15 @@ class Workspace:
 
     def build(self, states: list[DecodeState], proposals: list[Proposal]) -> Step:
         """The step of these rows: host inputs staged and copied in one transfer, device drafts written after it."""
-        rows = len(states)
-        widths = [1 + p.size for p in proposals]
-        lengths = [s.length for s in states]
+        rows, widths, lengths = len(states), [1 + p.size for p in proposals], [s.length for s in states]
         width = max(widths)
         self.ensure(rows, width)
         trees = any(p.tree is not None for p in proposals)
         sampled = [not s.sampling.greedy for s in states]
-        np_ = {name: self._plane(self.np, i, rows, width) for i, name in enumerate(PLANES)}
-        vec = {name: self._vector(self.np, i, rows) for i, name in enumerate(VECTORS)}
         ragged = any(w != width for w in widths)
-        offsets, total = [], 0
-        for b, (state, proposal, n, t) in enumerate(zip(states, proposals, lengths, widths, strict=True)):
-            offsets.append(total if ragged else b * width)
-            total += t
-            ids, nodes, pos, slots = np_["ids"][b], np_["nodes"][b], np_["positions"][b], np_["slots"][b]
-            ids[0] = nodes[0] = state.history[-1]
-            ids[1:] = 0
-            nodes[1:] = -1
-            if proposal.host is not None and t > 1:
-                ids[1:t] = nodes[1:t] = proposal.host
-            slots[:] = range(n - 1, n - 1 + width)
-            slots[t:] = state.target_cache.max_len  # the scratch slot: padding never lands on a position
-            if proposal.tree is not None:
-                depth = proposal.tree.depth_list
-                pos[:t] = [n - 1 + d for d in depth]
-                pos[t:] = range(n - 1 + t, n - 1 + width)
-            else:
-                pos[:] = range(n - 1, n - 1 + width)
-            if trees:
-                parents = proposal.tree.parent_list if proposal.tree is not None else [-1, *range(t - 1)]
-                np_["parents"][b, :t] = parents
-                np_["parents"][b, t:] = 0
-                np_["depth"][b, :t] = proposal.tree.depth_list if proposal.tree is not None else range(t)
-                np_["depth"][b, t:] = -1
-            np_["logit_rows"][b] = [offsets[b] + min(i, t - 1) for i in range(width)]
-            vec["prefix"][b] = n - 1
-            vec["drafts"][b] = t - 1
-            vec["top_k"][b] = state.sampling.top_k
-        block = None
+        offsets = self._stage_rows(states, proposals, lengths, widths, width, trees, ragged)
         if trees:
-            blk = self.np_b[: rows * width * width].reshape(rows, width, width)
-            blk[:] = False
-            for b, (proposal, t) in enumerate(zip(proposals, widths, strict=True)):
-                if proposal.tree is not None:
-                    blk[b, :t, :t] = proposal.tree.mask.numpy()
-                else:
-                    for i in range(t):
-                        blk[b, i, : i + 1] = True
-                for i in range(t, width):
-                    blk[b, i, i] = True
+            self._stage_blocks(proposals, widths, width)
         if any(sampled):
             self.np_f[:rows] = [s.sampling.temperature if s.sampling.temperature > 0 else 1.0 for s in states]
             self.np_f[self.capacity[0] : self.capacity[0] + rows] = [s.sampling.top_p for s in states]
@@ -186,19 +145,9 @@ class Workspace:
             if proposal.host is None and t > 1:  # a model's drafts, already on the device
                 dev["ids"][b, 1:t] = proposal.tokens[0]
                 dev["nodes"][b, 1:t] = proposal.tokens[0]
-        if trees:
-            block = self.dev_b[: rows * width * width].view(rows, width, width)
-        if rows == 1:
-            place = Placement(dev["slots"], dvec["prefix"], lengths[0] - 1 + width, block, start=lengths[0] - 1)
-        else:
-            place = Placement(dev["slots"], dvec["prefix"], max(lengths) - 1 + width, block)
-        valid = None
-        if ragged:  # the real positions, flat: the LM head and verification skip the padding
-            index = [b * width + i for b, t in enumerate(widths) for i in range(t)]
-            np_["valid"].reshape(-1)[: len(index)] = index
-            valid = self._plane(self.dev, PLANES.index("valid"), rows, width).reshape(-1)[: len(index)]
-            if self.cuda:
-                valid.copy_(self._plane(self.host, PLANES.index("valid"), rows, width).reshape(-1)[: len(index)], non_blocking=True)
+        block = self.dev_b[: rows * width * width].view(rows, width, width) if trees else None
+        end = max(lengths) - 1 + width
+        place = Placement(dev["slots"], dvec["prefix"], end, block, start=lengths[0] - 1 if rows == 1 else None)
         step = Step(
             ids=dev["ids"],
             positions=dev["positions"],
@@ -206,7 +155,7 @@ class Workspace:
             nodes=dev["nodes"],
             drafts=dvec["drafts"],
             logit_rows=dev["logit_rows"],
-            valid=valid,
+            valid=dev["valid"].reshape(-1)[: sum(widths)] if ragged else None,  # real positions: the head skips padding
             widths=widths,
             lengths=lengths,
             offsets=offsets,
@@ -218,6 +167,50 @@ class Workspace:
         if any(sampled):
             self._sampling(step, states, proposals, sampled, dvec)
         return step
+
+    def _stage_rows(self, states, proposals, lengths, widths, width: int, trees: bool, ragged: bool) -> list[int]:
+        """Fill the host staging planes, row by row (numpy: no tensor operation); returns where each row's logits begin."""
+        rows = len(states)
+        np_ = {name: self._plane(self.np, i, rows, width) for i, name in enumerate(PLANES)}
+        vec = {name: self._vector(self.np, i, rows) for i, name in enumerate(VECTORS)}
+        offsets, total = [], 0
+        for b, (state, proposal, n, t) in enumerate(zip(states, proposals, lengths, widths, strict=True)):
+            offsets.append(total if ragged else b * width)
+            if ragged:
+                np_["valid"].reshape(-1)[total : total + t] = range(b * width, b * width + t)
+            total += t
+            ids, nodes, pos, slots = np_["ids"][b], np_["nodes"][b], np_["positions"][b], np_["slots"][b]
+            ids[0] = nodes[0] = state.history[-1]
+            ids[1:] = 0
+            nodes[1:] = -1
+            if proposal.host is not None and t > 1:
+                ids[1:t] = nodes[1:t] = proposal.host
+            slots[:] = range(n - 1, n - 1 + width)
+            slots[t:] = state.target_cache.max_len  # the scratch slot: padding never lands on a position
+            pos[:] = range(n - 1, n - 1 + width)
+            if proposal.tree is not None:
+                pos[:t] = [n - 1 + d for d in proposal.tree.depth_list]
+            if trees:
+                np_["parents"][b, :t] = proposal.tree.parent_list if proposal.tree is not None else [-1, *range(t - 1)]
+                np_["parents"][b, t:] = 0
+                np_["depth"][b, :t] = proposal.tree.depth_list if proposal.tree is not None else range(t)
+                np_["depth"][b, t:] = -1
+            np_["logit_rows"][b] = [offsets[b] + min(i, t - 1) for i in range(width)]
+            vec["prefix"][b], vec["drafts"][b], vec["top_k"][b] = n - 1, t - 1, state.sampling.top_k
+        return offsets
+
+    def _stage_blocks(self, proposals, widths, width: int) -> None:
+        """Each row's block mask: its tree's ancestor mask, a chain's causal one; padding sees itself only."""
+        blk = self.np_b[: len(proposals) * width * width].reshape(len(proposals), width, width)
+        blk[:] = False
+        for b, (proposal, t) in enumerate(zip(proposals, widths, strict=True)):
+            if proposal.tree is not None:
+                blk[b, :t, :t] = proposal.tree.mask.numpy()
+            else:
+                for i in range(t):
+                    blk[b, i, : i + 1] = True
+            for i in range(t, width):
+                blk[b, i, i] = True
 
     def _sampling(self, step: Step, states, proposals, sampled, dvec) -> None:
         rows, width = step.rows, step.width
@@ -354,7 +347,6 @@ def verify_step(
     flat_h = h.reshape(-1, h.shape[-1])
     logits = target.logits((flat_h if step.valid is None else flat_h[step.valid])[None])[0]  # [N, V]
     verdict = verify_rows(step, logits)
-    depth = verdict.tokens.shape[1]
     parts = [verdict.num_accepted[:, None], verdict.tokens]
     if verdict.path is not None:
         parts.append(verdict.path)
@@ -362,32 +354,39 @@ def verify_step(
     host = ws.read(packed)  # the step's one host read
     t2 = clock.mark()
     verify_s = clock.seconds(t1, t2)
-    results = []
-    for b in range(rows):
-        state, proposal, n, t = states[b], proposals[b], step.lengths[b], step.widths[b]
-        m = host[b][0]
-        committed = host[b][1 : m + 2]
-        state.commit(verdict.tokens[b : b + 1, : m + 1], committed)
-        state.accepted_path = None
-        row_h = h[b : b + 1]
-        state.target_hidden = row_h[:, : m + 1]  # [1, m+1, H] pending + accepted drafts
-        kept = slice(0, m + 1)
-        if proposal.tree is not None:  # the accepted branch becomes the committed prefix: slots n-1+path -> n-1..n-1+m
-            path = host[b][1 + depth : 2 + depth + m]
-            state.target_cache.compact(n - 1, [i + n - 1 for i in path])
-            state.accepted_path = path
-            kept = verdict.path[b, : m + 1]
-            state.target_hidden = row_h[:, kept]
-        if drafters[b].feature_layers:  # [1, m+1, H] per layer the drafter reads, of the positions kept
-            state.target_features = {layer: captured[layer][b : b + 1, :t][:, kept] for layer in drafters[b].feature_layers}
-        state.target_cache.rollback(n + m)
-        off = step.offsets[b]
-        state.last_logits = logits[off : off + t][None]  # [1, t, V] every fed position's logits (Token Recycling)
-        drafters[b].update(state, m)
-        seconds = draft_s[b] if isinstance(draft_s[b], float | int) else clock.seconds(*draft_s[b])
-        record = StepRecord(drafted=t - 1, accepted=m, draft_s=seconds, verify_s=verify_s, rows=rows)
-        results.append(StepResult(proposal, m, committed, state.last_logits, record))
-    return results
+    return [
+        _commit_row(b, states[b], drafters[b], proposals[b], step, h, logits, verdict, host, captured, draft_s[b], verify_s, clock)
+        for b in range(rows)
+    ]
+
+
+def _commit_row(b, state, drafter, proposal, step: Step, h, logits, verdict: Verdict, host, captured, draft_s, verify_s, clock):
+    """Row b's verdict applied: its tokens committed (device and host), its cache rolled back to cover pending + the m
+    accepted drafts (a tree's accepted branch moved into place), its drafter told; all from the step's one read."""
+    n, t = step.lengths[b], step.widths[b]
+    depth = verdict.tokens.shape[1]
+    m = host[b][0]
+    committed = host[b][1 : m + 2]
+    state.commit(verdict.tokens[b : b + 1, : m + 1], committed)
+    state.accepted_path = None
+    row_h = h[b : b + 1]
+    state.target_hidden = row_h[:, : m + 1]  # [1, m+1, H] pending + accepted drafts
+    kept = slice(0, m + 1)
+    if proposal.tree is not None:  # the accepted branch becomes the committed prefix: slots n-1+path -> n-1..n-1+m
+        path = host[b][1 + depth : 2 + depth + m]
+        state.target_cache.compact(n - 1, [i + n - 1 for i in path])
+        state.accepted_path = path
+        kept = verdict.path[b, : m + 1]
+        state.target_hidden = row_h[:, kept]
+    if drafter.feature_layers:  # [1, m+1, H] per layer the drafter reads, of the positions kept
+        state.target_features = {layer: captured[layer][b : b + 1, :t][:, kept] for layer in drafter.feature_layers}
+    state.target_cache.rollback(n + m)
+    off = step.offsets[b]
+    state.last_logits = logits[off : off + t][None]  # [1, t, V] every fed position's logits (Token Recycling)
+    drafter.update(state, m)
+    seconds = draft_s if isinstance(draft_s, float | int) else clock.seconds(*draft_s)
+    record = StepRecord(drafted=t - 1, accepted=m, draft_s=seconds, verify_s=verify_s, rows=step.rows)
+    return StepResult(proposal, m, committed, state.last_logits, record)
 
 
 def propose(state: DecodeState, drafter: Drafter, k: int, clock: Clock | None = None) -> tuple[Proposal, object]:

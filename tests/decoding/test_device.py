@@ -97,7 +97,9 @@ CONFIGS = {
     "sps-draft-model": dict(method="sps", k=3, temperature=0.7, adaptive_k=False),  # draft_model set below: a second model load
     "early-exit-dyspec": dict(method="early-exit", exit_layer=1, k=3, tree="dyspec", tree_budget=6),
     "ngram-sampled": dict(method="ngram", k=3, temperature=1.0, adaptive_k=False),
-    "sps-tree-sampled": dict(method="sps", draft_layers=1, k=2, tree="static", tree_paths="[[0],[1],[0,0]]", temperature=1.0, adaptive_k=False),
+    "sps-tree-sampled": dict(
+        method="sps", draft_layers=1, k=2, tree="static", tree_paths="[[0],[1],[0,0]]", temperature=1.0, adaptive_k=False
+    ),
     "triforce": dict(method="triforce", k=2, triforce_budget=32, triforce_chunk_size=8, triforce_window=16, triforce_sinks=2),
 }
 
