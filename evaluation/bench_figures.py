@@ -300,6 +300,8 @@ def _method_figures(mrows: list, msteps: list, base_rows: list, repeats: list, i
         "steps": n_steps,
         "mean_accepted_tokens": (accepted + n_steps) / n_steps if n_steps else None,
         "acceptance_rate": accepted / drafted if drafted else None,
+        # the share of steps that drafted at all (k=auto stops drafting where it does not pay)
+        "steps_drafted": sum(s["drafted"] > 0 for s in msteps) / n_steps if n_steps else None,
         "per_position_acceptance": per_position_acceptance([StepRecord(s["drafted"], s["accepted"], 0.0, 0.0) for s in msteps])
         if msteps
         else [],

@@ -248,7 +248,8 @@ def results_markdown(summary: dict) -> str:
         rows[-1].append(best_over_hf("overall"))
     per_category = markdown_table(head, rows)
 
-    head2 = ["method", "tok/s", "speedup", "min category", "tau", "draft ms/step", "verify ms/step", "drafting share", "identical to ar"]
+    head2 = ["method", "tok/s", "speedup", "min category", "tau", "steps drafted", "draft ms/step", "verify ms/step", "drafting share"]
+    head2.append("identical to ar")
     rows2 = []
     for m in summary["methods_order"]:
         v = summary["methods"][m]
@@ -263,6 +264,7 @@ def results_markdown(summary: dict) -> str:
                 _f(v["speedup"], "{:.2f}x"),
                 _f(min(cats) if cats and m != base else None, "{:.2f}x"),
                 _f(v["mean_accepted_tokens"]),
+                _f(v.get("steps_drafted") if m != base else None, "{:.0%}"),
                 _f(d, "{:.1f}"),
                 _f(w, "{:.1f}"),
                 _f(share, "{:.0%}"),
