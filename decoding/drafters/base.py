@@ -108,9 +108,11 @@ class Proposal:
     them only for code that asks).
     """
 
-    __slots__ = ("_tokens", "probs", "hidden", "layer", "tree", "host", "device")
+    __slots__ = ("_tokens", "probs", "hidden", "layer", "tree", "host", "device", "unverified")
 
-    def __init__(self, tokens=None, probs=None, hidden=None, layer: int = 0, tree: Tree | None = None, host=None, device=None):
+    def __init__(
+        self, tokens=None, probs=None, hidden=None, layer: int = 0, tree: Tree | None = None, host=None, device=None, unverified=False
+    ):
         if tokens is None and host is None:
             raise ValueError("a proposal needs its tokens, on the device or the host")
         self._tokens = tokens  # [B, j] drafted tokens, 0 <= j <= k
@@ -120,6 +122,9 @@ class Proposal:
         self.tree = tree  # the drafts are nodes 1..j of this tree (node 0 = pending); None = a chain
         self.host = None if host is None else list(host)
         self.device = tokens.device if tokens is not None else device
+        # the drafts are committed without verification (EAD, lossy): the target's forward over them only catches its
+        # cache up and adds its own token after them (``decoding.loop.verify.commit_unverified``)
+        self.unverified = unverified
 
     @property
     def tokens(self) -> torch.Tensor:

@@ -35,7 +35,15 @@ import torch
 
 from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.loop.metrics import StepRecord
-from decoding.loop.verify import Verdict, children_table, verify_greedy, verify_speculative, verify_tree_greedy, verify_tree_speculative
+from decoding.loop.verify import (
+    Verdict,
+    children_table,
+    commit_unverified,
+    verify_greedy,
+    verify_speculative,
+    verify_tree_greedy,
+    verify_tree_speculative,
+)
 from decoding.model.adapter import KVCache
 from decoding.model.fast_layers import Placement
 from decoding.sampling import SamplingParams, warp, warp_rows
@@ -71,6 +79,7 @@ class Step:
     uniforms: torch.Tensor | None = None  # [R, W]: r_1..r_j then the draw's uniform, per sampled row
     q: torch.Tensor | None = None  # [R, W, V] the draft's q at each node (chains: q_i at node i), rows that have one
     has_q: torch.Tensor | None = None  # [R] bool
+    unverified: torch.Tensor | None = None  # [R] bool: rows whose drafts are committed unverified (EAD, lossy)
 
     @property
     def rows(self) -> int:
@@ -166,6 +175,9 @@ class Workspace:
             step.max_depth = max(p.tree.max_depth if p.tree is not None else p.size for p in proposals)
         if any(sampled):
             self._sampling(step, states, proposals, sampled, dvec)
+        if any(p.unverified for p in proposals):
+            flags = [p.unverified for p in proposals]
+            step.unverified = torch.as_tensor(flags, dtype=torch.bool, device="cpu").to(self.device, non_blocking=True)
         return step
 
     def _stage_rows(self, states, proposals, lengths, widths, width: int, trees: bool, ragged: bool) -> list[int]:
@@ -252,32 +264,48 @@ def verify_rows(step: Step, logits: torch.Tensor) -> Verdict:
     """Every row's verdict at once, on the device: logits [N, V] (real positions only when ``step.valid``, else
     [R * W, V]). Greedy rows take the longest prefix (or tree path) matching the target's argmax; sampled rows the
     rejection rule with their own parameters and uniforms. Chains as chains; with any tree in the step, every row
-    as a tree (a chain is a chain-shaped tree)."""
+    as a tree (a chain is a chain-shaped tree). Rows whose drafts are unverified (EAD) commit them all."""
     argmax = logits.argmax(-1)[step.logit_rows]  # [R, W]
     rows, width = step.rows, step.width
     if step.trees:
-        mask = step.place.block
-        greedy = verify_tree_greedy(step.nodes, step.parents, mask, step.depth, None, max_depth=step.max_depth, argmax=argmax)
+        greedy = verify_tree_greedy(step.nodes, step.parents, step.place.block, step.depth, None, max_depth=step.max_depth, argmax=argmax)
     else:
         greedy = verify_greedy(step.nodes[:, 1:], None, argmax=argmax)
-    if step.greedy is None:
-        return greedy
-    probs = warp_rows(logits[step.logit_rows.reshape(-1)].view(rows, width, -1), step.temperature, step.top_k, step.top_p)
-    u = step.uniforms
-    if step.trees:
-        kids = _children(step, width)
-        u_sample = u.gather(1, step.drafts[:, None])[:, 0]
-        sampled = verify_tree_speculative(step.nodes, kids, step.q, probs, u, u_sample, step.max_depth, step.has_q)
+    probs = None
+    if step.greedy is not None:
+        probs = warp_rows(logits[step.logit_rows.reshape(-1)].view(rows, width, -1), step.temperature, step.top_k, step.top_p)
+        verdict = _select(step.greedy, greedy, _sampled(step, probs))
     else:
-        u_sample = u.gather(1, step.drafts[:, None])[:, 0]
-        q = None if step.q is None else step.q[:, 1:]
-        sampled = verify_speculative(step.nodes[:, 1:], q, probs, u[:, : width - 1], u_sample, step.drafts, step.has_q)
-    keep = step.greedy
+        verdict = greedy
+    if step.unverified is not None:  # EAD: every draft committed, then the target's token (argmax, or drawn)
+        u_sample = None if step.uniforms is None else step.uniforms.gather(1, step.drafts[:, None])[:, 0]
+        lossy = commit_unverified(step.nodes[:, 1:], None, None, None, step.drafts, argmax=argmax)
+        if probs is not None:
+            lossy = _select(step.greedy, lossy, commit_unverified(step.nodes[:, 1:], probs, None, u_sample, step.drafts))
+        verdict = _select(~step.unverified, verdict, lossy)
+    return verdict
+
+
+def _sampled(step: Step, probs: torch.Tensor) -> Verdict:
+    u = step.uniforms
+    u_sample = u.gather(1, step.drafts[:, None])[:, 0]
+    if step.trees:
+        return verify_tree_speculative(step.nodes, _children(step, step.width), step.q, probs, u, u_sample, step.max_depth, step.has_q)
+    q = None if step.q is None else step.q[:, 1:]
+    return verify_speculative(step.nodes[:, 1:], q, probs, u[:, : step.width - 1], u_sample, step.drafts, step.has_q)
+
+
+def _select(keep: torch.Tensor, a: Verdict, b: Verdict) -> Verdict:
+    """Row b's verdict from ``a`` where ``keep[b]``, else from ``b`` (both over the same rows; a chain's path, where
+    the other is a tree's, is its positions in order)."""
+    width = min(a.tokens.shape[1], b.tokens.shape[1])
+    tokens = torch.where(keep[:, None], a.tokens[:, :width], b.tokens[:, :width])
     path = None
-    if greedy.path is not None:
-        path = torch.where(keep[:, None], greedy.path, sampled.path)
-    tokens = torch.where(keep[:, None], greedy.tokens[:, : sampled.tokens.shape[1]], sampled.tokens)
-    return Verdict(torch.where(keep, greedy.num_accepted, sampled.num_accepted), tokens, path)
+    if a.path is not None or b.path is not None:
+        chain = torch.arange(width, device=tokens.device).expand(tokens.shape[0], width)
+        pa, pb = (chain if v.path is None else v.path[:, :width] for v in (a, b))
+        path = torch.where(keep[:, None], pa, pb)
+    return Verdict(torch.where(keep, a.num_accepted, b.num_accepted), tokens, path)
 
 
 def _children(step: Step, width: int) -> torch.Tensor:
@@ -426,7 +454,13 @@ def speculative_step(state: DecodeState, drafter: Drafter, k: int) -> StepResult
 
 
 def verify(proposal: Proposal, logits: torch.Tensor, sampling: SamplingParams, generator) -> Verdict:
-    """The greedy or the speculative-sampling rule for a chain: logits [B, j+1, V]."""
+    """The greedy or the speculative-sampling rule for a chain (or, for unverified drafts, EAD's lossy commit):
+    logits [B, j+1, V]."""
+    if proposal.unverified:
+        if sampling.greedy:
+            return commit_unverified(proposal.tokens, None, logits, None)
+        u_sample = torch.rand(logits.shape[0], generator=generator, device=logits.device)
+        return commit_unverified(proposal.tokens, warp(logits, sampling), logits, u_sample)
     if sampling.greedy:
         return verify_greedy(proposal.tokens, logits)
     bsz, j = proposal.tokens.shape

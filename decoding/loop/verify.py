@@ -103,6 +103,36 @@ def verify_speculative(
     return Verdict(num_accepted=num_accepted, tokens=tokens)
 
 
+def commit_unverified(
+    draft_tokens: torch.Tensor,  # [B, k] committed as they are (padding past a row's drafts: any id)
+    target_probs: torch.Tensor | None,  # [B, k+1, V] warped p; None = greedy
+    target_logits: torch.Tensor | None,  # [B, k+1, V] (or their ``argmax`` [B, k+1])
+    u_sample: torch.Tensor | None,  # [B] uniform for the target's token (sampling)
+    drafts: torch.Tensor | None = None,  # [B] each row's j (None: all k)
+    argmax: torch.Tensor | None = None,
+) -> Verdict:
+    """No verification (EAD, lossy by design): every draft is committed, then the target's own token after the last one
+    (its argmax, or a draw from p with ``u_sample``). Not a lossless rule: the output follows the drafter wherever it
+    drafted.
+
+    >>> logits = torch.tensor([[[0., 5, 0], [0, 0, 5], [5, 0, 0]]])   # the target would say 1, 2, 0
+    >>> v = commit_unverified(torch.tensor([[2, 2]]), None, logits, None)
+    >>> v.num_accepted.tolist(), v.tokens.tolist()                    # both drafts kept, then the target's 0
+    ([2], [[2, 2, 0]])
+    """
+    bsz, k = draft_tokens.shape
+    rows = torch.arange(bsz, device=draft_tokens.device)
+    j = torch.full((bsz,), k, dtype=torch.long, device=draft_tokens.device) if drafts is None else drafts
+    if target_probs is None:
+        g = target_logits.argmax(-1) if argmax is None else argmax
+        last = g[rows, j]
+    else:
+        last = sample_from(target_probs[rows, j], u_sample)  # [B]
+    tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(bsz, 1)], dim=1)
+    tokens.scatter_(1, j[:, None], last[:, None])
+    return Verdict(num_accepted=j, tokens=tokens)
+
+
 # ---- trees -----------------------------------------------------------------------------------
 # A tree proposal is T nodes in topological order: node 0 is the pending token (the root), parents[i] < i.
 # target_*[:, i] is the target's next-token distribution after node i (i.e. at node i, for i's children).
