@@ -409,12 +409,8 @@ class ModelWorker(Worker):
 
     def _config(self, entry: SpecConfig, req: dict) -> SpecConfig:
         """Served entries draft k=auto (the goodput choice, capped at the entry's k) unless the settings say otherwise;
-        trees and methods that keep a fixed schedule (pearl, triforce) keep their k. So does a sampled request with a
-        seed: under k=auto its draft lengths follow the load, and so would its tokens (same distribution, other
-        draws); with the entry's k the same seed gives the same text whatever else the replica is doing."""
-        temperature = entry.temperature if req.get("temperature") is None else req["temperature"]
-        if req.get("seed") is not None and temperature > 0:
-            return entry
+        trees and methods that keep a fixed schedule (pearl, triforce) keep their k. A sampled request with a seed
+        runs with the fixed k whatever the entry says (``SpecDecoder.adaptive``): the same seed gives the same text."""
         if self.adaptive_k and not entry.adaptive_k and METHOD_TABLE[entry.method].serves_auto_k and entry.tree == "chain":
             return entry.replace(adaptive_k=True)
         return entry

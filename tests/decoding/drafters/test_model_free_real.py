@@ -8,7 +8,7 @@ from decoding.config import SpecConfig
 from decoding.in_process import SpecDecoder
 
 PROMPTS = spec_bench_prompts(per_category=1, categories=["summarization", "coding", "math_reasoning"])
-BASE = SpecConfig(dtype="float32", max_new_tokens=40, k=5)
+BASE = SpecConfig(dtype="float32", max_new_tokens=40, k=5, adaptive_k=False)  # fixed k: these check that drafts are accepted
 METHODS = {
     "recycling": dict(method="recycling", tree_fit="budget", tree_budget=12),  # its tree size does not follow the host's load
     "suffix": dict(method="suffix"),

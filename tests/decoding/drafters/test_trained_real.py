@@ -16,7 +16,7 @@ from decoding.drafters.trained import RECIPES, get_recipe
 from decoding.in_process import SpecDecoder
 
 PROMPTS = spec_bench_prompts(per_category=1, categories=["writing", "coding", "summarization"])
-BASE = SpecConfig(dtype="float32", max_new_tokens=32)
+BASE = SpecConfig(dtype="float32", max_new_tokens=32, adaptive_k=False)  # fixed k: these check that drafts are accepted
 KNOBS = {
     "kangaroo": {"exit_layer": 12},
     "medusa": {"num_heads": 3},
