@@ -228,7 +228,35 @@ def hydra_objectives(module, shared: Shared, ex: dict, knobs: dict) -> Objective
     return pairs, None
 
 
+def stop_objectives(module, shared: Shared, ex: dict, knobs: dict) -> Objectives:
+    """SpecDec++'s acceptance-prediction head (``decoding.drafters.stop_head``): the source drafter's logits on the
+    window (its own recipe's objective, frozen: for eagle every unrolled step, so deeper drafts' features are its own),
+    the label whether its top-1 equals the target's (the greedy acceptance of that draft, given the drafts before it
+    were accepted). One pair over every row: student = [0, z] (z the head's acceptance logit), teacher = the label's
+    log one-hot; KL, cross-entropy and TVD++ then all train a binary classifier, and agreement is its accuracy."""
+    from decoding.drafters.stop_head import exit_layers, stop_features
+
+    source = module.source_drafter()
+    with torch.no_grad():
+        if source is None:  # the target's own head on intermediate layers
+            depth = shared.config.num_hidden_layers
+            teacher = teacher_logits(shared, ex["hidden"][depth])
+            keep = answer_rows(ex, teacher.shape[0], 1)
+            pairs = [(shared.logits(ex["hidden"][layer])[keep], teacher[keep]) for layer in exit_layers(depth)]
+        else:
+            recipe, src_module, src_knobs = source
+            pairs, _ = OBJECTIVES[recipe.name](src_module, shared, ex, src_knobs)
+        drafts = torch.cat([s for s, _ in pairs]).float()
+        label = torch.cat([s.argmax(-1) == t.argmax(-1) for s, t in pairs]).float()
+        features = stop_features(drafts)
+    z = module(features)
+    student = torch.stack([torch.zeros_like(z), z], -1)  # [N, 2] logits of (rejected, accepted)
+    teacher = torch.stack([1 - label, label], -1).clamp(min=1e-6).log()
+    return [(student, teacher)], None
+
+
 OBJECTIVES: dict[str, Callable[..., Objectives]] = {
+    "stop": stop_objectives,
     "eagle": eagle_objectives,
     "kangaroo": kangaroo_objectives,
     "distill": distill_objectives,
