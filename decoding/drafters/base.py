@@ -52,6 +52,9 @@ class Proposal:
     hidden: torch.Tensor | None = None  # [B, j+1, H] target hidden after `layer` layers for [pending, drafts]
     layer: int = 0
     tree: Tree | None = None  # the drafts are nodes 1..j of this tree (node 0 = pending); None = a chain
+    # the drafts are committed without verification (EAD, lossy): the target's forward over them only catches its cache
+    # up and adds its own token after them (``decoding.loop.verify.commit_unverified``)
+    unverified: bool = False
 
     @staticmethod
     def empty(batch: int, device=None) -> Proposal:

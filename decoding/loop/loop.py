@@ -41,7 +41,7 @@ import torch
 from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.loop.goodput import Acceptance, CostModel, RowPlan, choose_width
 from decoding.loop.metrics import GenerationStats, StepRecord, summarize
-from decoding.loop.verify import Verdict, verify_greedy, verify_speculative, verify_tree_greedy, verify_tree_speculative
+from decoding.loop.verify import Verdict, commit_unverified, verify_greedy, verify_speculative, verify_tree_greedy, verify_tree_speculative
 from decoding.model.adapter import KVCache, ModelAdapter
 from decoding.sampling import SamplingParams, warp
 
@@ -65,7 +65,13 @@ class Generation:
 
 
 def verify(proposal: Proposal, logits: torch.Tensor, sampling: SamplingParams, generator) -> Verdict:
-    """Dispatch to the greedy or the speculative-sampling rule. logits: [B, j+1, V]."""
+    """Dispatch to the greedy or the speculative-sampling rule (or, for unverified drafts, EAD's lossy commit).
+    logits: [B, j+1, V]."""
+    if proposal.unverified:
+        if sampling.greedy:
+            return commit_unverified(proposal.tokens, None, logits, None)
+        u_sample = torch.rand(logits.shape[0], generator=generator, device=logits.device)
+        return commit_unverified(proposal.tokens, warp(logits, sampling), logits, u_sample)
     if sampling.greedy:
         return verify_greedy(proposal.tokens, logits)
     bsz, j = proposal.tokens.shape

@@ -90,6 +90,27 @@ def verify_speculative(
     return Verdict(num_accepted=num_accepted, tokens=tokens)
 
 
+def commit_unverified(
+    draft_tokens: torch.Tensor,  # [B, j] committed as they are
+    target_probs: torch.Tensor | None,  # [B, j+1, V] warped p; None = greedy
+    target_logits: torch.Tensor,  # [B, j+1, V]
+    u_sample: torch.Tensor | None,  # [B] uniform for the target's token (sampling)
+) -> Verdict:
+    """No verification (EAD, lossy by design): every draft is committed, then the target's own token after the last one
+    (its argmax, or a draw from p with ``u_sample``). Not a lossless rule: the output follows the drafter wherever it
+    drafted.
+
+    >>> logits = torch.tensor([[[0., 5, 0], [0, 0, 5], [5, 0, 0]]])   # the target would say 1, 2, 0
+    >>> v = commit_unverified(torch.tensor([[2, 2]]), None, logits, None)
+    >>> v.num_accepted.tolist(), v.tokens.tolist()                    # both drafts kept, then the target's 0
+    ([2], [[2, 2, 0]])
+    """
+    bsz, j = draft_tokens.shape
+    last = target_logits[:, j].argmax(-1) if target_probs is None else sample_from(target_probs[:, j], u_sample)  # [B]
+    tokens = torch.cat([draft_tokens, last[:, None]], dim=1)
+    return Verdict(num_accepted=torch.full((bsz,), j, dtype=torch.long, device=draft_tokens.device), tokens=tokens)
+
+
 # ---- trees -----------------------------------------------------------------------------------
 # A tree proposal is T nodes in topological order: node 0 is the pending token (the root), parents[i] < i.
 # target_*[:, i] is the target's next-token distribution after node i (i.e. at node i, for i's children).
