@@ -17,8 +17,9 @@ import torch
 from decoding.builders import builder_of
 from decoding.config import SpecConfig
 from decoding.decoder import DecoderBase, context_error, decode, encode
-from decoding.drafters import artifacts, base, model_free, ngram
+from decoding.drafters import artifacts, base, dynamic_exit, ead, model_free, ngram, swift
 from decoding.drafters.base import Drafter
+from decoding.drafters.stop_head import with_stop_head
 from decoding.errors import ConfigError
 from decoding.loop.goodput import CALIBRATION_ROWS, CostModel
 from decoding.loop.loop import Batch, ContextTooLong, Generation, Sequence, generate_many
@@ -31,7 +32,7 @@ from decoding.schedules import triforce
 from decoding.trees.trees import tree_shape
 
 # the modules that define the methods' drafters: importing them registers their builders (decoding.builders)
-DRAFTER_MODULES = (base, ngram, model_free, artifacts, triforce)
+DRAFTER_MODULES = (base, ngram, model_free, artifacts, triforce, swift, dynamic_exit, ead)
 log = logging.getLogger(__name__)
 _COSTS: dict[tuple, CostModel] = {}
 _COSTS_LOCK = threading.Lock()
@@ -82,7 +83,8 @@ def build_drafter(cfg: SpecConfig, target: LoadedModel, device: str | torch.devi
     ``memory``: the decoder's ``DraftMemory`` (state of model-free drafters that outlives a request).
     """
     device = target.device if device is None else device
-    return builder_of(method_of(cfg.method).name)(cfg, target, device, memory)
+    drafter = builder_of(method_of(cfg.method).name)(cfg, target, device, memory)
+    return with_stop_head(drafter, cfg, target)  # SpecDec++'s stop rule on its chains when stop_threshold > 0
 
 
 class SpecDecoder(DecoderBase):

@@ -44,7 +44,7 @@ def test_a_one_layer_model_drops_the_layer_methods():
         SearchSpace.build(["early-exit"], depth=1)
     # with a separate draft model sps needs no layer of the target, and draft_layers is not searched
     sps = SearchSpace.build(["sps"], depth=1, draft_model="/some/draft")
-    assert [k.field for k in sps.knobs["sps"]] == ["k", "confidence_threshold", "tree", "tree_budget"]
+    assert [k.field for k in sps.knobs["sps"]] == ["k", "confidence_threshold", "tree", "tree_budget", "stop_threshold"]
 
 
 def test_ngram_min_above_max_is_resolved_not_an_error():
@@ -153,6 +153,7 @@ def test_knob_fields_cover_every_method():
     fields |= {"triforce_gamma", "triforce_bottom", "triforce_budget", "triforce_chunk_size", "triforce_window"}
     fields |= {"drafter", "draft_vocab"}
     fields |= {"recycle_width", "suffix_factor", "suffix_min_prob", "tree_fit"}
+    fields |= {"stop_threshold", "swift_skip", "ead_threshold", "ead_window"}
     assert fields == set(knob_fields())
 
 
