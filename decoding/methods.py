@@ -169,11 +169,21 @@ def _fit_trained(values: dict, base: SpecConfig, artifacts: ArtifactFacts) -> di
 
 def _fit_early_exit(values: dict, base: SpecConfig, artifacts: ArtifactFacts) -> dict:
     """With the drafters shipped for the model (no drafter= of the user's), a sampled exit layer snaps to the nearest
-    one that has a trained Kangaroo adapter: the exit-layer search compares adapted exits."""
+    one that has a trained Kangaroo adapter: the exit-layer search compares adapted exits. A Kangaroo adapter (shipped
+    for that exit, or the user's drafter=) drafts chains only, so its trials get a chain, not a failed trial."""
     if "exit_layer" in values and base.drafter is None:
         layers = artifacts.shipped_exit_layers(base.model)
         if layers:
             values["exit_layer"] = min(layers, key=lambda layer: (abs(layer - values["exit_layer"]), layer))
+    if values.get("tree", base.tree) != "chain":
+        exit_layer = values.get("exit_layer", base.exit_layer)
+        if base.drafter is None:
+            chains = exit_layer in artifacts.shipped_exit_layers(base.model)
+        else:  # drafter=none: plain early exit (trees are fine); else the artifact says
+            chains = base.drafter != "none" and not artifacts.drafts_trees(base.drafter)
+        if chains:
+            values["tree"] = "chain"
+            values.pop("tree_budget", None)
     return values
 
 
