@@ -81,13 +81,17 @@ def report_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
         "identical",
         "suspicious",
     ]
+    lossy = any(v.get("lossy") for v in summary["methods"].values())
+    if lossy:  # a lossy method (EAD) is measured against AR: first divergence, tokens that differ, the large model's share
+        head += ["first diff (med)", "differ", "large model"]
     rows = []
     for m, v in summary["methods"].items():
         q = v["speedup_per_prompt"]
         ident = v["identity"]
+        d = v.get("divergence") or {}
         rows.append(
             [
-                m,
+                label(m, v),
                 str(v["prompts"]),
                 _f(v["tokens_per_s"], "{:.1f}"),
                 _f(v["speedup"]),
@@ -99,15 +103,29 @@ def report_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
                 f"{ident['identical']}/{ident['compared']}" if ident and ident["compared"] else "-",
                 str(ident["suspicious"]) if ident and ident["compared"] else "-",
             ]
+            + (
+                [_f(d.get("first_diff_median"), "{:.0f}"), _f(d.get("differ_share"), "{:.0%}"), _f(d.get("large_share"), "{:.0%}")]
+                if lossy
+                else []
+            )
         )
     return head, rows
+
+
+def label(method: str, figures: dict) -> str:
+    """A method's name in the tables, ``(LOSSY)`` after it when its output is not verified against the target.
+
+    >>> label("ead", {"lossy": True}), label("ngram", {"lossy": False})
+    ('ead (LOSSY)', 'ngram')
+    """
+    return f"{method} (LOSSY)" if figures.get("lossy") else method
 
 
 def render(summary: dict, file=None) -> None:
     file = file or sys.stdout
     head, rows = report_rows(summary)
     methods = summary["methods_order"]
-    cat_head = ["category"] + methods
+    cat_head = ["category"] + [label(m, summary["methods"][m]) for m in methods]
     cat_rows = [[c] + [_f(v[m]["speedup"]) for m in methods] for c, v in summary["categories"].items()]
     over = summary.get("over_best_peer")
     ours = [m for m in methods if summary["methods"][m]["kind"] == "specray"]
@@ -252,10 +270,11 @@ def results_markdown(summary: dict) -> str:
         if not over:
             return "-"
         v = over["categories"][c] if c in over["categories"] else over["overall"]
-        best = max(ours, key=lambda m: v.get(m) or 0.0)
+        lossless = [m for m in ours if not summary["methods"][m].get("lossy")] or ours  # never a lossy winner
+        best = max(lossless, key=lambda m: v.get(m) or 0.0)
         return f"{v[best]:.2f}x ({best} / {v['best_peer']})"
 
-    head = ["category", "prompts"] + methods + (["best specray / best HF"] if over else [])
+    head = ["category", "prompts"] + [label(m, summary["methods"][m]) for m in methods] + (["best specray / best HF"] if over else [])
     rows = []
     for c, v in summary["categories"].items():
         rows.append([c, str(v[base]["prompts"])] + [_f(v[m]["speedup"], "{:.2f}x") for m in methods] + ([best_over_hf(c)] if over else []))
@@ -267,16 +286,20 @@ def results_markdown(summary: dict) -> str:
     per_category = markdown_table(head, rows)
 
     head2 = ["method", "tok/s", "speedup", "min category", "tau", "draft ms/step", "verify ms/step", "drafting share", "identical to ar"]
+    lossy = any(summary["methods"][m].get("lossy") for m in summary["methods_order"])
+    if lossy:
+        head2 += ["first diff (median)", "tokens that differ", "large model's tokens"]
     rows2 = []
     for m in summary["methods_order"]:
         v = summary["methods"][m]
+        div = v.get("divergence") or {}
         d, w = v.get("draft_ms_per_step"), v.get("verify_ms_per_step")
         share = d / (d + w) if d is not None and w and d + w > 0 else None
         cats = [c[m]["speedup"] for c in summary["categories"].values() if c[m]["speedup"] is not None]
         ident = v.get("identity")
         rows2.append(
             [
-                m,
+                label(m, v),
                 _f(v["tokens_per_s"], "{:.1f}"),
                 _f(v["speedup"], "{:.2f}x"),
                 _f(min(cats) if cats and m != base else None, "{:.2f}x"),
@@ -286,5 +309,10 @@ def results_markdown(summary: dict) -> str:
                 _f(share, "{:.0%}"),
                 f"{ident['identical']}/{ident['compared']}" if ident and ident["compared"] else "-",
             ]
+            + (
+                [_f(div.get("first_diff_median"), "{:.0f}"), _f(div.get("differ_share"), "{:.0%}"), _f(div.get("large_share"), "{:.0%}")]
+                if lossy
+                else []
+            )
         )
     return per_category + "\n\n" + markdown_table(head2, rows2)
