@@ -316,3 +316,37 @@ def results_markdown(summary: dict) -> str:
             )
         )
     return per_category + "\n\n" + markdown_table(head2, rows2)
+
+
+def plot_lossy(summary: dict, path: Path) -> Path:
+    """The lossy methods' trade-off: speedup over the baseline (tokens/s ratio) against the share of their tokens that
+    differ from its (greedy), each point labelled with its name, the target's share of the tokens and the median first
+    divergence. One point per lossy method (EAD at several thresholds: ``python -m jobs.bench_variants``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [(m, v) for m, v in summary["methods"].items() if v.get("lossy") and v.get("divergence")]
+    if not points:
+        raise ValueError("no lossy method with divergence figures in the summary (greedy runs measure them)")
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for m, v in points:
+        d = v["divergence"]
+        x, y = d["differ_share"] or 0.0, v["speedup"] or 0.0
+        ax.scatter([x], [y], s=60)
+        first = d["first_diff_median"]
+        note = f"{m}\nlarge model {d['large_share']:.0%}" + (f", 1st diff {first:.0f}" if first is not None else "")
+        ax.annotate(note, (x, y), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel(f"share of tokens that differ from {summary['baseline']}'s (greedy)")
+    ax.set_ylabel(f"speedup over {summary['baseline']} (tokens/s ratio)")
+    ax.set_title("lossy methods: speed against divergence")
+    ax.set_xlim(left=0.0)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
