@@ -44,6 +44,20 @@ SHIPPED_RECIPES: dict[str, DataRun] = {
     "distill": DataRun("distill", {"draft_layers": 3, "draft_vocab": 4096}, steps=1500, batch=4, lr=5e-4, eval_every=250),
     "kangaroo-l6": DataRun("kangaroo", {"exit_layer": 6, "draft_vocab": 8192}, steps=800, batch=4, lr=1e-3, eval_every=200),
     "kangaroo-l12": DataRun("kangaroo", {"exit_layer": 12, "draft_vocab": 8192}, steps=800, batch=4, lr=1e-3, eval_every=200),
+    # SpecDec++'s stop heads (decoding/drafters/stop_head.py), one per shipped drafter and one for the target's own head on
+    # its upper layers (early exit without an adapter, SWIFT, DEL): 161 parameters each, a few minutes of the CPU
+    **{
+        f"stop-{source}": DataRun(
+            "stop",
+            {"source": f"smollm2-135m/{source}" if source != "exit" else "exit", "hidden": 16},
+            steps=100,
+            batch=2,
+            lr=1e-2,
+            window=128,
+            eval_sequences=16,
+        )
+        for source in ("eagle", "distill", "kangaroo-l6", "exit")
+    },
 }
 
 
@@ -66,6 +80,11 @@ def train_on_data(
     from training.features import TargetFeatures, distill_training_set
     from training.trainer import TrainSpec
 
+    if run.recipe == "stop" and not on_cluster:  # 161 parameters: every row computed once, then fitted at once
+        from training.stop_head import train_stop_head
+
+        return train_stop_head(run, Path(data), Path(out), model, device, features_quant, deadline)
+
     target = load_model(model, "float32", device).model  # the drafter's shared parts train in float32
     depth = target.config.num_hidden_layers
     recipe = get_recipe(run.recipe)
@@ -87,7 +106,7 @@ def train_on_data(
         eval_every=run.eval_every,
     )
     tokens = sum(int(e["tokens"].shape[0] - e["answer_from"]) for e in train_set)
-    extra = {"data": str(data), "train_sequences": len(train_set), "train_answer_tokens": tokens, "eval_sequences": len(eval_set)}
+    extra = {"data": _portable(data), "train_sequences": len(train_set), "train_answer_tokens": tokens, "eval_sequences": len(eval_set)}
     t0 = time.perf_counter()
     if on_cluster:
         from training.ray_train import train_on_cluster
@@ -129,6 +148,19 @@ def train_on_data(
         "agreement_before": training.get("eval_agreement_before"),
         "agreement_after": training.get("eval_agreement"),
     }
+
+
+def _portable(path: Path) -> str:
+    """A path as a record keeps it: relative to the repository when inside it (no machine paths in shipped records).
+
+    >>> _portable(Path(__file__).resolve().parents[1] / "data" / "distill"), _portable(Path("/elsewhere/d"))
+    ('data/distill', '/elsewhere/d')
+    """
+    root = Path(__file__).resolve().parents[1]
+    try:
+        return str(Path(path).resolve().relative_to(root))
+    except ValueError:
+        return str(path)
 
 
 def publish(work: Path, shipped: Path) -> Path:
