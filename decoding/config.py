@@ -63,9 +63,11 @@ class SpecConfig:
 
     Common fields
     -------------
-    method: one of ``ar`` (baseline), ``sps`` (separate draft model),
-        ``ngram`` (prompt lookup), ``early-exit`` (self-speculation) and
-        ``pearl`` (draft and target in parallel on two workers).
+    method: one of ``decoding.methods.METHODS``: ``ar`` (baseline), ``sps`` (separate draft model),
+        ``ngram`` (prompt lookup), ``early-exit`` (self-speculation),
+        ``pearl`` (draft and target in parallel on two workers), ``swift``
+        (layer skipping), ``del`` (dynamic exit), ``ead`` (lossy: entropy-switched
+        small and large model), and the others of the table.
     model: ``smollm2-135m`` (bundled) or a local Hugging Face model directory.
 
     Options (each method reads some; ``decoding.methods.OPTION_GROUPS``)
@@ -153,6 +155,19 @@ class SpecConfig:
     draft_vocab: for ``trained``, draft over only this many of the most
         frequent tokens of the drafter's training data (VocabTrim: a smaller
         LM head for drafting); 0 = the full head.
+    stop_threshold / stop_head: SpecDec++'s stop on a model drafter's chains
+        (``sps``, ``eagle``, ``early-exit``, ``trained``, ``swift``, ``del``;
+        decoding/drafters/stop_head.py): a chain stops once the predicted
+        probability that one of its drafts is rejected passes ``stop_threshold``
+        (0 = off); ``stop_head`` names the head's artifact (default: the one
+        shipped for the drafter). Chains only.
+    swift_skip / swift_trials: for ``swift`` (decoding/drafters/swift.py), the
+        share of the skippable layers (all but the first and last) a draft
+        skips, and the trials of the search for which ones.
+    ead_threshold / ead_window: for ``ead`` (lossy; decoding/drafters/ead.py),
+        the small model writes while the mean entropy (nats) of its last
+        ``ead_window`` predictions stays at or under ``ead_threshold``; ``k``
+        caps one run of it.
     device: where the model(s) of an in-process decoder live: ``auto`` (CUDA
         when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``. Inside Ray
         workers the outer layers turn ``auto`` into the GPU Ray gave the worker,
