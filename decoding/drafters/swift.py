@@ -20,7 +20,8 @@ the LM head); the candidate replaces the incumbent when it scores higher. All se
 The search lives in the decoder's ``DraftMemory`` (``draft_memory=warm``: what one request found, the next starts
 from; ``cold``: every request searches anew).
 
-Host reads: one per trial (the two scores), and the confidence stop's one per drafted token.
+Host reads: one per trial (the two scores), and the confidence stop's one per drafted token; the search's own draws are
+a seeded ``random.Random`` on the host.
 
 >>> kept_segments((3, 4, 6), depth=8)
 [(0, 3), (5, 6), (7, 8)]
@@ -30,6 +31,7 @@ Host reads: one per trial (the two scores), and the confidence stop's one per dr
 
 from __future__ import annotations
 
+import random
 import threading
 
 import torch
@@ -105,7 +107,7 @@ class LayerSearch:
         self.trials_left = trials
         self.best = first_skip_set(depth, skip)
         self.history: list[dict] = []  # per trial: candidate, both scores, kept or not
-        self.generator = torch.Generator().manual_seed(seed)
+        self.rng = random.Random(seed)  # host-side draws: the search reads nothing back from a device
         self.lock = threading.Lock()
 
     def candidate(self) -> tuple[int, ...]:
@@ -114,9 +116,7 @@ class LayerSearch:
         kept = [layer for layer in skippable(self.depth) if layer not in skipped]
         if not kept:
             return self.best
-        out = int(torch.randint(len(skipped), (1,), generator=self.generator))
-        into = int(torch.randint(len(kept), (1,), generator=self.generator))
-        skipped[out] = kept[into]
+        skipped[self.rng.randrange(len(skipped))] = kept[self.rng.randrange(len(kept))]
         return tuple(sorted(skipped))
 
 
