@@ -18,8 +18,8 @@ from decoding.builders import builder_of
 from decoding.config import SpecConfig
 from decoding.decoder import DecoderBase, context_error, decode, encode
 from decoding.drafters import artifacts, base, dynamic_exit, ead, model_free, ngram, swift
+from decoding.drafters.artifacts import with_stop_head
 from decoding.drafters.base import Drafter
-from decoding.drafters.stop_head import with_stop_head
 from decoding.errors import ConfigError
 from decoding.loop.goodput import CALIBRATION_ROWS, CostModel
 from decoding.loop.loop import Batch, ContextTooLong, Generation, Sequence, generate_many

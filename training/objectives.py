@@ -228,15 +228,23 @@ def hydra_objectives(module, shared: Shared, ex: dict, knobs: dict) -> Objective
     return pairs, None
 
 
+def _source_drafter(name: str, target_hf):
+    """(recipe, module, knobs) of the drafter artifact a stop head learns (loads are cached per target)."""
+    from decoding.drafters.artifacts import load_artifact
+
+    art = load_artifact(name, target_hf)
+    return art.recipe, art.module, art.knobs
+
+
 def stop_rows(module, shared: Shared, ex: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The stop head's rows of one window: (features [N, 8] of the source drafter's draft distributions, labels [N]
     1.0 where its top-1 equals the target's: the greedy acceptance of that draft, given the drafts before it were
     accepted). The source's own recipe objective gives its logits (frozen; for eagle every unrolled step, so deeper
     drafts' features are its own); ``exit``: the target's head on one of its upper layers, which the window's start
     picks (the full LM head over every layer would cost as many heads)."""
-    from decoding.drafters.stop_head import exit_layers, stop_features
+    from decoding.drafters.stop_head import EXIT_SOURCE, exit_layers, stop_features
 
-    source = module.source_drafter()
+    source = None if module.source == EXIT_SOURCE else _source_drafter(module.source, module.target_hf)
     with torch.no_grad():
         if source is None:
             depth = shared.config.num_hidden_layers

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from decoding.errors import ConfigError
+from training.stop_head import portable, train_stop_head
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,7 @@ def train_on_data(
     from training.features import TargetFeatures, distill_training_set
     from training.trainer import TrainSpec
 
-    if run.recipe == "stop" and not on_cluster:  # 161 parameters: every row computed once, then fitted at once
-        from training.stop_head import train_stop_head
-
+    if run.recipe == "stop":  # 161 parameters: every row computed once, then fitted at once (no cluster needed)
         return train_stop_head(run, Path(data), Path(out), model, device, features_quant, deadline)
 
     target = load_model(model, "float32", device).model  # the drafter's shared parts train in float32
@@ -106,7 +105,7 @@ def train_on_data(
         eval_every=run.eval_every,
     )
     tokens = sum(int(e["tokens"].shape[0] - e["answer_from"]) for e in train_set)
-    extra = {"data": _portable(data), "train_sequences": len(train_set), "train_answer_tokens": tokens, "eval_sequences": len(eval_set)}
+    extra = {"data": portable(data), "train_sequences": len(train_set), "train_answer_tokens": tokens, "eval_sequences": len(eval_set)}
     t0 = time.perf_counter()
     if on_cluster:
         from training.ray_train import train_on_cluster
@@ -148,19 +147,6 @@ def train_on_data(
         "agreement_before": training.get("eval_agreement_before"),
         "agreement_after": training.get("eval_agreement"),
     }
-
-
-def _portable(path: Path) -> str:
-    """A path as a record keeps it: relative to the repository when inside it (no machine paths in shipped records).
-
-    >>> _portable(Path(__file__).resolve().parents[1] / "data" / "distill"), _portable(Path("/elsewhere/d"))
-    ('data/distill', '/elsewhere/d')
-    """
-    root = Path(__file__).resolve().parents[1]
-    try:
-        return str(Path(path).resolve().relative_to(root))
-    except ValueError:
-        return str(path)
 
 
 def publish(work: Path, shipped: Path) -> Path:

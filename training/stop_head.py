@@ -28,6 +28,19 @@ import torch.nn.functional as F
 EPOCHS = 400
 
 
+def portable(path: Path) -> str:
+    """A path as a record keeps it: relative to the repository when inside it (no machine paths in shipped records).
+
+    >>> portable(Path(__file__).resolve().parents[1] / "data" / "distill"), portable(Path("/elsewhere/d"))
+    ('data/distill', '/elsewhere/d')
+    """
+    root = Path(__file__).resolve().parents[1]
+    try:
+        return str(Path(path).resolve().relative_to(root))
+    except ValueError:
+        return str(path)
+
+
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     """Area under the ROC curve: P(a random accepted row scores above a random rejected one), ties count half."""
     pos, neg = scores[labels > 0.5], scores[labels <= 0.5]
@@ -106,7 +119,6 @@ def train_stop_head(run, data: Path, out: Path, model: str, device: str, feature
     from decoding.drafters.trained import Shared, get_recipe
     from decoding.model.models import load_model
     from training.features import TargetFeatures, distill_training_set
-    from training.runs import _portable
 
     t0 = time.time()
     target = load_model(model, "float32", device).model
@@ -141,7 +153,7 @@ def train_stop_head(run, data: Path, out: Path, model: str, device: str, feature
         "eval_agreement_before": [before["accuracy"]],
         "eval_agreement": [after["accuracy"]],  # the head's accuracy: does it predict acceptance (> 0.5) right
         "eval": after,
-        "data": _portable(data),
+        "data": portable(data),
         "collect_seconds": round(t_collect, 1),
         "train_seconds_this_run": round(time.time() - t0, 1),
     }

@@ -305,7 +305,7 @@ def train(
     }
     if save and chief:
         plot_loss(history, out / "loss.png", f"{spec.recipe} ({spec.loss})")
-        ranking = vocab if recipe.ranks_vocab else None  # VocabTrim's ranking, for drafters (not the stop head)
+        ranking = vocab if recipe.drafts else None  # VocabTrim's ranking, for drafters (not the stop head)
         save_artifact(out, spec.recipe, knobs, module, target_hf, target_name, training, vocab=ranking, weights_dtype=weights_dtype)
         import json
 

@@ -68,30 +68,19 @@ class StopHead(nn.Module):
     """The acceptance-prediction head: features of a draft distribution -> the logit of P(the target accepts it).
     A two-layer MLP of ``hidden`` units (8 * hidden + hidden + hidden + 1 parameters: 161 for hidden=16).
 
-    ``source`` names the drafter whose acceptance it learned (recorded in its artifact; training reads it through
-    ``training.objectives.stop_objectives``).
+    ``source`` names the drafter whose acceptance it learned (recorded in its artifact; training loads it,
+    ``training.objectives.stop_rows``). Its recipe (``stop``) and the config's way to it (``with_stop_head``) live in
+    ``decoding.drafters.artifacts``, which reads artifacts.
     """
 
     def __init__(self, hidden: int = 16, source: str = EXIT_SOURCE, target_hf=None):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(NUM_FEATURES, hidden), nn.SiLU(), nn.Linear(hidden, 1))
         self.source = source
-        object.__setattr__(self, "target_hf", target_hf)  # not a submodule: never trained or saved
-        self._source = None
+        object.__setattr__(self, "target_hf", target_hf)  # the target it was built for (not a submodule: never saved)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:  # [N, 8] -> [N]
         return self.net(features.to(self.net[0].weight.dtype)).squeeze(-1)
-
-    def source_drafter(self):
-        """(recipe, module, knobs) of the trained drafter the head learns, loaded once; None for ``exit``."""
-        if self.source == EXIT_SOURCE:
-            return None
-        if self._source is None:
-            from decoding.drafters.artifacts import load_artifact
-
-            art = load_artifact(self.source, self.target_hf)
-            object.__setattr__(self, "_source", (art.recipe, art.module, art.knobs))
-        return self._source
 
 
 class AcceptanceStop(StopRule):
@@ -137,32 +126,3 @@ def stop_source_of(drafter) -> str:
     if name == "sps" and adapter is not None and type(adapter.hf_model).__name__ == "DraftNet":
         return "distill"  # the distilled draft (a draft from the target's first layers reads the target's own head)
     return EXIT_SOURCE
-
-
-def stop_head_name(cfg, drafter) -> str:
-    """``stop_head`` when set, else the head shipped for the model and the drafter (``stop-exit`` when the drafter has
-    none of its own)."""
-    from decoding.drafters.artifacts import shipped_artifact
-
-    if cfg.stop_head:
-        return cfg.stop_head
-    found = shipped_artifact(cfg.model, f"stop-{stop_source_of(drafter)}") or shipped_artifact(cfg.model, f"stop-{EXIT_SOURCE}")
-    if found is None:
-        hint = "train one (specray train-drafter --recipe stop --knob source=NAME --data DIR) and set stop_head="
-        raise ConfigError("stop_head", f"no stop head ships for {cfg.model!r}; {hint}")
-    return found
-
-
-def with_stop_head(drafter, cfg, target):
-    """The drafter with SpecDec++'s stop rule when ``cfg.stop_threshold`` > 0 (its ``confidence_threshold`` kept beside
-    it); unchanged otherwise. Every model drafter drafts its chains through ``draft_chain`` with ``self.threshold``,
-    which takes the rule in the float's place."""
-    if drafter is None or not getattr(cfg, "stop_threshold", 0.0):
-        return drafter
-    if not chain_drafting(drafter) or not hasattr(drafter, "threshold"):
-        raise ConfigError("stop_threshold", f"the stop head stops chains; the {drafter.name} drafter here drafts trees")
-    from decoding.drafters.artifacts import load_recipe_artifact
-
-    head = load_recipe_artifact(stop_head_name(cfg, drafter), "stop", target.model).module
-    drafter.threshold = AcceptanceStop(head, cfg.stop_threshold, cfg.confidence_threshold)
-    return drafter

@@ -41,7 +41,6 @@ from decoding.drafters.draft_model import DraftModelDrafter
 from decoding.drafters.drafting import draft_chain, draft_tree, max_nodes_of
 from decoding.drafters.eagle import EagleDrafter, EagleNet, VocabHead
 from decoding.drafters.early_exit import EarlyExitDrafter
-from decoding.drafters.stop_head import EXIT_SOURCE, StopHead, exit_layers
 from decoding.errors import ConfigError
 from decoding.model.adapter import KVCache, ModelAdapter
 from decoding.trees.trees import Dynamic, Tree
@@ -399,7 +398,7 @@ class Recipe:
     name = ""
     knobs: dict = {}  # knob -> default; None = derived from the model (see defaults)
     drafts_trees = False  # its drafter takes a token-tree shape (else chains only)
-    ranks_vocab = True  # its artifact keeps the data's token ranking (VocabTrim); not for what drafts no tokens
+    drafts = True  # a drafter (its artifact keeps the data's token ranking, VocabTrim); not the stop head's recipe
 
     def defaults(self, depth: int) -> dict:
         return dict(self.knobs)
@@ -549,45 +548,9 @@ class EagleRecipe(Recipe):
         return EagleDrafter(module, confidence_threshold, tree)
 
 
-class StopRecipe(Recipe):
-    """SpecDec++'s acceptance-prediction head (``decoding.drafters.stop_head``) for the drafter ``source``: a shipped or
-    trained drafter artifact, or ``exit`` (the target's own head on intermediate layers: early exit, SWIFT, DEL). Not a
-    drafter: a stop rule for one (``stop_threshold``, ``stop_head``). Trained on whether the source's top-1 agrees with
-    the target's on the data (``training.objectives.stop_objectives``)."""
-
-    name = "stop"
-    knobs = {"source": EXIT_SOURCE, "hidden": 16}
-    ranks_vocab = False
-
-    def check(self, knobs, depth):
-        unknown = sorted(set(knobs) - set(self.knobs))
-        if unknown:
-            raise ConfigError(unknown[0], f"not a knob of recipe {self.name!r}; knobs: {', '.join(self.knobs)}")
-        out = {**self.knobs, **knobs}
-        if not isinstance(out["source"], str) or not out["source"]:
-            raise ConfigError("source", f"expected a drafter artifact name or {EXIT_SOURCE!r}, got {out['source']!r}")
-        if not isinstance(out["hidden"], int) or isinstance(out["hidden"], bool) or out["hidden"] < 1:
-            raise ConfigError("hidden", f"expected an integer >= 1, got {out['hidden']!r}")
-        return out
-
-    def data_layers(self, knobs, depth):
-        if knobs["source"] == EXIT_SOURCE:
-            return [*exit_layers(depth), depth]
-        from decoding.drafters.artifacts import read_description  # artifacts imports this module
-
-        desc = read_description(knobs["source"])[1]
-        source = get_recipe(desc["recipe"])
-        return source.data_layers(source.check(desc.get("knobs", {}), depth), depth)
-
-    def build(self, hf_model, knobs):
-        return StopHead(knobs["hidden"], knobs["source"], hf_model)
-
-    def drafter(self, module, knobs, confidence_threshold, tree=None):
-        raise ConfigError("drafter", "a stop head is not a drafter: use it with stop_head=NAME and stop_threshold=H")
-
-
+# the drafters' recipes; ``decoding.drafters.artifacts`` adds the stop head's (``stop``), which needs to read artifacts
 RECIPES: dict[str, Recipe] = {
-    r.name: r for r in (KangarooRecipe(), MedusaRecipe(), HydraRecipe(), FeatureRecipe(), DistillRecipe(), EagleRecipe(), StopRecipe())
+    r.name: r for r in (KangarooRecipe(), MedusaRecipe(), HydraRecipe(), FeatureRecipe(), DistillRecipe(), EagleRecipe())
 }
 
 
