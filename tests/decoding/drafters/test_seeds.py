@@ -44,8 +44,8 @@ def top_quiet():
 
 # ---- SWIFT --------------------------------------------------------------------------------------------------------
 def test_swift_layer_sets():
-    assert first_skip_set(30, 0.4) == tuple(range(18, 29))  # 11 of the 28 skippable layers, just below the top
-    assert kept_segments(first_skip_set(30, 0.4), 30) == [(0, 18), (29, 30)]
+    assert first_skip_set(30, 0.4) == tuple(range(10, 21))  # 11 of the 28 skippable layers, around the middle
+    assert kept_segments(first_skip_set(30, 0.4), 30) == [(0, 10), (21, 30)]
     assert expected_speed(0.0, 28, 30, 1.0, 8.0, 4) < 1.0  # drafting that is never accepted loses
     assert expected_speed(0.95, 10, 30, 1.0, 8.0, 6) > expected_speed(0.95, 20, 30, 1.0, 8.0, 6) > 1.0  # cheaper wins
 
@@ -54,13 +54,25 @@ def test_swift_is_greedy_lossless_and_its_search_finds_the_quiet_layers(deep):
     target = ModelAdapter(deep)
     ref = generate(target, PROMPT, max_new_tokens=120).token_ids
     search = LayerSearch(6, 0.5, trials=24, seed=0)
-    assert search.best == (3, 4)
+    assert search.best == (2, 3) and search.speed is None
     out = generate(target, PROMPT, drafter=SwiftDrafter(search), k=3, max_new_tokens=120)
     assert out.token_ids == ref  # the trials save and restore the window's KV: the output is AR's
     assert search.history and search.trials_left < 24
-    assert search.best == (1, 2), search.history  # skipping the quiet layers agrees best at the same cost
+    assert search.best == (1, 2), search.history  # skip both quiet layers, no loud one: agrees best for what it costs
+    assert search.speed > 1.0 and search.length >= 1
     again = generate(target, PROMPT, drafter=SwiftDrafter(search), k=3, max_new_tokens=60)
     assert again.token_ids == ref[:60] and again.stats.mean_accepted_tokens > 2.0  # found set: most drafts accepted
+
+
+def test_swift_takes_plain_steps_where_no_skipped_set_pays():
+    loud = quiet_layers(tiny_llama(layers=6, seed=4), range(1, 5), scale=6.0)  # every skippable layer matters
+    target = ModelAdapter(loud)
+    search = LayerSearch(6, 0.5, trials=8, seed=0)
+    out = generate(target, PROMPT, drafter=SwiftDrafter(search), k=3, max_new_tokens=80)
+    assert out.token_ids == generate(target, PROMPT, max_new_tokens=80).token_ids
+    assert search.history and search.speed is not None and search.speed < 1.0
+    scored = len(out.steps) - 8  # after the first trials
+    assert all(step.drafted == 0 for step in out.steps[scored:])
 
 
 def test_swift_confidence_stop_drafts_less(deep):
