@@ -385,7 +385,7 @@ METHOD_TABLE: dict[str, Method] = {
             "searched during generation (swift_trials trials of a local random search), with a confidence stop",
             (
                 KnobSpec("k", "int", 1, 10),
-                KnobSpec("swift_skip", "float", 0.2, 0.6, step=0.05),
+                KnobSpec("swift_skip", "float", 0.1, 0.6, step=0.05),
                 _CONFIDENCE,
                 _STOP,
             ),
