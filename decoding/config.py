@@ -98,6 +98,19 @@ drafter: for ``trained``, a trained drafter artifact (its name under
 draft_vocab: for ``trained``, draft over only this many of the most
     frequent tokens of the drafter's training data (VocabTrim: a smaller
     LM head for drafting); 0 = the full head.
+stop_threshold / stop_head: SpecDec++'s stop on a model drafter's chains
+    (``sps``, ``eagle``, ``early-exit``, ``trained``, ``swift``, ``del``;
+    decoding/drafters/stop_head.py): a chain stops once the predicted
+    probability that one of its drafts is rejected passes ``stop_threshold``
+    (0 = off); ``stop_head`` names the head's artifact (default: the one
+    shipped for the drafter). Chains only.
+swift_skip / swift_trials: for ``swift`` (decoding/drafters/swift.py), the
+    share of the skippable layers (all but the first and last) a draft
+    skips, and the trials of the search for which ones.
+ead_threshold / ead_window: for ``ead`` (lossy; decoding/drafters/ead.py),
+    the small model writes while the mean entropy (nats) of its last
+    ``ead_window`` predictions stays at or under ``ead_threshold``; ``k``
+    caps one run of it.
 recycling / suffix / hybrid (decoding/drafters/recycling.py, suffix.py, hybrid.py):
     model-free tree drafters, ``k`` is the tree depth. ``recycle_width``:
     candidates kept per token in Token Recycling's adjacency matrix (1 =
@@ -232,6 +245,17 @@ class SpecConfig:
     suffix_depth: int = 24
     suffix_cache_tokens: int = 16384
     draft_memory: str = "warm"
+    # the stop head (decoding/drafters/stop_head.py): stop a chain once the predicted probability that one of its drafts
+    # is rejected passes stop_threshold (0 = off); stop_head: an artifact (default: the one shipped for the drafter)
+    stop_threshold: float = 0.0
+    stop_head: str | None = None
+    # method=swift (decoding/drafters/swift.py): the share of the skippable layers a draft skips, trials of the search
+    swift_skip: float = 0.2  # SWIFT's paper skips 45% of a 13B model's layers; a 135M model has less to spare
+    swift_trials: int = 16
+    # method=ead (decoding/drafters/ead.py, lossy): the small model writes while the mean entropy (nats) of its last
+    # ead_window predictions stays at or under ead_threshold
+    ead_threshold: float = 1.5
+    ead_window: int = 4
     # placement=actors (and pearl): see cluster/placement.py; None = chosen from the cluster's resources
     placement: str = "local"
     draft_threads: int | None = None
@@ -436,6 +460,22 @@ def _check_memory(c: SpecConfig) -> None:
     _check(c.draft_memory in DRAFT_MEMORIES, "draft_memory", f"unknown draft memory {c.draft_memory!r}; choose from {memories}")
 
 
+def _check_stop(c: SpecConfig) -> None:
+    _check(0.0 <= c.stop_threshold < 1.0, "stop_threshold", f"must be in [0, 1) (0 = no stop head), got {c.stop_threshold}")
+    _check(c.stop_threshold == 0 or c.tree == "chain", "stop_threshold", f"the stop head stops chains; tree={c.tree} drafts a tree")
+
+
+def _check_swift(c: SpecConfig) -> None:
+    _check(0.0 < c.swift_skip < 1.0, "swift_skip", f"must be in (0, 1), got {c.swift_skip}")
+    _check(c.swift_trials >= 0, "swift_trials", f"must be >= 0 (0 = no search), got {c.swift_trials}")
+
+
+def _check_ead(c: SpecConfig) -> None:
+    _check(c.ead_threshold >= 0, "ead_threshold", f"must be >= 0 (nats), got {c.ead_threshold}")
+    _check(c.ead_window >= 1, "ead_window", f"must be >= 1, got {c.ead_window}")
+    _check(not (c.method == "ead" and c.adaptive_k), "k", "ead switches models by entropy: k=auto does not apply")
+
+
 def _check_actors(c: SpecConfig) -> None:
     _check(c.placement in PLACEMENTS, "placement", f"unknown placement {c.placement!r}; choose from {', '.join(PLACEMENTS)}")
     for name in ("draft_threads", "target_threads"):
@@ -468,6 +508,9 @@ _GROUP_CHECKS = {
     "recycling": _check_recycling,
     "suffix": _check_suffix,
     "memory": _check_memory,
+    "stop": _check_stop,
+    "swift": _check_swift,
+    "ead": _check_ead,
     "actors": _check_actors,
 }
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from decoding.errors import ConfigError
 from decoding.loop.prefill import ContextTooLong
+from decoding.methods import method_of
 
 if TYPE_CHECKING:
     import torch
@@ -83,10 +84,12 @@ class DecoderBase:
         return self.run(self.sequence(prompt_ids, max_new_tokens, seed, on_step))
 
     def generate_text(self, prompt: str | list[dict], chat: bool = False, max_new_tokens: int | None = None, seed: int | None = None):
-        """The CLI's JSON shape: method, text, token_ids, finish_reason, stats."""
+        """The CLI's JSON shape: method, lossy (a method whose output is not the target's: EAD), text, token_ids,
+        finish_reason, stats."""
         out = self.generate_ids(self.encode(prompt, chat), max_new_tokens, seed)
         return {
             "method": self.cfg.method,
+            "lossy": method_of(self.cfg.method).lossy,
             "text": self.decode(out.token_ids),
             "token_ids": out.token_ids,
             "finish_reason": out.finish_reason,

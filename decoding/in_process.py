@@ -18,7 +18,8 @@ import torch
 from decoding.builders import builder_of
 from decoding.config import SpecConfig
 from decoding.decoder import DecoderBase, context_error, decode, encode
-from decoding.drafters import artifacts, base, model_free, ngram
+from decoding.drafters import artifacts, base, dynamic_exit, ead, model_free, ngram, swift
+from decoding.drafters.artifacts import with_stop_head
 from decoding.drafters.base import Drafter
 from decoding.errors import ConfigError
 from decoding.loop.batch import Sequence, generate_many, run_alone
@@ -35,7 +36,7 @@ from decoding.timing import device_name
 from decoding.trees.shapes import tree_shape
 
 # the modules that define the methods' drafters: importing them registers their builders (decoding.builders)
-DRAFTER_MODULES = (base, ngram, model_free, artifacts, triforce)
+DRAFTER_MODULES = (base, ngram, model_free, artifacts, triforce, swift, dynamic_exit, ead)
 log = logging.getLogger(__name__)
 _COSTS: dict[tuple, CostModel] = {}
 _COSTS_LOCK = threading.Lock()
@@ -86,7 +87,8 @@ def build_drafter(cfg: SpecConfig, target: LoadedModel, device: str | torch.devi
     ``memory``: the decoder's ``DraftMemory`` (state of model-free drafters that outlives a request).
     """
     device = target.device if device is None else device
-    return builder_of(method_of(cfg.method).name)(cfg, target, device, memory)
+    drafter = builder_of(method_of(cfg.method).name)(cfg, target, device, memory)
+    return with_stop_head(drafter, cfg, target)  # SpecDec++'s stop rule on its chains when stop_threshold > 0
 
 
 class SpecDecoder(DecoderBase):

@@ -86,6 +86,9 @@ OPTION_GROUPS: dict[str, tuple[str, ...]] = {
     "recycling": ("recycle_width",),
     "suffix": ("suffix_factor", "suffix_min_prob", "suffix_depth", "suffix_cache_tokens"),
     "memory": ("draft_memory",),
+    "stop": ("stop_threshold", "stop_head"),  # SpecDec++'s acceptance-prediction stop (decoding/drafters/stop_head.py)
+    "swift": ("swift_skip", "swift_trials"),
+    "ead": ("ead_threshold", "ead_window"),
     # placement=actors: every method the workers can run reads these
     "actors": (
         "placement",
@@ -126,6 +129,8 @@ _TREE = (KnobSpec("tree", "choice", choices=("chain", "sequoia", "dyspec")), Kno
 # this host's verification cost)
 _FIT = (KnobSpec("tree_fit", "choice", choices=("measured", "budget")), KnobSpec("tree_budget", "int", 4, 48))
 _RECYCLE = (KnobSpec("recycle_width", "int", 1, 8),)
+# SpecDec++'s stop head: stop once the predicted probability that a draft of the chain is rejected passes it; 0 = off
+_STOP = KnobSpec("stop_threshold", "float", 0.0, 0.9, step=0.05)
 _SUFFIX = (KnobSpec("suffix_factor", "float", 0.5, 4.0, step=0.5), KnobSpec("suffix_min_prob", "float", 0.0, 0.5, step=0.05))
 
 
@@ -165,12 +170,39 @@ def _fit_trained(values: dict, base: SpecConfig, artifacts: ArtifactFacts) -> di
 
 def _fit_early_exit(values: dict, base: SpecConfig, artifacts: ArtifactFacts) -> dict:
     """With the drafters shipped for the model (no drafter= of the user's), a sampled exit layer snaps to the nearest
-    one that has a trained Kangaroo adapter: the exit-layer search compares adapted exits."""
+    one that has a trained Kangaroo adapter: the exit-layer search compares adapted exits. A Kangaroo adapter (shipped
+    for that exit, or the user's drafter=) drafts chains only, so its trials get a chain, not a failed trial."""
     if "exit_layer" in values and base.drafter is None:
         layers = artifacts.shipped_exit_layers(base.model)
         if layers:
             values["exit_layer"] = min(layers, key=lambda layer: (abs(layer - values["exit_layer"]), layer))
+    if values.get("tree", base.tree) != "chain":
+        exit_layer = values.get("exit_layer", base.exit_layer)
+        if base.drafter is None:
+            chains = exit_layer in artifacts.shipped_exit_layers(base.model)
+        else:  # drafter=none: plain early exit (trees are fine); else the artifact says
+            chains = base.drafter != "none" and not artifacts.drafts_trees(base.drafter)
+        if chains:
+            values["tree"] = "chain"
+            values.pop("tree_budget", None)
     return values
+
+
+def _fit_stop(values: dict, base: SpecConfig, artifacts: ArtifactFacts) -> dict:
+    """The stop head stops chains: a sample that drafts a tree runs without it (not an invalid trial)."""
+    if values.get("tree", base.tree) != "chain" and values.get("stop_threshold"):
+        values["stop_threshold"] = 0.0
+    return values
+
+
+def _and_stop(fit: Callable[[dict, SpecConfig, ArtifactFacts], dict] | None):
+    """A method's fit hook followed by :func:`_fit_stop` (whose tree the method's own hook may have changed)."""
+
+    def both(values: dict, base: SpecConfig, artifacts: ArtifactFacts) -> dict:
+        return _fit_stop(fit(values, base, artifacts) if fit is not None else values, base, artifacts)
+
+    both.__doc__ = (fit.__doc__ or "") + " Then: " + (_fit_stop.__doc__ or "")
+    return both
 
 
 # ---- the entries --------------------------------------------------------------------------------------------------
@@ -212,6 +244,9 @@ class Method:
     # a sample's knob values, the base config, the artifacts' facts -> valid values
     fit: Callable[[dict, SpecConfig, ArtifactFacts], dict] | None = None
     local_note: str | None = None  # said in stats["placement"]["note"] when it runs in one process
+    # its output is not the target's (no verification: EAD): labelled wherever a user sees it, measured against AR, never
+    # published by Tune without an explicit opt-in, and served only under a name that says "lossy"
+    lossy: bool = False
     options: tuple[str, ...] = ()  # the OPTION_GROUPS it reads ("actors" too when it runs on actors)
     defaults: Mapping[str, object] = field(default_factory=dict)  # its own defaults of options (others: SpecConfig's)
 
@@ -233,11 +268,12 @@ METHOD_TABLE: dict[str, Method] = {
         Method(
             "sps",
             "a smaller model of the same tokenizer (draft_model, else the target's first draft_layers layers) drafts",
-            (_K, _DRAFT_LAYERS, _CONFIDENCE, *_TREE),
+            (_K, _DRAFT_LAYERS, _CONFIDENCE, *_TREE, _STOP),
             actors=_ON_TWO_WORKERS,
             layer_knob="draft_layers",
             draft_model_replaces_layers=True,
-            options=("draft", "draft_model", "confidence", "tree"),
+            fit=_and_stop(None),
+            options=("draft", "draft_model", "confidence", "tree", "stop"),
         ),
         Method(
             "ngram",
@@ -250,10 +286,10 @@ METHOD_TABLE: dict[str, Method] = {
         Method(
             "early-exit",
             "self-speculation: the target's first exit_layer layers draft",
-            (_K, KnobSpec("exit_layer", "int", 1, DEPTH), _CONFIDENCE, *_TREE),
+            (_K, KnobSpec("exit_layer", "int", 1, DEPTH), _CONFIDENCE, *_TREE, _STOP),
             layer_knob="exit_layer",
-            fit=_fit_early_exit,
-            options=("draft", "exit", "confidence", "tree", "drafter"),
+            fit=_and_stop(_fit_early_exit),
+            options=("draft", "exit", "confidence", "tree", "drafter", "stop"),
             # the bundled model's shipped Kangaroo adapter after layer 6, two tokens a step (one Spec-Bench prompt, 2
             # threads, 64 tokens: exit 6 k=2 40.6 tok/s, k=3 37.5, k=4 28.5; exit 12 k=2 32.5; exit 24 without an
             # adapter, the old default, 22.7; AR 60.5)
@@ -300,11 +336,12 @@ METHOD_TABLE: dict[str, Method] = {
                 KnobSpec("drafter", "choice", choices=("",)),
                 KnobSpec("draft_vocab", "choice", choices=(0, 4096, 8192, 16384)),
                 *_TREE,
+                _STOP,
             ),
             needs_drafter=True,
             resolve=_resolve_trained,
-            fit=_fit_trained,
-            options=("draft", "confidence", "drafter", "vocab", "tree"),
+            fit=_and_stop(_fit_trained),
+            options=("draft", "confidence", "drafter", "vocab", "tree", "stop"),
         ),
         Method(
             "eagle",
@@ -316,8 +353,10 @@ METHOD_TABLE: dict[str, Method] = {
                 KnobSpec("tree", "choice", choices=("levels", "dyspec", "chain")),
                 KnobSpec("tree_budget", "int", 8, 64),
                 *_FIT[:1],
+                _STOP,
             ),
-            options=("draft", "confidence", "drafter", "tree"),
+            fit=_and_stop(None),
+            options=("draft", "confidence", "drafter", "tree", "stop"),
             # a 3-token chain: on this project's 2-core CPU every draft forward of the head costs about a tenth of the
             # target's step, so chains beat trees (six first-turn Spec-Bench prompts, 2 threads: chain k=3 0.69x AR,
             # levels of 4 or 8 nodes 0.53x / 0.51x, dyspec of 32 0.24x); --set tree=levels for a GPU's cheap width
@@ -340,6 +379,42 @@ METHOD_TABLE: dict[str, Method] = {
             "recycling, suffix and prompt-lookup drafts merged into one tree",
             (_K, *_RECYCLE, *_SUFFIX, *_FIT),
             options=("draft", "recycling", "suffix", "ngram", "tree", "memory", "drafter", "confidence"),
+        ),
+        Method(
+            "swift",
+            "SWIFT: the target drafts for itself with a swift_skip share of its intermediate layers skipped, the skipped set "
+            "searched during generation (swift_trials trials of a local random search), with a confidence stop",
+            (
+                KnobSpec("k", "int", 1, 10),
+                KnobSpec("swift_skip", "float", 0.1, 0.6, step=0.05),
+                _CONFIDENCE,
+                _STOP,
+            ),
+            options=("draft", "swift", "confidence", "memory", "stop"),
+            defaults={"k": 4, "confidence_threshold": 0.6},
+        ),
+        Method(
+            "del",
+            "DEL: early exit whose exit layer and draft length are chosen per step from each candidate exit's tracked "
+            "acceptance (tokens per layer); a plain target step where no exit pays",
+            (KnobSpec("k", "int", 1, 8), _CONFIDENCE, _STOP),
+            options=("draft", "confidence", "stop"),
+            defaults={"k": 4},
+        ),
+        Method(
+            "ead",
+            "EAD (LOSSY): a small model (the distilled draft, draft_model or the target's first draft_layers layers) "
+            "generates while the rolling entropy of its predictions stays under ead_threshold, the target above it; no "
+            "verification",
+            (
+                KnobSpec("ead_threshold", "float", 0.25, 4.0, step=0.25),
+                KnobSpec("ead_window", "int", 1, 16),
+                KnobSpec("k", "int", 4, 32),
+            ),
+            lossy=True,
+            serves_auto_k=False,
+            options=("draft", "draft_model", "ead"),
+            defaults={"k": 16},
         ),
     )
 }

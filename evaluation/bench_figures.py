@@ -54,7 +54,10 @@ GEN_COLUMNS = (
     "identical",  # greedy output token-identical to AR's on the same prompt and repeat; None = not compared
     "first_diff",  # first differing position (0-based, among the new tokens); None when identical
     "margin",  # AR's top-1 minus top-2 target logit at first_diff
-    "suspicious",  # the divergence sits on a margin wider than the dtype's rounding
+    "suspicious",  # the divergence sits on a margin wider than the dtype's rounding (never for a lossy method)
+    "lossy",  # the method commits unverified tokens (EAD): its divergence from AR is measured, not a bug
+    "differ_share",  # greedy: share of the new tokens that differ from AR's at the same position; None = not compared
+    "large_share",  # a lossy method: share of the new tokens the target (the large model) produced
     "finish_reason",
     "config",  # SpecConfig JSON (or the peer's generate kwargs)
     "peak_rss_mb",  # the process's peak resident set during this generation (Linux; None elsewhere)
@@ -169,20 +172,54 @@ def margin_tolerance(dtype: str) -> float:
     return MARGIN_TOLERANCE.get(str(dtype).removeprefix("torch."), MARGIN_TOLERANCE["float32"])
 
 
-def compare_to_reference(tokens: Sequence[int], reference: Sequence[int], margins: Sequence[float], dtype: str) -> dict:
-    """Identity with the reference (AR) output; for a divergence its position, AR's margin there, and whether it is suspicious.
+def compare_to_reference(
+    tokens: Sequence[int], reference: Sequence[int], margins: Sequence[float], dtype: str, lossy: bool = False
+) -> dict:
+    """Identity with the reference (AR) output; for a divergence its position, AR's margin there, whether it is
+    suspicious (never for a ``lossy`` method: it diverges by design) and the share of positions that differ.
 
     >>> compare_to_reference([1, 2, 9], [1, 2, 3], [5.0, 4.0, 0.125], "bfloat16")
-    {'identical': False, 'first_diff': 2, 'margin': 0.125, 'suspicious': False}
+    {'identical': False, 'first_diff': 2, 'margin': 0.125, 'suspicious': False, 'differ_share': 0.3333333333333333}
     >>> compare_to_reference([7, 2, 3], [1, 2, 3], [5.0, 4.0, 0.125], "bfloat16")["suspicious"]
     True
     """
     pos = first_divergence(tokens, reference)
     if pos is None:
-        return {"identical": True, "first_diff": None, "margin": None, "suspicious": False}
+        return {"identical": True, "first_diff": None, "margin": None, "suspicious": False, "differ_share": 0.0}
     margin = float(margins[pos]) if pos < len(margins) else None
-    suspicious = margin is not None and margin > margin_tolerance(dtype)
-    return {"identical": False, "first_diff": pos, "margin": margin, "suspicious": suspicious}
+    suspicious = margin is not None and margin > margin_tolerance(dtype) and not lossy
+    return {
+        "identical": False,
+        "first_diff": pos,
+        "margin": margin,
+        "suspicious": suspicious,
+        "differ_share": differ_share(tokens, reference),
+    }
+
+
+def differ_share(tokens: Sequence[int], reference: Sequence[int]) -> float:
+    """Share of positions whose tokens differ (a position only one output reaches differs).
+
+    >>> differ_share([1, 2, 3, 4], [1, 5, 3]), differ_share([], [])
+    (0.5, 0.0)
+    """
+    n = max(len(tokens), len(reference))
+    if n == 0:
+        return 0.0
+    same = sum(a == b for a, b in zip(tokens, reference, strict=False))
+    return (n - same) / n
+
+
+def large_share(new_tokens: int, steps: Iterable[StepRecord]) -> float | None:
+    """A lossy (unverified) method's share of the new tokens the target produced: all but the drafts it committed.
+
+    >>> large_share(10, [StepRecord(4, 4, 0, 0), StepRecord(0, 0, 0, 0), StepRecord(3, 3, 0, 0)])
+    0.3
+    """
+    if new_tokens <= 0:
+        return None
+    small = sum(s.accepted for s in steps)
+    return max(0.0, new_tokens - small) / new_tokens
 
 
 # ---- summary maths -------------------------------------------------------------
@@ -288,6 +325,7 @@ def _method_figures(mrows: list, msteps: list, base_rows: list, repeats: list, i
     drafted = sum(s["drafted"] for s in msteps)
     forwards = [r["target_forwards"] for r in mrows if r["target_forwards"] is not None]
     new_tokens = sum(r["new_tokens"] for r in mrows)
+    lossy = any(bool(r.get("lossy")) for r in mrows)
     return {
         "kind": mrows[0]["kind"] if mrows else None,
         "prompts": len(mrows),
@@ -309,6 +347,8 @@ def _method_figures(mrows: list, msteps: list, base_rows: list, repeats: list, i
         "draft_ms_per_step": 1e3 * sum(s["draft_s"] for s in msteps) / n_steps if n_steps else None,
         "verify_ms_per_step": 1e3 * sum(s["verify_s"] for s in msteps) / n_steps if n_steps else None,
         "identity": None if is_baseline else _identity(mrows),
+        "lossy": lossy,
+        "divergence": divergence(mrows) if lossy else None,
     }
 
 
@@ -340,6 +380,28 @@ def _by_column(rows: list, column: str, methods: list, baseline: str) -> dict:
     return out
 
 
+def divergence(rows: Sequence[dict]) -> dict:
+    """A lossy method's distance from AR over its generation rows: the first divergence position (median, and how many
+    outputs never diverged), the share of tokens that differ and the share the large model produced (token-weighted).
+
+    >>> rows = [gen_row("ead", 1, "qa", new_tokens=10, identical=False, first_diff=4, differ_share=0.5, large_share=0.3),
+    ...         gen_row("ead", 2, "qa", new_tokens=30, identical=True, first_diff=None, differ_share=0.0, large_share=0.1)]
+    >>> d = divergence(rows); d["first_diff_median"], d["never_diverged"], d["differ_share"], round(d["large_share"], 3)
+    (4.0, 1, 0.125, 0.15)
+    """
+    compared = [r for r in rows if r.get("differ_share") is not None]
+    firsts = [r["first_diff"] for r in compared if r["first_diff"] is not None]
+    q = quantiles(firsts)
+    weigh = lambda key, rs: (sum(r[key] * r["new_tokens"] for r in rs) / tokens) if (tokens := sum(r["new_tokens"] for r in rs)) else None  # noqa: E731
+    return {
+        "compared": len(compared),
+        "never_diverged": sum(bool(r["identical"]) for r in compared),
+        "first_diff_median": q["median"] if q else None,
+        "differ_share": weigh("differ_share", compared) if compared else None,
+        "large_share": weigh("large_share", [r for r in rows if r.get("large_share") is not None]),
+    }
+
+
 def over_best_peer(methods: dict, categories: dict) -> dict | None:
     """Every specray method's tokens/s over the best peer mode's (HF's best, whichever mode that is), overall and per
     category (the best mode is picked per category). None without peer rows.
@@ -365,7 +427,8 @@ def over_best_peer(methods: dict, categories: dict) -> dict | None:
 
 def peer_comparison(methods: dict, baseline: str = BASELINE) -> dict | None:
     """specray AR vs HF plain generate, and specray's best method vs the best HF mode (None without peer rows)."""
-    ours = {m: v["tokens_per_s"] for m, v in methods.items() if v["kind"] == "specray"}
+    # the best specray method is a lossless one: a lossy method (EAD) is never the winner of a comparison
+    ours = {m: v["tokens_per_s"] for m, v in methods.items() if v["kind"] == "specray" and not v.get("lossy")}
     peers = {m: v["tokens_per_s"] for m, v in methods.items() if v["kind"] == "peer"}
     if not ours or not peers:
         return None

@@ -83,13 +83,17 @@ def report_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
         "identical",
         "suspicious",
     ]
+    lossy = any(v.get("lossy") for v in summary["methods"].values())
+    if lossy:  # a lossy method (EAD) is measured against AR: first divergence, tokens that differ, the large model's share
+        head += ["first diff (med)", "differ", "large model"]
     rows = []
     for m, v in summary["methods"].items():
         q = v["speedup_per_prompt"]
         ident = v["identity"]
+        d = v.get("divergence") or {}
         rows.append(
             [
-                m,
+                label(m, v),
                 str(v["prompts"]),
                 _f(v["tokens_per_s"], "{:.1f}"),
                 _f(v["speedup"]),
@@ -101,15 +105,29 @@ def report_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
                 f"{ident['identical']}/{ident['compared']}" if ident and ident["compared"] else "-",
                 str(ident["suspicious"]) if ident and ident["compared"] else "-",
             ]
+            + (
+                [_f(d.get("first_diff_median"), "{:.0f}"), _f(d.get("differ_share"), "{:.0%}"), _f(d.get("large_share"), "{:.0%}")]
+                if lossy
+                else []
+            )
         )
     return head, rows
+
+
+def label(method: str, figures: dict) -> str:
+    """A method's name in the tables, ``(LOSSY)`` after it when its output is not verified against the target.
+
+    >>> label("ead", {"lossy": True}), label("ngram", {"lossy": False})
+    ('ead (LOSSY)', 'ngram')
+    """
+    return f"{method} (LOSSY)" if figures.get("lossy") else method
 
 
 def render(summary: dict, file=None) -> None:
     file = file or sys.stdout
     head, rows = report_rows(summary)
     methods = summary["methods_order"]
-    cat_head = ["category"] + methods
+    cat_head = ["category"] + [label(m, summary["methods"][m]) for m in methods]
     cat_rows = [[c] + [_f(v[m]["speedup"]) for m in methods] for c, v in summary["categories"].items()]
     over = summary.get("over_best_peer")
     ours = [m for m in methods if summary["methods"][m]["kind"] == "specray"]
@@ -234,10 +252,11 @@ def results_markdown(summary: dict) -> str:
         if not over:
             return "-"
         v = over["categories"][c] if c in over["categories"] else over["overall"]
-        best = max(ours, key=lambda m: v.get(m) or 0.0)
+        lossless = [m for m in ours if not summary["methods"][m].get("lossy")] or ours  # never a lossy winner
+        best = max(lossless, key=lambda m: v.get(m) or 0.0)
         return f"{v[best]:.2f}x ({best} / {v['best_peer']})"
 
-    head = ["category", "prompts"] + methods + (["best specray / best HF"] if over else [])
+    head = ["category", "prompts"] + [label(m, summary["methods"][m]) for m in methods] + (["best specray / best HF"] if over else [])
     rows = []
     for c, v in summary["categories"].items():
         rows.append([c, str(v[base]["prompts"])] + [_f(v[m]["speedup"], "{:.2f}x") for m in methods] + ([best_over_hf(c)] if over else []))
@@ -250,16 +269,20 @@ def results_markdown(summary: dict) -> str:
 
     head2 = ["method", "tok/s", "speedup", "min category", "tau", "steps drafted", "draft ms/step", "verify ms/step", "drafting share"]
     head2.append("identical to ar")
+    lossy = any(summary["methods"][m].get("lossy") for m in summary["methods_order"])
+    if lossy:
+        head2 += ["first diff (median)", "tokens that differ", "large model's tokens"]
     rows2 = []
     for m in summary["methods_order"]:
         v = summary["methods"][m]
+        div = v.get("divergence") or {}
         d, w = v.get("draft_ms_per_step"), v.get("verify_ms_per_step")
         share = d / (d + w) if d is not None and w and d + w > 0 else None
         cats = [c[m]["speedup"] for c in summary["categories"].values() if c[m]["speedup"] is not None]
         ident = v.get("identity")
         rows2.append(
             [
-                m,
+                label(m, v),
                 _f(v["tokens_per_s"], "{:.1f}"),
                 _f(v["speedup"], "{:.2f}x"),
                 _f(min(cats) if cats and m != base else None, "{:.2f}x"),
@@ -270,6 +293,11 @@ def results_markdown(summary: dict) -> str:
                 _f(share, "{:.0%}"),
                 f"{ident['identical']}/{ident['compared']}" if ident and ident["compared"] else "-",
             ]
+            + (
+                [_f(div.get("first_diff_median"), "{:.0f}"), _f(div.get("differ_share"), "{:.0%}"), _f(div.get("large_share"), "{:.0%}")]
+                if lossy
+                else []
+            )
         )
     return per_category + "\n\n" + markdown_table(head2, rows2)
 
@@ -313,3 +341,37 @@ def publish(summary: dict, readme: Path) -> None:
         caption += f"\n\nRegenerate with:\n\n```\n{summary['command']}\n```"
     replace_block(readme, "bench-results", results_markdown(summary) + "\n\n" + caption)
     print(f"wrote the Results into {readme} and the plots to {docs}", file=sys.stderr)
+
+
+def plot_lossy(summary: dict, path: Path) -> Path:
+    """The lossy methods' trade-off: speedup over the baseline (tokens/s ratio) against the share of their tokens that
+    differ from its (greedy), each point labelled with its name, the target's share of the tokens and the median first
+    divergence. One point per lossy method (EAD at several thresholds: ``python -m jobs.bench_variants``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [(m, v) for m, v in summary["methods"].items() if v.get("lossy") and v.get("divergence")]
+    if not points:
+        raise ValueError("no lossy method with divergence figures in the summary (greedy runs measure them)")
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for m, v in points:
+        d = v["divergence"]
+        x, y = d["differ_share"] or 0.0, v["speedup"] or 0.0
+        ax.scatter([x], [y], s=60)
+        first = d["first_diff_median"]
+        note = f"{m}\nlarge model {d['large_share']:.0%}" + (f", 1st diff {first:.0f}" if first is not None else "")
+        ax.annotate(note, (x, y), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel(f"share of tokens that differ from {summary['baseline']}'s (greedy)")
+    ax.set_ylabel(f"speedup over {summary['baseline']} (tokens/s ratio)")
+    ax.set_title("lossy methods: speed against divergence")
+    ax.set_xlim(left=0.0)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -23,6 +23,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 
 from decoding.config import SpecConfig
+from decoding.methods import method_of
 from evaluation import bench_figures as bm
 from evaluation.workloads import Prompt
 
@@ -122,10 +123,13 @@ class PromptRunner:
         for name in names:
             kind, tokens, res = results[name]
             fid = {}
+            lossy = kind == "specray" and method_of(self.decoders[name].cfg.method).lossy
             if greedy and name != self.baseline:
                 if margins is None and bm.first_divergence(tokens, ref) is not None:
                     margins = bm.reference_margins(self.ar.target, ids, ref)
-                fid = bm.compare_to_reference(tokens, ref, margins or [], self.cfg.dtype)
+                fid = bm.compare_to_reference(tokens, ref, margins or [], self.cfg.dtype, lossy=lossy)
+            if lossy:  # EAD: labelled, and how much of the output the large model wrote
+                fid.update(lossy=True, large_share=bm.large_share(len(tokens), res.steps))
             common = dict(repeat=repeat, worker=self.worker, new_tokens=len(tokens), **fid)
             if kind == "specray":
                 s = res.stats

@@ -127,6 +127,7 @@ def measure(base, methods: list[str], rows: list[int], spec_rows: int, n_prompts
         ar.generate_batch(prompts[:r], max_new_tokens=4, max_rows=r)  # warm-up at this batch size
         sweep[r] = timed(lambda r=r: sum(len(g.token_ids) for g in ar.generate_batch(prompts[:r], max_rows=r)))
     summary["batched_ar"] = sweep
+
     def batch_of(dec):
         return sum(len(g.token_ids) for g in dec.generate_batch(prompts[:spec_rows], max_rows=spec_rows))
 

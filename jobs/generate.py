@@ -65,8 +65,9 @@ def main_with_args(args) -> int:
     else:
         s = out["stats"]
         print(out["text"])
+        label = f"{cfg.method}, LOSSY: not verified against the target" if out["lossy"] else cfg.method
         print(
-            f"\n[{cfg.method}] {s['new_tokens']} tokens in {s['wall_s']:.2f}s = {s['tokens_per_s']:.1f} tok/s, "
+            f"\n[{label}] {s['new_tokens']} tokens in {s['wall_s']:.2f}s = {s['tokens_per_s']:.1f} tok/s, "
             f"{s['target_forwards']} target forwards, {s['mean_accepted_tokens']:.2f} tokens/forward",
             file=sys.stderr,
         )

@@ -85,9 +85,8 @@ def print_table(rows: list, location: str) -> None:
         return
     table = [COLUMNS]
     for s in rows:
-        table.append(
-            (s.name, _fmt(s.method), _fmt(s.version), _fmt(s.speedup, ".2f"), _fmt(s.tokens_per_s, ".1f"), _fmt(s.created_at), s.status)
-        )
+        method = _fmt(s.method) + (" (LOSSY)" if s.lossy else "")  # unverified tokens (EAD): not the target's output
+        table.append((s.name, method, _fmt(s.version), _fmt(s.speedup, ".2f"), _fmt(s.tokens_per_s, ".1f"), _fmt(s.created_at), s.status))
     widths = [max(len(r[i]) for r in table) for i in range(len(COLUMNS))]
     for r in table:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())

@@ -76,6 +76,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument(
         "--publish", nargs="?", const="", metavar="NAME", help="put the winner into the registry (default name <model>/<workload>/<method>)"
     )
+    p.add_argument(
+        "--allow-lossy",
+        action="store_true",
+        help="let a lossy method (ead: unverified tokens) be the winner; it is labelled lossy and published as "
+        "<model>/<workload>/<method>-lossy (without this flag lossy trials are measured but never chosen)",
+    )
     p.add_argument("--registry", help="registry URL (redis://...) or directory (default SPECRAY_REDIS_URL, else $SPECRAY_HOME/registry)")
     p.add_argument(
         "--verify-best",
@@ -166,6 +172,7 @@ def settings_from_args(args):
         seed_defaults=not args.no_seed_defaults,
         holdout=args.holdout,
         verify_repeats=args.verify_repeats,
+        allow_lossy=args.allow_lossy,
     )
 
 
@@ -260,6 +267,7 @@ def run(args, callbacks=None) -> tuple[int, dict]:
 def publish(name: str, winner: SpecConfig | None, best: dict | None, summary: dict, settings, registry: str | None) -> int:
     """The winner into the registry; exit code 1 without a winner, 2 when the registry fails (the results stay on disk)."""
     from cluster.registry import RegistryError, default_name
+    from decoding.methods import method_of
     from tuning.results import publish_winner
 
     files = summary["files"]
@@ -267,7 +275,8 @@ def publish(name: str, winner: SpecConfig | None, best: dict | None, summary: di
     if winner is None:
         print(f"error: nothing to publish: no trial passed the fidelity check; {kept}", file=sys.stderr)
         return 1
-    name = name or default_name(settings.base_config.model, settings.workload, winner.method)
+    lossy = method_of(winner.method).lossy  # only with --allow-lossy: the name says so (the registry checks it too)
+    name = name or default_name(settings.base_config.model, settings.workload, winner.method + ("-lossy" if lossy else ""))
     try:
         summary["published"] = publish_winner(name, winner, best, summary, settings.base_config, registry)
     except RegistryError as e:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from cluster.registry import CorruptEntry, EntryNotFound, FileRegistry, RegistryError, open_registry
 from decoding.config import SpecConfig
+from decoding.methods import method_of
 
 log = logging.getLogger("ray.serve")
 
@@ -53,6 +54,8 @@ class ServedModel:
             "specray": {
                 "kind": self.kind,
                 "method": self.config.method,
+                # unverified tokens (EAD): the output is not the base model's; served only under a name saying "lossy"
+                "lossy": method_of(self.config.method).lossy,
                 "base_model": self.config.model,
                 "version": self.version,
                 "speedup": self.metrics.get("speedup"),

@@ -192,3 +192,31 @@ def generate(
         on_step=on_step,
     )
     return run_alone(target, seq, cost)
+
+
+def confidence_head(scale: float = 12.0):
+    """A hand-set SpecDec++ stop head (``decoding.drafters.stop_head.StopHead``) whose predicted acceptance is about
+    sigmoid(scale * (p1 - 0.5)), p1 the draft's top-1 probability: sure drafts are predicted accepted."""
+    import torch
+
+    from decoding.drafters.stop_head import StopHead
+
+    head = StopHead(hidden=1)
+    with torch.no_grad():
+        head.net[0].weight.zero_()
+        head.net[0].weight[0, 0] = 1.0
+        head.net[0].bias.zero_()
+        head.net[2].weight.fill_(scale / torch.sigmoid(torch.tensor(1.0)).item())  # SiLU(p1) = p1 * sigmoid(p1)
+        head.net[2].bias.fill_(-scale * 0.5)
+    return head
+
+
+def always_drafting_del(depth: int):
+    """DEL made to draft every step from its top candidate exit (tests that need drafts: sampled distributions)."""
+    from decoding.drafters.dynamic_exit import DynamicExitDrafter, candidate_exits
+
+    class AlwaysDraft(DynamicExitDrafter):
+        def alphas(self):
+            return [0.0] * (len(self.exits) - 1) + [0.999]
+
+    return AlwaysDraft(candidate_exits(depth))

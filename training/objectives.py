@@ -228,7 +228,52 @@ def hydra_objectives(module, shared: Shared, ex: dict, knobs: dict) -> Objective
     return pairs, None
 
 
+def _source_drafter(name: str, target_hf):
+    """(recipe, module, knobs) of the drafter artifact a stop head learns (loads are cached per target)."""
+    from decoding.drafters.artifacts import load_artifact
+
+    art = load_artifact(name, target_hf)
+    return art.recipe, art.module, art.knobs
+
+
+def stop_rows(module, shared: Shared, ex: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stop head's rows of one window: (features [N, 8] of the source drafter's draft distributions, labels [N]
+    1.0 where its top-1 equals the target's: the greedy acceptance of that draft, given the drafts before it were
+    accepted). The source's own recipe objective gives its logits (frozen; for eagle every unrolled step, so deeper
+    drafts' features are its own); ``exit``: the target's head on one of its upper layers, which the window's start
+    picks (the full LM head over every layer would cost as many heads)."""
+    from decoding.drafters.stop_head import EXIT_SOURCE, exit_layers, stop_features
+
+    source = None if module.source == EXIT_SOURCE else _source_drafter(module.source, module.target_hf)
+    with torch.no_grad():
+        if source is None:
+            depth = shared.config.num_hidden_layers
+            teacher = teacher_logits(shared, ex["hidden"][depth])
+            keep = answer_rows(ex, teacher.shape[0], 1)
+            layers = exit_layers(depth)
+            pairs = [(shared.logits(ex["hidden"][layers[ex["start"] % len(layers)]])[keep], teacher[keep])]
+        else:
+            recipe, src_module, src_knobs = source
+            pairs, _ = OBJECTIVES[recipe.name](src_module, shared, ex, src_knobs)
+        drafts = torch.cat([s for s, _ in pairs]).float()
+        label = torch.cat([s.argmax(-1) == t.argmax(-1) for s, t in pairs]).float()
+        return stop_features(drafts), label
+
+
+def stop_objectives(module, shared: Shared, ex: dict, knobs: dict) -> Objectives:
+    """SpecDec++'s acceptance-prediction head (``decoding.drafters.stop_head``) on :func:`stop_rows`. One pair over every
+    row: student = [0, z] (z the head's acceptance logit), teacher = the label's log one-hot; KL, cross-entropy and
+    TVD++ then all train a binary classifier, and agreement is its accuracy. (``training.stop_head`` fits the same
+    head faster: every row computed once.)"""
+    features, label = stop_rows(module, shared, ex)
+    z = module(features)
+    student = torch.stack([torch.zeros_like(z), z], -1)  # [N, 2] logits of (rejected, accepted)
+    teacher = torch.stack([1 - label, label], -1).clamp(min=1e-6).log()
+    return [(student, teacher)], None
+
+
 OBJECTIVES: dict[str, Callable[..., Objectives]] = {
+    "stop": stop_objectives,
     "eagle": eagle_objectives,
     "kangaroo": kangaroo_objectives,
     "distill": distill_objectives,

@@ -17,6 +17,7 @@ import torch
 
 from decoding.errors import ConfigError
 from decoding.paths import portable
+from training.stop_head import train_stop_head
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,20 @@ SHIPPED_RECIPES: dict[str, DataRun] = {
     "distill": DataRun("distill", {"draft_layers": 3, "draft_vocab": 4096}, steps=1500, batch=4, lr=5e-4, eval_every=250),
     "kangaroo-l6": DataRun("kangaroo", {"exit_layer": 6, "draft_vocab": 8192}, steps=800, batch=4, lr=1e-3, eval_every=200),
     "kangaroo-l12": DataRun("kangaroo", {"exit_layer": 12, "draft_vocab": 8192}, steps=800, batch=4, lr=1e-3, eval_every=200),
+    # SpecDec++'s stop heads (decoding/drafters/stop_head.py), one per shipped drafter and one for the target's own head on
+    # its upper layers (early exit without an adapter, SWIFT, DEL): 161 parameters each, a few minutes of the CPU
+    **{
+        f"stop-{source}": DataRun(
+            "stop",
+            {"source": f"smollm2-135m/{source}" if source != "exit" else "exit", "hidden": 16},
+            steps=100,
+            batch=2,
+            lr=1e-2,
+            window=128,
+            eval_sequences=16,
+        )
+        for source in ("eagle", "distill", "kangaroo-l6", "exit")
+    },
 }
 
 
@@ -66,6 +81,9 @@ def train_on_data(
     from decoding.model.loading import load_model
     from training.features import TargetFeatures, distill_training_set
     from training.trainer import TrainSpec
+
+    if run.recipe == "stop":  # 161 parameters: every row computed once, then fitted at once (no cluster needed)
+        return train_stop_head(run, Path(data), Path(out), model, device, features_quant, deadline)
 
     target = load_model(model, "float32", device).model  # the drafter's shared parts train in float32
     depth = target.config.num_hidden_layers

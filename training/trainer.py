@@ -245,7 +245,8 @@ def train(
     training = _training(s, step, history, before, t0, extra_training)
     if save and s.chief:
         plot_loss(history, out / "loss.png", f"{spec.recipe} ({spec.loss})")
-        save_artifact(out, spec.recipe, s.knobs, s.module, target_hf, target_name, training, vocab=s.vocab, weights_dtype=weights_dtype)
+        ranking = s.vocab if s.recipe.drafts else None  # VocabTrim's ranking, for drafters (not the stop head)
+        save_artifact(out, spec.recipe, s.knobs, s.module, target_hf, target_name, training, vocab=ranking, weights_dtype=weights_dtype)
         (out / "history.json").write_text(json.dumps(history))
     return training
 

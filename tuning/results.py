@@ -89,18 +89,32 @@ def rows_from_grid(grid, space=None, base: SpecConfig | None = None) -> list[dic
 
 
 # ---- choosing -------------------------------------------------------------------------------
-def eligible(row: dict) -> bool:
-    """Ran, measured a speedup, and passed fidelity."""
-    return bool(row.get("valid")) and not row.get("error") and bool(row.get("fidelity_ok")) and row.get("speedup") is not None
+def eligible(row: dict, allow_lossy: bool = False) -> bool:
+    """Ran, measured a speedup, and passed fidelity; or, with ``allow_lossy`` (``specray tune --allow-lossy``), a lossy
+    method's trial (EAD: it never passes fidelity)."""
+    ran = bool(row.get("valid")) and not row.get("error") and row.get("speedup") is not None
+    return ran and (bool(row.get("fidelity_ok")) or (allow_lossy and bool(row.get("lossy"))))
 
 
-def select_best(rows: Sequence[dict]) -> dict | None:
-    """The fastest eligible trial, preferring those that finished every prompt; None when no trial qualifies."""
-    ok = [r for r in rows if eligible(r)]
+def select_best(rows: Sequence[dict], allow_lossy: bool = False) -> dict | None:
+    """The fastest eligible trial, preferring those that finished every prompt; None when no trial qualifies. Lossy
+    trials compete only with ``allow_lossy``, by their speedup (their score is 0: the searcher never chases them).
+
+    >>> rows = [{"valid": True, "fidelity_ok": True, "complete": True, "speedup": 1.2, "score": 1.2},
+    ...         {"valid": True, "fidelity_ok": False, "lossy": True, "complete": True, "speedup": 1.9, "score": 0.0}]
+    >>> select_best(rows)["speedup"], select_best(rows, allow_lossy=True)["speedup"]
+    (1.2, 1.9)
+    """
+    ok = [r for r in rows if eligible(r, allow_lossy)]
     pool = [r for r in ok if r.get("complete")] or ok
     if not pool:
         return None
-    return max(pool, key=lambda r: (r["score"], r["speedup"], r.get("mean_accepted_tokens") or 0.0))
+
+    def key(r):
+        score = r["speedup"] if r.get("lossy") else r["score"]
+        return (score, r["speedup"], r.get("mean_accepted_tokens") or 0.0)
+
+    return max(pool, key=key)
 
 
 def pareto_front(rows: Sequence[dict], x: str = "mean_accepted_tokens", y: str = "speedup") -> list[dict]:
@@ -123,10 +137,10 @@ def pareto_front(rows: Sequence[dict], x: str = "mean_accepted_tokens", y: str =
     return sorted(front, key=lambda r: (r[x], r[y]))
 
 
-def mark(rows: list[dict]) -> dict | None:
+def mark(rows: list[dict], allow_lossy: bool = False) -> dict | None:
     """Set the ``pareto`` and ``best`` flags in place; returns the best row."""
     front = {id(r) for r in pareto_front(rows)}
-    best = select_best(rows)
+    best = select_best(rows, allow_lossy)
     for r in rows:
         r["pareto"] = id(r) in front
         r["best"] = r is best
@@ -222,6 +236,9 @@ WINNER_METRICS = (
     "identical_fraction",
     "suspicious",
     "fidelity_ok",
+    "lossy",
+    "differ_share",
+    "large_share",
     "prompts",
     "threads",
 )
@@ -248,10 +265,10 @@ def write_json(doc: dict, path: Path) -> Path:
     return path
 
 
-def write_outputs(rows: list[dict], out: Path, meta: dict) -> dict:
+def write_outputs(rows: list[dict], out: Path, meta: dict, allow_lossy: bool = False) -> dict:
     """Parquet, Pareto PNG and best.json under ``out`` (written before anything is published); returns paths and the best row."""
     out = Path(out)
-    best = mark(rows)
+    best = mark(rows, allow_lossy)
     paths = {
         "parquet": write_parquet(rows, out / PARQUET),
         "pareto": plot_pareto(rows, out / PARETO_PNG, title=meta.get("title", "")),
@@ -287,7 +304,8 @@ def write_run(rows: list[dict], settings, space, prompts: list, held_out: list, 
         "finished": now(),
         "title": f"{settings.name}: {base.model} on {settings.workload}",
     }
-    written = write_outputs(rows, exp, meta)  # on disk before anything is published
+    meta["allow_lossy"] = bool(getattr(settings, "allow_lossy", False))
+    written = write_outputs(rows, exp, meta, meta["allow_lossy"])  # on disk before anything is published
     best = written["best"]
     summary = {**meta, "files": {k: str(v) for k, v in written["paths"].items()}, "best": None, "verify": None, "published": None}
     winner = None

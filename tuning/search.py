@@ -60,6 +60,7 @@ class TuneSettings:
     seed_defaults: bool = True
     holdout: float = 0.0  # fraction of every category's prompts kept out of the search (specray tune: 0.5)
     verify_repeats: int = 1  # passes over those prompts when the winner is re-measured
+    allow_lossy: bool = False  # a lossy method's trial (EAD) may be the winner (published under a name saying lossy)
 
     @property
     def base_config(self) -> SpecConfig:

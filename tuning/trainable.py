@@ -19,6 +19,8 @@ Figures (all over the prompts done so far):
   (``fidelity_checked`` false) and counts as ok.
 - ``score``: the speedup when ``fidelity_ok``, else 0: a config that diverges
   suspiciously can never win (and :func:`tuning.results.select_best` filters it too).
+- ``lossy`` (EAD: unverified tokens): never ``fidelity_ok``, score 0; its ``differ_share`` and ``large_share``
+  are measured; only ``specray tune --allow-lossy`` lets it be the winner, labelled lossy.
 
 A config that cannot run (``ConfigError``: e.g. a knob the model rejects) is
 reported once as ``valid = False`` with score 0 and its reason; the trial ends
@@ -64,6 +66,9 @@ METRIC_TYPES: dict[str, type] = {
     "suspicious": int,
     "fidelity_checked": bool,
     "fidelity_ok": bool,
+    "lossy": bool,  # unverified tokens (EAD): never fidelity_ok; a winner only with specray tune --allow-lossy
+    "differ_share": float,  # lossy: share of tokens that differ from AR's (greedy)
+    "large_share": float,  # lossy: share of tokens the target produced
     "score": float,
     "threads": int,
     "config_json": str,
@@ -79,7 +84,9 @@ def figures(gen_rows: Sequence[dict], step_rows: Sequence[dict], prompts_total: 
     compared = ident.get("compared", 0)
     checked = cfg.temperature == 0
     suspicious = ident.get("suspicious", 0) if checked else None
-    fidelity_ok = (suspicious == 0) if checked else True
+    lossy = bool(cand.get("lossy"))  # a lossy method never passes the fidelity check, whatever it diverged by
+    fidelity_ok = ((suspicious == 0) if checked else True) and not lossy
+    div = cand.get("divergence") or {}
     speedup = cand.get("speedup")
     q = cand.get("speedup_per_prompt")
     passes = cand.get("speedup_per_repeat")
@@ -105,6 +112,9 @@ def figures(gen_rows: Sequence[dict], step_rows: Sequence[dict], prompts_total: 
         "suspicious": suspicious,
         "fidelity_checked": checked,
         "fidelity_ok": fidelity_ok,
+        "lossy": lossy,
+        "differ_share": div.get("differ_share"),
+        "large_share": div.get("large_share"),
         "score": float(speedup) if (fidelity_ok and speedup is not None) else 0.0,
         "threads": threads,
         "config_json": cfg.to_json(),

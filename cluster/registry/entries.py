@@ -14,6 +14,7 @@ from pathlib import Path
 
 from decoding.config import SpecConfig
 from decoding.errors import ConfigError
+from decoding.methods import method_of
 
 SCHEMA = 1
 NAME_SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
@@ -72,6 +73,23 @@ def validate_name(name) -> str:
             bad = sorted({c for c in seg if not NAME_SEGMENT.fullmatch(c)})
             raise InvalidName(name, f"characters {''.join(bad)!r} not allowed (use A-Z a-z 0-9 . _ - and / between segments)")
     return name
+
+
+def says_lossy(name: str) -> bool:
+    """Whether a name says its configuration is lossy: every other name claims losslessness (specray's methods are
+    lossless unless they say otherwise), so a lossy configuration (EAD) is stored and served only under a name that
+    says ``lossy``.
+
+    >>> says_lossy("smollm2-135m/chat/ead-lossy"), says_lossy("smollm2-135m/chat/ead"), says_lossy("x/lossless-ead")
+    (True, False, False)
+    """
+    return "lossy" in name.lower()
+
+
+def check_lossy_name(name: str, config: SpecConfig) -> None:
+    """Raise :class:`InvalidName` when a lossy configuration would go under a name that claims losslessness."""
+    if method_of(config.method).lossy and not says_lossy(name):
+        raise InvalidName(name, f"{config.method} is lossy (unverified tokens): its name must say 'lossy', e.g. {name}-lossy")
 
 
 def _slug(part: str) -> str:
@@ -160,6 +178,7 @@ class Entry:
         validate_name(self.name)
         if not isinstance(self.config, SpecConfig):
             raise TypeError(f"Entry.config must be a SpecConfig, got {type(self.config).__name__}")
+        check_lossy_name(self.name, self.config)
         for f in ("metrics", "hardware", "source"):
             if not isinstance(getattr(self, f), dict):
                 raise TypeError(f"Entry.{f} must be a dict, got {type(getattr(self, f)).__name__}")
@@ -168,12 +187,18 @@ class Entry:
     def method(self) -> str:
         return self.config.method
 
+    @property
+    def lossy(self) -> bool:
+        """Its method commits unverified tokens (EAD): the output is not the target's."""
+        return method_of(self.config.method).lossy
+
     def to_dict(self) -> dict:
         return {
             "schema": SCHEMA,
             "name": self.name,
             "version": self.version,
             "config": self.config.to_dict(),
+            "lossy": self.lossy,
             "metrics": self.metrics,
             "hardware": self.hardware,
             "created_at": self.created_at,
@@ -250,6 +275,7 @@ class EntrySummary:
     speedup: float | None = None
     tokens_per_s: float | None = None
     created_at: str | None = None
+    lossy: bool = False  # the method commits unverified tokens (EAD)
 
     @classmethod
     def of(cls, entry: Entry) -> EntrySummary:
@@ -259,6 +285,7 @@ class EntrySummary:
             version=entry.version,
             status="ok",
             method=entry.method,
+            lossy=entry.lossy,
             speedup=m.get("speedup"),
             tokens_per_s=m.get("tokens_per_s"),
             created_at=entry.created_at,

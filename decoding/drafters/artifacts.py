@@ -24,6 +24,7 @@ from decoding.builders import builds
 from decoding.drafters.base import Drafter
 from decoding.drafters.draft_model import DraftModelDrafter, draft_model_adapter, first_layers_adapter, model_depth
 from decoding.drafters.early_exit import EarlyExitDrafter
+from decoding.drafters.stop_head import EXIT_SOURCE, AcceptanceStop, StopHead, chain_drafting, exit_layers, stop_source_of
 from decoding.drafters.trained import RECIPES, Recipe, TrimmedHead, get_recipe, trim_vocab
 from decoding.errors import ConfigError
 from decoding.model.adapter import ModelAdapter
@@ -291,3 +292,67 @@ def _early_exit_drafter(cfg, target, device, memory) -> Drafter:
     if art.knobs["exit_layer"] != cfg.exit_layer:
         raise ConfigError("drafter", f"{name!r} adapts exit layer {art.knobs['exit_layer']}, not exit_layer={cfg.exit_layer}")
     return art.drafter(cfg.confidence_threshold, 0, shape)
+
+
+# ---- SpecDec++'s stop head (decoding/drafters/stop_head.py): its recipe, and the drafters that stop with it -----------
+class StopRecipe(Recipe):
+    """SpecDec++'s acceptance-prediction head (``decoding.drafters.stop_head``) for the drafter ``source``: a shipped or
+    trained drafter artifact, or ``exit`` (the target's own head on intermediate layers: early exit, SWIFT, DEL). Not a
+    drafter: a stop rule for one (``stop_threshold``, ``stop_head``). Trained on whether the source's top-1 agrees with
+    the target's on the data (``training.objectives.stop_objectives``)."""
+
+    name = "stop"
+    knobs = {"source": EXIT_SOURCE, "hidden": 16}
+    drafts = False
+
+    def check(self, knobs, depth):
+        unknown = sorted(set(knobs) - set(self.knobs))
+        if unknown:
+            raise ConfigError(unknown[0], f"not a knob of recipe {self.name!r}; knobs: {', '.join(self.knobs)}")
+        out = {**self.knobs, **knobs}
+        if not isinstance(out["source"], str) or not out["source"]:
+            raise ConfigError("source", f"expected a drafter artifact name or {EXIT_SOURCE!r}, got {out['source']!r}")
+        if not isinstance(out["hidden"], int) or isinstance(out["hidden"], bool) or out["hidden"] < 1:
+            raise ConfigError("hidden", f"expected an integer >= 1, got {out['hidden']!r}")
+        return out
+
+    def data_layers(self, knobs, depth):
+        if knobs["source"] == EXIT_SOURCE:
+            return [*exit_layers(depth), depth]
+        desc = read_description(knobs["source"])[1]
+        source = get_recipe(desc["recipe"])
+        return source.data_layers(source.check(desc.get("knobs", {}), depth), depth)
+
+    def build(self, hf_model, knobs):
+        return StopHead(knobs["hidden"], knobs["source"], hf_model)
+
+    def drafter(self, module, knobs, confidence_threshold, tree=None):
+        raise ConfigError("drafter", "a stop head is not a drafter: use it with stop_head=NAME and stop_threshold=H")
+
+
+RECIPES[StopRecipe.name] = StopRecipe()
+
+
+def stop_head_name(cfg, drafter) -> str:
+    """``stop_head`` when set, else the head shipped for the model and the drafter (``stop-exit`` when the drafter has
+    none of its own)."""
+    if cfg.stop_head:
+        return cfg.stop_head
+    found = shipped_artifact(cfg.model, f"stop-{stop_source_of(drafter)}") or shipped_artifact(cfg.model, f"stop-{EXIT_SOURCE}")
+    if found is None:
+        hint = "train one (specray train-drafter --recipe stop --knob source=NAME --data DIR) and set stop_head="
+        raise ConfigError("stop_head", f"no stop head ships for {cfg.model!r}; {hint}")
+    return found
+
+
+def with_stop_head(drafter, cfg, target):
+    """The drafter with SpecDec++'s stop rule when ``cfg.stop_threshold`` > 0 (its ``confidence_threshold`` kept beside
+    it); unchanged otherwise. Every model drafter drafts its chains through ``draft_chain`` with ``self.threshold``,
+    which takes the rule in the float's place."""
+    if drafter is None or not getattr(cfg, "stop_threshold", 0.0):
+        return drafter
+    if not chain_drafting(drafter) or not hasattr(drafter, "threshold"):
+        raise ConfigError("stop_threshold", f"the stop head stops chains; the {drafter.name} drafter here drafts trees")
+    head = load_recipe_artifact(stop_head_name(cfg, drafter), "stop", target.model).module
+    drafter.threshold = AcceptanceStop(head, cfg.stop_threshold, cfg.confidence_threshold)
+    return drafter

@@ -17,26 +17,56 @@ def draft_chain(step, first_logits, k, state, threshold, feed_last):
     ``step(token [B], i, need_logits) -> logits [B, V] | None`` feeds draft i
     (0-based) and returns the next-token logits when asked for them. Drafting stops early when the top-1 probability of
     the next draft falls below ``threshold`` for every row (Kangaroo's double
-    early exit). With ``feed_last`` the final draft is fed too (its logits are
+    early exit). ``threshold`` may instead be a stop rule (:class:`StopRule`: SpecDec++'s acceptance-prediction head,
+    EAD's entropy switch), which decides after each draft's logits whether to stop, beside its own confidence
+    threshold. With ``feed_last`` the final draft is fed too (its logits are
     not needed, but its state is), else it is not.
     Returns (tokens [B, j], probs [B, j, V] or None, number of drafts fed).
     """
+    rule = threshold if isinstance(threshold, StopRule) else None
+    threshold = rule.confidence_threshold if rule is not None else threshold
     tokens, probs = [], []
     logits, fed = first_logits, 0
     for i in range(k):
         tok, q, conf = choose(logits, state.sampling, state.generator)
         if threshold > 0 and bool((conf < threshold).all()):
             break
+        stop = rule is not None and rule.stop(logits, i)  # one host read per draft, as the confidence threshold
+        if stop and not rule.keeps_last:
+            break
         tokens.append(tok)
         if q is not None:
             probs.append(q)
-        if i == k - 1 and not feed_last:
+        last = stop or i == k - 1
+        if last and not feed_last:
             break
-        logits = step(tok, i, i < k - 1)
+        logits = step(tok, i, not last)
         fed += 1
+        if last:
+            break
     bsz = first_logits.shape[0]
     out = torch.stack(tokens, 1) if tokens else torch.zeros(bsz, 0, dtype=torch.long, device=first_logits.device)
     return out, (torch.stack(probs, 1) if probs else None), fed
+
+
+class StopRule:
+    """When to stop drafting a chain, decided from each draft's logits (``draft_chain``'s ``threshold``).
+
+    ``stop(logits [B, V], i)`` is asked for draft i (0-based, i = 0 starts a new chain) once its logits exist; True
+    ends the chain: with ``keeps_last`` draft i is still proposed (SpecDec++: the draft that crossed the threshold is
+    verified too, it costs no extra draft forward), else it is not (EAD: that position is the large model's). The
+    rule's own ``confidence_threshold`` (Kangaroo's) applies before it. A rule may keep state across a chain and, where
+    it says so, across steps (``reset`` starts a generation). Implementations: ``decoding.drafters.stop_head``.
+    """
+
+    keeps_last = True
+    confidence_threshold = 0.0
+
+    def stop(self, logits: torch.Tensor, i: int) -> bool:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """A new generation starts (rules with state across steps forget it)."""
 
 
 def candidates(logits: torch.Tensor, n: int, state: DecodeState, stochastic: bool):

@@ -29,7 +29,7 @@ class EarlyExitDrafter(Drafter):
     def propose(self, state: DecodeState, k: int) -> Proposal:
         t, cache, L = state.target, state.target_cache, self.exit_layer
         n = state.tokens.shape[1]
-        hiddens = [t.forward(cache, n - 1, input_ids=state.tokens[:, -1:], last=L)]
+        hiddens = [self.shallow(t, cache, n - 1, state.tokens[:, -1:])]
         if self.tree is not None:  # the shallow layers write the nodes' KV at tree slots of the target cache
 
             def tree_step(toks, lo, hi, tree):
@@ -44,12 +44,17 @@ class EarlyExitDrafter(Drafter):
             return Proposal(tokens=tokens, probs=probs, hidden=hidden, layer=L, tree=tree)
 
         def step(tok, i, need_logits):
-            hiddens.append(t.forward(cache, n + i, input_ids=tok[:, None], last=L))
+            hiddens.append(self.shallow(t, cache, n + i, tok[:, None]))
             return self.exit_logits(state, hiddens[-1], n + i, need_logits)
 
         first = self.exit_logits(state, hiddens[0], n - 1, True)
         tokens, probs, _ = draft_chain(step, first, k, state, self.threshold, feed_last=True)
         return Proposal(tokens=tokens, probs=probs, hidden=torch.cat(hiddens, 1), layer=L)
+
+    def shallow(self, t, cache, slot: int, ids: torch.Tensor) -> torch.Tensor:
+        """A chain's forward: the target's first ``exit_layer`` layers on ids [B, T] written at ``slot`` -> hidden [B, T, H]
+        (DEL keeps its lower candidate exits' hidden states here)."""
+        return t.forward(cache, slot, input_ids=ids, last=self.exit_layer)
 
     def exit_logits(self, state: DecodeState, hidden: torch.Tensor, slot: int, need_logits: bool) -> torch.Tensor | None:
         """Next-token logits [B, V] from the exit layer's hidden [B, 1, H] at cache slot ``slot`` (Kangaroo adds an adapter)."""

@@ -398,6 +398,7 @@ class Recipe:
     name = ""
     knobs: dict = {}  # knob -> default; None = derived from the model (see defaults)
     drafts_trees = False  # its drafter takes a token-tree shape (else chains only)
+    drafts = True  # a drafter (its artifact keeps the data's token ranking, VocabTrim); not the stop head's recipe
 
     def defaults(self, depth: int) -> dict:
         return dict(self.knobs)
@@ -547,6 +548,7 @@ class EagleRecipe(Recipe):
         return EagleDrafter(module, confidence_threshold, tree)
 
 
+# the drafters' recipes; ``decoding.drafters.artifacts`` adds the stop head's (``stop``), which needs to read artifacts
 RECIPES: dict[str, Recipe] = {
     r.name: r for r in (KangarooRecipe(), MedusaRecipe(), HydraRecipe(), FeatureRecipe(), DistillRecipe(), EagleRecipe())
 }

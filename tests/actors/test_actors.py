@@ -24,8 +24,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 PROMPTS = spec_bench_prompts(per_category=1, categories=["writing", "coding", "summarization"])
 NEW = 40
-BASE = SpecConfig(method="pearl", dtype="float32", max_new_tokens=NEW, placement="actors", k=4, draft_layers=8, draft_model="layers",
-                  rpc_timeout_s=120)  # the target's first 8 layers draft (the shipped distilled draft is tested in process)
+BASE = SpecConfig(
+    method="pearl", dtype="float32", max_new_tokens=NEW, placement="actors", k=4, draft_layers=8, draft_model="layers", rpc_timeout_s=120
+)  # the target's first 8 layers draft (the shipped distilled draft is tested in process)
 
 
 @pytest.fixture(scope="module")

@@ -102,6 +102,8 @@ def test_trial_resources_follow_the_table():
 
 def test_the_table_builds_each_methods_drafter(tiny_model_dir):
     from decoding.drafters.draft_model import DraftModelDrafter
+    from decoding.drafters.dynamic_exit import DynamicExitDrafter
+    from decoding.drafters.ead import EadDrafter
     from decoding.drafters.early_exit import EarlyExitDrafter
     from decoding.drafters.hybrid import HybridDrafter
     from decoding.drafters.ngram import NgramDrafter
@@ -123,9 +125,14 @@ def test_the_table_builds_each_methods_drafter(tiny_model_dir):
         "recycling": RecyclingDrafter,
         "suffix": SuffixDrafter,
         "hybrid": HybridDrafter,
+        "del": DynamicExitDrafter,
+        "ead": EadDrafter,
     }
-    # trained and eagle need an artifact: tests/decoding/drafters/test_trained.py, test_eagle.py (none ships for this model)
-    assert set(expected) | {"trained", "eagle"} == set(METHODS)
+    # trained and eagle need an artifact: tests/decoding/drafters/test_trained.py, test_eagle.py (none ships for this model);
+    # swift skips intermediate layers, which a 2-layer model does not have (tests/decoding/drafters/test_seeds.py)
+    assert set(expected) | {"trained", "eagle", "swift"} == set(METHODS)
+    with pytest.raises(ConfigError, match="at least 3"):
+        build_drafter(base.replace(method="swift"), loaded)
     with pytest.raises(ConfigError, match="no eagle head ships") as e:
         build_drafter(base.replace(method="eagle"), loaded)
     assert e.value.field == "drafter"

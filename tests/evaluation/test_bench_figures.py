@@ -78,7 +78,7 @@ def test_first_divergence_and_dtype_tolerance():
     assert bm.first_divergence([1, 2, 3, 7], [1, 2, 3]) == 3
     margins = [3.0, 2.0, 0.25, 0.0]
     near_tie = bm.compare_to_reference([1, 2, 9], [1, 2, 3], margins, "bfloat16")
-    assert near_tie == {"identical": False, "first_diff": 2, "margin": 0.25, "suspicious": False}
+    assert near_tie == {"identical": False, "first_diff": 2, "margin": 0.25, "suspicious": False, "differ_share": 1 / 3}
     # the same divergence is a bug in float32, whose rounding is far finer
     assert bm.compare_to_reference([1, 2, 9], [1, 2, 3], margins, "float32")["suspicious"] is True
     assert bm.compare_to_reference([1, 2, 3], [1, 2, 3], margins, "float32")["identical"] is True

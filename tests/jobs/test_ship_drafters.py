@@ -59,3 +59,27 @@ def test_bad_input_fails_in_one_line(tiny_data, tmp_path, capsys):
         (["--data", str(data), "--steps-scale", "0"], "steps-scale"),
     ):
         assert_one_line_error(main(argv), capsys.readouterr().err, needle)
+
+
+def test_ship_drafters_fits_the_stop_head_on_rows_computed_once(tiny_data, capsys):
+    """The stop head (SpecDec++) ships like the drafters: its rows (features of the target's exits, agreement labels)
+    are computed once and fitted at once; its record says how well it predicts acceptance on held-out sequences; and a
+    drafter that stops with it is still AR's greedy output."""
+    from decoding.config import SpecConfig
+    from decoding.in_process import SpecDecoder
+    from jobs.ship_drafters import main
+
+    model, data, root = tiny_data
+    argv = ["--model", str(model), "--data", str(data), "--only", "stop-exit", "--steps-scale", "0.03"]
+    argv += ["--shipped", str(root / "shipped"), "--docs", str(root / "docs-stop"), "--no-progress", "--json", "--threads", "1"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)["stop-exit"]
+    assert result["train_answer_tokens"] > 20 and 0.0 <= result["eval"]["auc"] <= 1.0
+    desc = json.loads((root / "shipped" / "stop-exit" / "drafter.json").read_text())
+    assert desc["recipe"] == "stop" and desc["training"]["train_windows"] == 6  # 3 steps x 2 windows, each computed once
+    assert desc["training"]["eval"]["rows"] > 0 and len(desc["training"]["eval"]["calibration"]) > 0
+    assert (root / "shipped" / "stop-exit" / "drafter.safetensors").stat().st_size < 2048
+    base = SpecConfig(model=str(model), dtype="float32", threads=1, max_new_tokens=24, method="early-exit", exit_layer=3, k=6)
+    stopped = base.replace(stop_threshold=0.5, stop_head=str(root / "shipped" / "stop-exit"))
+    ids = SpecDecoder(base).encode("Tell me a story")
+    assert SpecDecoder(stopped).generate_ids(ids).token_ids == SpecDecoder(base.replace(method="ar")).generate_ids(ids).token_ids

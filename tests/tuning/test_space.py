@@ -44,7 +44,7 @@ def test_a_one_layer_model_drops_the_layer_methods():
         SearchSpace.build(["early-exit"], depth=1)
     # with a separate draft model sps needs no layer of the target, and draft_layers is not searched
     sps = SearchSpace.build(["sps"], depth=1, draft_model="/some/draft")
-    assert [k.field for k in sps.knobs["sps"]] == ["k", "confidence_threshold", "tree", "tree_budget"]
+    assert [k.field for k in sps.knobs["sps"]] == ["k", "confidence_threshold", "tree", "tree_budget", "stop_threshold"]
 
 
 def test_ngram_min_above_max_is_resolved_not_an_error():
@@ -153,6 +153,7 @@ def test_knob_fields_cover_every_method():
     fields |= {"triforce_gamma", "triforce_bottom", "triforce_budget", "triforce_chunk_size", "triforce_window"}
     fields |= {"drafter", "draft_vocab"}
     fields |= {"recycle_width", "suffix_factor", "suffix_min_prob", "tree_fit"}
+    fields |= {"stop_threshold", "swift_skip", "ead_threshold", "ead_window"}
     assert fields == set(knob_fields())
 
 
@@ -179,3 +180,58 @@ def test_triforce_samples_are_valid_configs():
         space(trial)
         cfg = space.to_config(trial.params, SpecConfig())
         assert cfg.method == "triforce" and cfg.triforce_budget >= cfg.triforce_sinks + cfg.triforce_window
+
+
+def _samples(methods: list[str], n: int, seed: int = 0, depth: int = 30) -> tuple[SearchSpace, list[dict]]:
+    space = SearchSpace.build(methods, depth=depth)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+    samples = []
+    for _ in range(n):
+        trial = study.ask()
+        space(trial)
+        samples.append(trial.params)
+        study.tell(trial, 1.0)
+    return space, samples
+
+
+def test_early_exit_offers_trees_only_where_its_drafter_grows_them():
+    """With the shipped Kangaroo adapters (chains only) every early-exit trial drafts a chain; the README's pipeline run
+    had 2 of 4 trials fail with "tree: the kangaroo drafter drafts chains" (issue 29). drafter=none (plain exits) and a
+    tree-drafting artifact keep the sampled tree."""
+    from decoding.drafters import artifacts
+
+    space, samples = _samples(["early-exit"], 60)
+    shipped = artifacts.shipped_exit_layers("smollm2-135m")
+    assert shipped  # the bundled model ships adapters: the case the issue saw
+    trees = [s["early-exit/tree"] for s in samples]
+    assert {"chain", "sequoia", "dyspec"} <= set(trees)  # the space does sample trees
+    for sample in samples:
+        cfg = space.to_config(sample, SpecConfig())
+        assert cfg.exit_layer in shipped and cfg.tree == "chain", sample
+        plain = space.to_config(sample, SpecConfig(drafter="none"))
+        assert plain.tree == sample["early-exit/tree"]  # no adapter: plain exits draft trees
+
+
+def test_every_sample_of_the_stop_head_methods_is_valid():
+    """The stop head stops chains: a sample with a tree runs without it, never an invalid trial."""
+    space, samples = _samples(["sps", "eagle", "early-exit", "swift", "del", "ead"], 80, seed=3)
+    seen = set()
+    for sample in samples:
+        cfg = space.to_config(sample, SpecConfig())
+        seen.add(cfg.method)
+        assert cfg.stop_threshold == 0 or cfg.tree == "chain"
+    assert seen == {"sps", "eagle", "early-exit", "swift", "del", "ead"}
+
+
+@pytest.mark.slow
+def test_every_early_exit_sample_builds_its_drafter():
+    """What a trial does first, on the bundled model: build the sampled config's drafter (no invalid trial)."""
+    from decoding.model.models import load_model
+
+    from decoding.in_process import build_drafter
+
+    loaded = load_model("smollm2-135m", "bfloat16")
+    space, samples = _samples(["early-exit"], 24, seed=5)
+    for sample in samples:
+        cfg = space.to_config(sample, SpecConfig())
+        assert build_drafter(cfg, loaded) is not None, sample

@@ -9,7 +9,7 @@ from tuning.space import SearchSpace, parse_range
 
 def test_trained_space_searches_artifacts_and_knobs():
     space = SearchSpace.build(["trained"], depth=30, ranges=dict([parse_range("drafter=kangaroo-l6,kangaroo-l10")]))
-    fields = ["k", "confidence_threshold", "drafter", "draft_vocab", "tree", "tree_budget"]
+    fields = ["k", "confidence_threshold", "drafter", "draft_vocab", "tree", "tree_budget", "stop_threshold"]
     assert [k.field for k in space.knobs["trained"]] == fields
     cfg = space.to_config({"method": "trained", "trained": {"k": 3, "confidence_threshold": 0.3, "drafter": "kangaroo-l10"}}, SpecConfig())
     assert (cfg.method, cfg.k, cfg.confidence_threshold, cfg.drafter) == ("trained", 3, 0.3, "kangaroo-l10")

@@ -16,6 +16,7 @@ MAX_BYTES = 30 * 2**20
 def test_the_bundled_model_ships_its_drafters():
     names = {p.name for p in ARTIFACTS if p.parent.name == "smollm2-135m"}
     assert {"eagle", "distill", "kangaroo-l6", "kangaroo-l12"} <= names
+    assert {"stop-eagle", "stop-distill", "stop-kangaroo-l6", "stop-exit"} <= names  # SpecDec++'s stop heads
 
 
 @pytest.mark.parametrize("artifact", ARTIFACTS, ids=lambda p: f"{p.parent.name}/{p.name}")
@@ -33,3 +34,14 @@ def test_each_artifact_matches_the_bundled_model(artifact, smollm2_fp32):
 
     description = json.loads((artifact / DESCRIPTION).read_text())
     assert description["target"]["fingerprint"] == model_fingerprint(smollm2_fp32.model)
+
+
+@pytest.mark.parametrize("artifact", [p for p in ARTIFACTS if p.name.startswith("stop-")], ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_each_stop_head_predicts_acceptance_on_held_out_sequences(artifact):
+    """A shipped stop head ranks accepted drafts above rejected ones and beats the constant base rate on held-out data
+    (its record: ``training.stop_head.evaluate_head``), and it is tiny."""
+    held_out = json.loads((artifact / DESCRIPTION).read_text())["training"]["eval"]
+    assert held_out["rows"] >= 500 and held_out["auc"] > 0.7
+    assert held_out["log_loss"] < held_out["base_rate_log_loss"] - 0.03
+    assert held_out["accuracy"] >= held_out["majority_accuracy"]
+    assert (artifact / WEIGHTS).stat().st_size < 4096

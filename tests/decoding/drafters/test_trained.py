@@ -40,7 +40,7 @@ def drafter(model, recipe, threshold=0.0):
 
 
 def test_every_recipe_is_tested():
-    assert set(KNOBS) == set(RECIPES)
+    assert set(KNOBS) == {name for name, r in RECIPES.items() if r.drafts}  # the stop head's: tests/training/test_train.py
 
 
 @pytest.mark.parametrize("recipe", list(KNOBS))

@@ -4,11 +4,13 @@ import itertools
 
 import pytest
 import torch
-from tests_support import generate
+from tests_support import always_drafting_del, confidence_head, generate
 
 from decoding.drafters.draft_model import DraftModelDrafter
 from decoding.drafters.early_exit import EarlyExitDrafter
 from decoding.drafters.ngram import NgramDrafter
+from decoding.drafters.stop_head import AcceptanceStop
+from decoding.drafters.swift import LayerSearch, SwiftDrafter
 from decoding.loop import step as loop_module
 from decoding.loop.metrics import chi_square_pvalue
 from decoding.loop.verify import verify_speculative
@@ -28,7 +30,19 @@ def drafters(model):
         "sps": DraftModelDrafter(ModelAdapter(model, num_layers=1)),
         "early-exit": EarlyExitDrafter(exit_layer=1),
         "ngram": NgramDrafter(ngram_max=2, ngram_min=1),
+        "swift": SwiftDrafter(LayerSearch(model.config.num_hidden_layers, 0.5, trials=0)),
+        "del": always_drafting_del(model.config.num_hidden_layers),
+        # SpecDec++'s stop head on chains of each kind of model drafter
+        "sps+stop": with_rule(DraftModelDrafter(ModelAdapter(model, num_layers=1))),
+        "early-exit+stop": with_rule(EarlyExitDrafter(exit_layer=1)),
+        "swift+stop": with_rule(SwiftDrafter(LayerSearch(model.config.num_hidden_layers, 0.5, trials=0))),
+        "del+stop": with_rule(always_drafting_del(model.config.num_hidden_layers)),
     }
+
+
+def with_rule(drafter):
+    drafter.threshold = AcceptanceStop(confidence_head(), stop_threshold=0.5)
+    return drafter
 
 
 def exact_joint(model, prompt, n, sampling):
@@ -59,7 +73,9 @@ SAMPLING = SamplingParams(temperature=1.0)
 WARPED = SamplingParams(temperature=0.8, top_k=6, top_p=0.9)
 
 
-@pytest.mark.parametrize("method", ["ar", "sps", "early-exit", "ngram"])
+@pytest.mark.parametrize(
+    "method", ["ar", "sps", "early-exit", "ngram", "swift", "del", "sps+stop", "early-exit+stop", "swift+stop", "del+stop"]
+)
 def test_sampled_distribution_matches_target(tiny_model, method):
     counts = sample_counts(tiny_model, drafters(tiny_model)[method], SAMPLING)
     p = chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING))
