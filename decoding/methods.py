@@ -414,7 +414,7 @@ METHOD_TABLE: dict[str, Method] = {
             lossy=True,
             serves_auto_k=False,
             options=("draft", "draft_model", "ead"),
-            defaults={"k": 16},
+            defaults={"k": 16, "adaptive_k": False},
         ),
     )
 }
