@@ -1,5 +1,15 @@
 """Hugging Face ``generate()`` as the peer of ``specray bench``: plain, prompt lookup, a shallow assistant made of
-the target's first layers, early exit; each assisted mode at specray's knobs and at HF's own documented defaults."""
+the target's first layers, early exit; each assisted mode at specray's knobs and at HF's own documented defaults; and
+transformers' fast mode, a static KV cache (``cache_implementation="static"``), alone and under prompt lookup.
+
+On a CUDA device transformers compiles the forward over a static cache (``torch.compile``, mode "reduce-overhead":
+CUDA graphs) by itself; elsewhere it runs the static cache eagerly. The compiled graphs are shaped by the cache's
+length, so the peer sizes it in buckets (:func:`static_bucket`) and pays each bucket's compilation in an untimed
+call before the first timed one that needs it.
+
+>>> static_bucket(90), static_bucket(256), static_bucket(700)
+(256, 256, 1024)
+"""
 
 from __future__ import annotations
 
@@ -17,7 +27,11 @@ PEER_MODES = (
     "hf-assistant-default",
     "hf-early-exit",
     "hf-early-exit-default",
+    "hf-static",
+    "hf-static-prompt-lookup",
 )
+STATIC_MODES = ("hf-static", "hf-static-prompt-lookup")  # a static KV cache: compiled (CUDA graphs) on a CUDA device
+STATIC_SLACK = 16  # static cache positions kept free past a generation's last token (room for a verified draft)
 # Hugging Face's own settings for its assisted modes (the prompt-lookup guide's prompt_lookup_num_tokens=10, the
 # generation config's num_assistant_tokens=20, constant schedule, assistant_confidence_threshold=0.4)
 HF_PROMPT_LOOKUP_DEFAULT = {"prompt_lookup_num_tokens": 10}
@@ -46,7 +60,14 @@ class HFPeer:
             "hf-plain": {},
             "hf-prompt-lookup": {"prompt_lookup_num_tokens": cfg.k, "max_matching_ngram_size": cfg.ngram_max},
             "hf-prompt-lookup-default": dict(HF_PROMPT_LOOKUP_DEFAULT),
+            "hf-static": {"cache_implementation": "static"},
+            "hf-static-prompt-lookup": {
+                "cache_implementation": "static",
+                "prompt_lookup_num_tokens": cfg.k,
+                "max_matching_ngram_size": cfg.ngram_max,
+            },
         }
+        self.static_len: dict[str, int] = {}  # mode -> the static cache length warmed so far (grown by buckets)
         self.assistants = {}
         if cfg.draft_layers < depth:
             for mode, knobs in (("hf-assistant", assist), ("hf-assistant-default", HF_ASSIST_DEFAULT)):
@@ -66,6 +87,8 @@ class HFPeer:
 
     def describe(self, mode: str) -> str:
         kw = {k: v for k, v in self.modes[mode].items() if k != "assistant_model"}
+        if mode in STATIC_MODES:
+            kw["_compiled"] = self.model.device.type == "cuda"  # transformers compiles a static cache's forward on CUDA
         if mode in self.assistants:
             kw["assistant_model"] = f"first {self.cfg.draft_layers} layers of the target"
             kw["_assist"] = {k: getattr(self.assistants[mode].generation_config, k) for k in HF_ASSIST_DEFAULT}
@@ -96,6 +119,8 @@ class HFPeer:
         if assist:  # early exit drafts with the model itself, so the knobs live on its own generation config
             gen_cfg.update(**assist)
         ids = ids.to(self.model.device)  # the model's device (SpecConfig.device); prompts are encoded on the CPU
+        if mode in STATIC_MODES:
+            self._warm_static(mode, ids, max_new_tokens)
         try:
             t0 = time.perf_counter()
             with torch.inference_mode():
@@ -114,6 +139,47 @@ class HFPeer:
             for k, v in saved.items():
                 setattr(gen_cfg, k, v)
         return tokens, wall
+
+    def _warm_static(self, mode: str, ids, max_new_tokens: int) -> None:
+        """Before a static-cache generation that needs a longer cache than this mode has run with: untimed
+        generations that make transformers' static cache the bucket's length (it keeps the longest it has made and
+        sizes later ones to it) and compile the mode's forward there (on CUDA), so the timed call reuses its graphs.
+        The bucket leaves ``STATIC_SLACK`` positions past the generation: transformers sizes a static cache to the
+        generation's last position, and its assisted decoding verifies drafts past it (transformers 5.24 writes one
+        key past the cache and fails)."""
+        need = ids.shape[1] + max_new_tokens + STATIC_SLACK
+        context = getattr(self.model.config, "max_position_embeddings", None) or need
+        bucket = max(ids.shape[1] + max_new_tokens, min(static_bucket(need), context))
+        if bucket <= self.static_len.get(mode, 0):
+            return
+        self._untimed(ids, bucket - max_new_tokens, max_new_tokens, cache_implementation="static")  # the cache's size
+        if set(self.modes[mode]) != {"cache_implementation"}:  # an assisted mode: its own shapes compile too
+            self._untimed(ids, max(1, bucket - max_new_tokens - STATIC_SLACK), max_new_tokens, **self.modes[mode])
+        self.static_len[mode] = bucket
+
+    def _untimed(self, ids, length: int, max_new_tokens: int, **kw) -> None:
+        """A greedy generation of exactly ``max_new_tokens`` from ``length`` copies of the prompt's first token."""
+        import torch
+
+        filler = ids[:, :1].expand(1, length).contiguous()  # [1, length]
+        with torch.inference_mode():
+            self.model.generate(
+                input_ids=filler,
+                attention_mask=torch.ones_like(filler),
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=self.eos[0] if self.eos else None,
+                **kw,
+            )
+
+
+def static_bucket(tokens: int) -> int:
+    """The static cache length a generation of ``tokens`` (prompt + new) runs with: a power of two, at least 256."""
+    return max(256, 1 << (int(tokens) - 1).bit_length())
 
 
 def shallow_assistant(model, num_layers: int):

@@ -129,6 +129,29 @@ def test_hf_peer_on_cuda(tiny_model_dir):
     assert tokens == dec.generate_ids(ids, max_new_tokens=12).token_ids and wall > 0
 
 
+def test_hf_static_peer_compiles_on_cuda_and_equals_plain(tiny_model_dir):
+    """transformers' fast mode (static cache, forward compiled by transformers on CUDA) as a bench peer: the compiled
+    forward is made in the untimed warm-up, the timed calls decode hf-plain's greedy tokens; prompt lookup on the
+    static cache too when this transformers version runs it (else probe() drops it, naming why)."""
+    from evaluation.hf_peer import HFPeer
+
+    cfg = SpecConfig(model=str(tiny_model_dir), dtype="float32", device="cuda", k=3, draft_layers=1, exit_layer=1)
+    dec = SpecDecoder(cfg)
+    peer = HFPeer(dec, cfg, modes=["hf-plain", "hf-static", "hf-static-prompt-lookup"])
+    ids = dec.encode(PROMPT)
+    skipped = peer.probe(ids, 8)
+    assert "hf-static" not in skipped, skipped
+    assert getattr(peer.model, "_compiled_call", None) is not None  # transformers compiled the forward itself
+    assert '"_compiled": true' in peer.describe("hf-static")
+    want, _ = peer.generate("hf-plain", ids, 24)
+    rows = {}
+    for mode in [m for m in ("hf-static", "hf-static-prompt-lookup") if m in peer.modes]:
+        got, wall = peer.generate(mode, ids, 24)
+        assert got == want, mode
+        rows[mode] = len(got) / wall
+    print(f"\nHF static-cache peer on {torch.cuda.get_device_name()}: {rows}; skipped: {skipped}")
+
+
 def test_ray_workers_use_the_gpu_they_were_given():
     """Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for a worker given no GPU: ``auto`` must still mean CPU there."""
     import ray
