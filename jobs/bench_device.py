@@ -48,10 +48,17 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--readme", help="rewrite this file's device-results block")
     p.add_argument("--block", help="the block's name (default the device type: cpu, cuda)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument(
+        "--from-json",
+        metavar="DEVICE_JSON",
+        help="measure nothing: render a device.json written earlier (on a GPU machine) into --readme's block",
+    )
     return p
 
 
 def main_with_args(args) -> int:
+    if args.from_json:
+        return render_saved(Path(args.from_json), args)
     rows = parse_ints(args.rows, "--rows", 1)
     if args.prompts < 1 or args.max_new_tokens < 1 or args.spec_rows < 1:
         fail("--prompts, --max-new-tokens and --spec-rows must be >= 1")
@@ -66,11 +73,24 @@ def main_with_args(args) -> int:
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / "device.json").write_text(json.dumps(summary, indent=1))
     block = args.block or summary["device_type"]
-    text = markdown(
-        summary, " ".join(["specray bench-device", *sys.argv[1:]]) if sys.argv[0].endswith(("specray", "bench_device.py")) else ""
-    )
+    summary["command"] = " ".join(["specray bench-device", *sys.argv[1:]]) if sys.argv[0].endswith(("specray", "bench_device.py")) else ""
+    text = markdown(summary, summary["command"])
     if args.readme:
         write_block(Path(args.readme), block, text)
+    print(json.dumps(summary) if args.json else text)
+    return 0
+
+
+def render_saved(path: Path, args) -> int:
+    """Print (and with ``--readme`` write) the tables of a ``device.json`` measured earlier, under the command that
+    measured it."""
+    try:
+        summary = json.loads(path.read_text())
+        text = markdown(summary, summary.get("command", ""))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        fail(f"--from-json: {path} is not a bench-device summary ({type(e).__name__}: {e})")
+    if args.readme:
+        write_block(Path(args.readme), args.block or summary["device_type"], text)
     print(json.dumps(summary) if args.json else text)
     return 0
 
@@ -142,7 +162,8 @@ def measure(base, methods: list[str], rows: list[int], spec_rows: int, n_prompts
 
 
 def markdown(summary: dict, cmd: str) -> str:
-    one, sweep, load = summary["one_stream"], summary["batched_ar"], summary["under_load"]
+    one, load = summary["one_stream"], summary["under_load"]
+    sweep = {int(r): v for r, v in summary["batched_ar"].items()}  # rows are strings once read back from JSON
     ar = one["specray-ar"]
     lines = [
         f"Device: {summary['device']} ({summary['dtype']}, forward: {summary['implementation']}, {summary['threads']} threads), "

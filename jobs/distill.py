@@ -2,6 +2,7 @@
 
     specray distill --out data/distill/smollm2-135m                       # the full corpus, local Ray
     ray job submit --working-dir . -- python -m jobs.distill --out /data/distill --workers 8
+    python -m jobs.distill --out /data/distill --local --device cuda --rows 64          # one GPU, no Ray
 
 The target answers the prompt corpus (training/corpus.py: the model's own questions and articles, task
 templates over topic lists, Python's reference as documents; no Spec-Bench prompt) with the batched engine,
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from jobs.common import Parser, command, fail, output_dir, parse_ints
@@ -42,6 +44,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--threads", type=int, default=1, help="torch threads (and Ray CPUs) per engine (default 1)")
     p.add_argument("--device", default="auto", help="where each engine runs: auto (a GPU Ray gave the worker, else CPU), cpu")
     p.add_argument("--address", help="Ray cluster to join (default RAY_ADDRESS, else an embedded local Ray)")
+    p.add_argument(
+        "--local",
+        action="store_true",
+        help="one engine in this process, no Ray (a GPU machine without a cluster); --workers does not apply",
+    )
+    p.add_argument("--max-minutes", type=float, help="with --local: stop between shards after this long (rerun to resume)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--json", action="store_true", help="print the manifest's phase summaries as JSON")
     return p
@@ -78,16 +86,22 @@ def main_with_args(args) -> int:
 
     resolve(args.model)  # an unknown model fails before Ray starts
     out = output_dir(args.out, "--out")
-    from cluster.runtime import connect, shutdown_if_started_here
+    if args.max_minutes is not None and (not args.local or args.max_minutes <= 0):
+        fail("--max-minutes: a positive number of minutes, with --local")
     from training.distill_data import distill
 
-    connect(args.address)
-    try:
-        manifest = distill(
-            spec, Path(out), workers=args.workers, threads=args.threads, phases=phases, progress=not args.no_progress, device=args.device
-        )
-    finally:
-        shutdown_if_started_here()
+    run = dict(threads=args.threads, phases=phases, progress=not args.no_progress, device=args.device)
+    if args.local:
+        deadline = None if args.max_minutes is None else time.time() + 60 * args.max_minutes
+        manifest = distill(spec, Path(out), local=True, deadline=deadline, **run)
+    else:
+        from cluster.runtime import connect, shutdown_if_started_here
+
+        connect(args.address)
+        try:
+            manifest = distill(spec, Path(out), workers=args.workers, **run)
+        finally:
+            shutdown_if_started_here()
     phases_done = {k: v for k, v in manifest["phases"].items() if int(k) in phases}
     if args.json:
         print(json.dumps({"out": str(out), "phases": phases_done}))

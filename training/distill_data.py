@@ -273,9 +273,13 @@ class DistillWorker:
         self.current: str | None = None
 
     def where(self) -> dict:
-        import ray
+        try:
+            import ray
 
-        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+            node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+        except ImportError:  # in process on a machine without Ray (``distill(..., local=True)``)
+            node = "local"
+        return {"node": node, "pid": os.getpid()}
 
     def run(self, name: str, prompts: list[dict], phase: int) -> tuple[list[dict], dict]:
         self.current = name
@@ -314,14 +318,16 @@ def distill(
     max_attempts: int = 3,
     on_dispatch: Callable[[str, object], None] | None = None,
     device: str = "auto",
+    local: bool = False,
+    deadline: float | None = None,
 ) -> dict:
     """Run (or resume) the phases over Ray workers; returns the manifest. Ray must be connected (``cluster.runtime``).
 
     ``workers`` engines (default: the cluster's CPUs / ``threads``) of ``threads`` torch threads each, spread over
     the nodes. ``on_dispatch(shard, actor)`` is called as each shard is handed to a worker (tests kill workers there).
+    ``local``: one engine in this process, no Ray (a GPU machine without a cluster); ``deadline`` (``time.time()``)
+    then stops it between shards, every finished shard kept for the next run to resume from.
     """
-    import ray
-
     spec.check()
     if spec_bench_turns is None:  # the evaluation set never enters the data
         from evaluation.workloads import load_prompts
@@ -330,6 +336,14 @@ def distill(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     manifest = _check_resume(out, spec)
+    if local:
+        worker = DistillWorker(spec.to_dict(), threads, device)
+        for phase in phases:
+            if not _run_phase_here(spec, phase, out, spec_bench_turns, manifest, worker, progress, deadline):
+                break
+        return manifest
+    import ray
+
     if workers is None:
         workers = max(1, int(ray.cluster_resources().get("CPU", 1)) // threads)
     worker_cls = ray.remote(num_cpus=threads, max_restarts=0, max_concurrency=2)(DistillWorker)
@@ -410,6 +424,31 @@ def _run_phase(
     bar.close()
     _summarise_phase(manifest, phase, out)
     _write_manifest(out, manifest)
+
+
+def _run_phase_here(spec, phase: int, out: Path, spec_bench_turns, manifest: dict, worker, progress: bool, deadline) -> bool:
+    """One phase's shards on ``worker`` in this process; False when ``deadline`` stopped it before its end."""
+    prompts = phase_prompts(spec, phase, out, spec_bench_turns)
+    shards = shards_of(prompts, spec.shard_size)
+    todo = [i for i in range(len(shards)) if not shard_path(out, phase, i).exists()]
+    bar = _Bar(len(prompts), len(prompts) - sum(len(shards[i]) for i in todo), f"phase {phase}", progress)
+    t0, before = time.time(), worker.tokens
+    for index in todo:
+        if deadline is not None and time.time() > deadline:
+            bar.note(f"stopped by the time limit before shard {phase}-{index:05d}; rerun to resume")
+            bar.close()
+            return False
+        name = f"{phase}-{index:05d}"
+        rows, stats = worker.run(name, shards[index], phase)
+        write_shard(shard_path(out, phase, index), rows)
+        manifest["shards"][name] = {"prompts": len(rows), "attempts": 1, **stats}
+        _write_manifest(out, manifest)
+        bar.advance(len(rows))
+        bar.tokens(worker.tokens - before, time.time() - t0)
+    bar.close()
+    _summarise_phase(manifest, phase, out)
+    _write_manifest(out, manifest)
+    return True
 
 
 def _poll(pool, base: dict) -> int:

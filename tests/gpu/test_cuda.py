@@ -154,7 +154,7 @@ def test_hf_static_peer_compiles_on_cuda_and_equals_plain(tiny_model_dir):
 
 def test_ray_workers_use_the_gpu_they_were_given():
     """Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for a worker given no GPU: ``auto`` must still mean CPU there."""
-    import ray
+    ray = pytest.importorskip("ray", reason="no ray on this GPU machine (the device kit carries the model, not ray)")
 
     from actors.devices import placed_device
 

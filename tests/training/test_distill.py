@@ -97,6 +97,44 @@ def test_shards_round_trip(tmp_path):
     assert [len(s) for s in shards_of([{"id": str(i), "kind": "k"} for i in range(7)], 3)] == [3, 3, 1]
 
 
+def test_local_run_without_ray_stops_at_its_deadline_and_resumes(tiny_model_dir, tmp_path):
+    """``--local``: one engine in this process (a GPU machine without Ray); a deadline stops it between shards and a
+    rerun finishes the phase without writing a shard twice."""
+    import time
+
+    from jobs.distill import main
+    from training.distill_data import distill
+
+    spec = DistillSpec(model=str(tiny_model_dir), dtype="float32", **TINY)
+    out = tmp_path / "d"
+    manifest = distill(spec, out, phases=(1,), progress=False, local=True, deadline=time.time() - 1)
+    assert manifest["shards"] == {} and "1" not in manifest["phases"]  # stopped before its first shard
+    manifest = distill(spec, out, phases=(1,), progress=False, local=True)
+    shards = sorted(manifest["shards"])
+    assert shards and all(v["node"] == "local" for v in manifest["shards"].values())
+    stamps = {name: shard_path(out, 1, int(name.split("-")[1])).stat().st_mtime_ns for name in shards}
+    assert manifest["phases"]["1"]["sequences"] == len(read_rows(out, phase=1)) > 0
+    rc = main(
+        [
+            "--out",
+            str(out),
+            "--model",
+            spec.model,
+            "--dtype",
+            "float32",
+            "--phases",
+            "1",
+            "--local",
+            "--no-progress",
+            *(f"--{k.replace('_', '-')}={v}" for k, v in TINY.items() if k != "max_new_tokens"),
+            "--max-new-tokens",
+            "6,6,6",
+        ]
+    )
+    assert rc == 0
+    assert {n: shard_path(out, 1, int(n.split("-")[1])).stat().st_mtime_ns for n in shards} == stamps  # nothing written twice
+
+
 def test_bad_commands_fail_in_one_line(tmp_path, capsys):
     from jobs.distill import main
 
@@ -106,6 +144,7 @@ def test_bad_commands_fail_in_one_line(tmp_path, capsys):
         (["--out", str(tmp_path), "--quant", "q3"], "quant"),
         (["--out", str(tmp_path), "--model", "no/such/model"], "model"),
         (["--out", str(tmp_path), "--shard-size", "0"], "shard_size"),
+        (["--out", str(tmp_path), "--max-minutes", "5"], "--max-minutes"),
     ):
         rc = main(argv)
         assert_one_line_error(rc, capsys.readouterr().err, needle)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Every GPU check in one go, each stage under its own time limit, logs and figures under $OUT (default ./gpu-out):
+#   1. tests/gpu (graphs equal eager, one sync a step, sampling, every method equal to AR in float32);
+#   2. bench-device: AR one stream against transformers' generate() (plain and static-cache), batched AR, speculation
+#      at 16 rows (device.json; `python -m jobs.bench_device --from-json device.json --readme README.md --block gpu`
+#      writes it into the README);
+#   3. the 13 Spec-Bench categories: AR, the model-free methods, eagle (chain and trees), the distilled draft's tree
+#      (bench_variants' summary.json).
+# Run from the project root on a machine with a CUDA GPU: `bash tests/gpu/run.sh`. Stage limits (seconds):
+# GPU_TESTS_S, GPU_DEVICE_S, GPU_BENCH_S; GPU_STAGES picks stages (default "tests device bench").
+set -u
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+py=${PYTHON:-python3}
+stages=${GPU_STAGES:-tests device bench}
+dev=${GPU_DEVICE:-cuda}  # GPU_DEVICE=cpu dry-runs the commands here
+new=${GPU_NEW_TOKENS:-128}
+work=$(mktemp -d)
+"$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" 2>&1 | tee "$out/stages.log"
+for stage in $stages; do
+  start=$(date +%s)
+  case $stage in
+    tests)
+      timeout "${GPU_TESTS_S:-240}" "$py" -m pytest tests/gpu -q -p no:cacheprovider -rfEs --durations=8 2>&1 | tee "$out/tests.log"
+      rc=${PIPESTATUS[0]} ;;
+    device)
+      timeout "${GPU_DEVICE_S:-240}" "$py" -m jobs.bench_device --device "$dev" --max-new-tokens "$new" --prompts "${GPU_PROMPTS:-3}" \
+        --rows "${GPU_ROWS:-1,4,16,64,128}" --spec-rows 16 --methods "${GPU_SPEC_METHODS:-ngram,eagle,suffix}" \
+        --out "$out" 2>&1 | tee "$out/device.log"
+      rc=${PIPESTATUS[0]} ;;
+    bench)
+      timeout "${GPU_BENCH_S:-300}" "$py" -m jobs.bench_variants --set device="$dev" --dtype bfloat16 --limit "${GPU_LIMIT:-1}" \
+        --max-new-tokens "$new" ${GPU_BENCH_ARGS:-} --out "$work/bench" \
+        --variant ngram=ngram:k=8 --variant suffix=suffix --variant recycling=recycling \
+        --variant eagle=eagle --variant eagle-levels=eagle:tree=levels,tree_budget=32,k=6 \
+        --variant eagle-dyspec=eagle:tree=dyspec,tree_budget=48,k=8 \
+        --variant distill-dyspec=trained:drafter=smollm2-135m/distill,tree=dyspec,tree_budget=32,k=6 \
+        2>&1 | tee "$out/bench.log"
+      rc=${PIPESTATUS[0]}
+      cp "$work/bench/summary.json" "$out/bench-summary.json" 2>/dev/null ;;
+    *) echo "unknown stage $stage"; rc=2 ;;
+  esac
+  echo "stage $stage: $(($(date +%s) - start)) s, exit $rc" | tee -a "$out/stages.log"
+done
