@@ -44,7 +44,8 @@ def run_quiet(argv, on_prompt_done=None):
 @pytest.fixture(scope="module")
 def full_run(tiny):
     out = tiny["root"] / "out"
-    code, summary, stdout = run_quiet(base_argv(tiny, out, "--methods", "ngram,sps,early-exit", "--peer", "hf", "--json"))
+    argv = base_argv(tiny, out, "--methods", "ngram,sps,early-exit", "--peer", "hf", "--set", "adaptive_k=false", "--json")
+    code, summary, stdout = run_quiet(argv)  # fixed k: the model drafters propose k=3 every step
     return {"code": code, "summary": summary, "stdout": stdout, "out": out}
 
 
