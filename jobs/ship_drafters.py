@@ -2,13 +2,15 @@
 
     specray ship-drafters                                   # every shipped drafter, from the committed data
     specray ship-drafters --only eagle --on-cluster         # one of them, under Ray Train
+    specray ship-drafters --repack                          # rewrite the shipped artifacts in the current storage
 
 Each drafter of ``training.runs.SHIPPED_RECIPES`` (the feature head ``eagle``, the distilled draft ``distill``,
 Kangaroo adapters ``kangaroo-l<exit layer>``) trains on the self-distillation data committed in
 ``data/distill/<model>`` (``specray distill`` made it) with the settings recorded there. Checkpoints live in
 ``$SPECRAY_HOME/ship/<model>/<name>`` (rerunning resumes); the finished artifact is copied into
-``decoding/drafters/shipped/<model>/<name>`` (the methods' defaults) and the learning curves into ``--docs``. Bad
-input prints one line and exits 2.
+``decoding/drafters/shipped/<model>/<name>`` (the methods' defaults) and the learning curves into ``--docs``.
+``--repack`` trains nothing: it rewrites the shipped artifacts in the current storage (``decoding.drafters.storage``)
+and measures their held-out agreement before and after on the data. Bad input prints one line and exits 2.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--on-cluster", action="store_true", help="train with Ray Train (RAY_ADDRESS, else a local Ray)")
     p.add_argument("--workers", type=int, help="with --on-cluster: training workers")
     p.add_argument("--strategy", default="ddp", help="with --on-cluster: ddp (default) or deepspeed (GPUs)")
+    p.add_argument("--repack", action="store_true", help="train nothing: rewrite the shipped artifacts in the current storage")
+    p.add_argument("--eval-sequences", type=int, default=64, help="with --repack: held-out sequences to measure on (default 64)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print the summaries as JSON")
     return p
@@ -64,6 +68,8 @@ def main_with_args(args) -> int:
         fail(f"--data: {data} is not a `specray distill` data directory (no manifest.json)")
     shipped = Path(args.shipped) if args.shipped else ROOT / "decoding" / "drafters" / "shipped" / args.model
     set_threads(args.threads)
+    if args.repack:
+        return repack_shipped(args, names, data, shipped)
     results, histories = {}, {}
     for name in names:
         run = SHIPPED_RECIPES[name]
@@ -100,6 +106,28 @@ def main_with_args(args) -> int:
     for name, r in results.items():
         after = ", ".join(f"{a:.3f}" for a in r["agreement_after"] or [])
         print(f"{name}: {r['train_sequences']} sequences, {r['train_seconds']}s; held-out top-1 agreement [{after}] -> {r['shipped']}")
+    return 0
+
+
+def repack_shipped(args, names: list[str], data: Path, shipped: Path) -> int:
+    from training.runs import repack
+
+    missing = [n for n in names if not (shipped / n / "drafter.json").is_file()]
+    if missing:
+        fail(f"--repack: {shipped / missing[0]} holds no artifact to repack")
+    results = {}
+    for name in names:
+        print(f"{name}: repacking {shipped / name}", file=sys.stderr)
+        results[name] = repack(shipped / name, args.model, data, args.device, eval_sequences=args.eval_sequences)
+    if args.json:
+        print(json.dumps(results))
+        return 0
+    fmt = lambda xs: ", ".join(f"{x:.4f}" for x in xs or [])  # noqa: E731
+    for name, r in results.items():
+        print(
+            f"{name}: {r['bytes_before'] / 1e6:.2f} MB -> {r['bytes_after'] / 1e6:.2f} MB; held-out top-1 agreement "
+            f"[{fmt(r['agreement_before'])}] -> [{fmt(r['agreement_stored'])}]"
+        )
     return 0
 
 

@@ -170,7 +170,7 @@ def main_with_args(args) -> int:
     from decoding.drafters.trained import get_recipe
     from decoding.in_process import SpecDecoder
     from decoding.model.loading import load_model, model_fingerprint
-    from decoding.paths import specray_home
+    from decoding.paths import portable, specray_home
     from training.data import data_dir, generate_data, load_examples
     from training.trainer import TrainSpec
 
@@ -189,7 +189,7 @@ def main_with_args(args) -> int:
     out = Path(args.out) if args.out else specray_home() / "drafters" / name
     spec = TrainSpec(args.recipe, knobs, args.loss, args.steps, args.batch, args.lr, args.seed, args.window, train_vocab=args.train_vocab)
     target = load_model(args.model, "float32", args.device).model  # training runs in float32
-    extra = {"data_dir": str(ddir), "data_seconds": round(data_s, 1), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens}
+    extra = {"data_dir": portable(ddir), "data_seconds": round(data_s, 1), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens}
     t1 = time.perf_counter()
     if args.on_cluster or os.environ.get("RAY_ADDRESS"):
         from training.ray_train import train_on_cluster

@@ -96,7 +96,7 @@ def _worker(config: dict) -> None:
         from ray.train.torch import get_device
 
         target = target.to(get_device())
-    features, eval_examples, weights_dtype = None, None, None
+    features, eval_examples = None, None
     if config.get("distill"):  # token ids of `specray distill`; the target's features computed per window
         from training.features import TargetFeatures, distill_training_set
 
@@ -107,7 +107,6 @@ def _worker(config: dict) -> None:
             config["layers"],
             d.get("max_context"),
         )
-        weights_dtype = torch.bfloat16
     else:
         examples = load_examples(Path(config["data_dir"]), config["layers"])
     wrap = _deepspeed_wrap(spec.batch) if config["strategy"] == "deepspeed" else _ddp_wrap(world)
@@ -130,7 +129,6 @@ def _worker(config: dict) -> None:
         extra_training=config["extra"],
         features=features,
         eval_examples=eval_examples,
-        weights_dtype=weights_dtype,
     )
     if rank == 0:
         ray.train.report({"done": True, "eval_agreement": training["eval_agreement"]})

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from decoding.drafters.artifacts import save_artifact
+from decoding.drafters.artifacts import save_artifact, stored_copy
 from decoding.drafters.eagle import VocabHead
+from decoding.drafters.storage import Storage
 from decoding.drafters.trained import Shared, get_recipe
 from training.objectives import LOSSES, agreement, objectives, vocab_order
 
@@ -188,7 +189,7 @@ def train(
     deadline: float | None = None,
     features=None,
     eval_examples: list[dict] | None = None,
-    weights_dtype: torch.dtype | None = None,
+    storage: Storage | None = None,
 ) -> dict:
     """Train (or resume) and save the artifact in ``out``; returns the artifact's ``training`` description.
 
@@ -199,8 +200,9 @@ def train(
     ``deadline`` (a ``time.time()``) ends training early; the artifact records the steps done.
     ``features`` (``training.features.TargetFeatures``): the examples hold token ids only and the target's hidden
     states are computed per window as training draws it (else they are stored in the examples). ``eval_examples``:
-    the held-out set (default: the last ``eval_fraction`` of ``examples``). ``weights_dtype``: the artifact's
-    storage dtype (default: as trained, float32).
+    the held-out set (default: the last ``eval_fraction`` of ``examples``). ``storage``: how the artifact stores its
+    weights (default ``Storage()``); ``eval_agreement`` is the agreement of the weights as trained,
+    ``eval_agreement_stored`` of the weights as the artifact stores them (what its drafter computes with).
     """
     _check_inputs(spec, examples)
     out = Path(out)
@@ -244,9 +246,10 @@ def train(
     bar.close()
     training = _training(s, step, history, before, t0, extra_training)
     if save and s.chief:
+        training["eval_agreement_stored"] = s.evaluate(stored_copy(s.module, spec.recipe, s.knobs, target_hf, storage))
         plot_loss(history, out / "loss.png", f"{spec.recipe} ({spec.loss})")
         ranking = s.vocab if s.recipe.drafts else None  # VocabTrim's ranking, for drafters (not the stop head)
-        save_artifact(out, spec.recipe, s.knobs, s.module, target_hf, target_name, training, vocab=ranking, weights_dtype=weights_dtype)
+        save_artifact(out, spec.recipe, s.knobs, s.module, target_hf, target_name, training, vocab=ranking, storage=storage)
         (out / "history.json").write_text(json.dumps(history))
     return training
 
@@ -296,10 +299,11 @@ class _Session:
     opt: torch.optim.Optimizer
     chief: bool  # rank 0: writes checkpoints and the artifact
 
-    def evaluate(self) -> list[float]:
-        """Held-out agreement of the module now."""
+    def evaluate(self, module: torch.nn.Module | None = None) -> list[float]:
+        """Held-out agreement of the module now (or of ``module``, e.g. its weights as the artifact stores them)."""
         s = self
-        return evaluate(s.recipe, s.module, s.shared, s.eval_set, s.knobs, s.spec.window, s.device, s.prepare)
+        m = s.module if module is None else module.to(s.device).eval()
+        return evaluate(s.recipe, m, s.shared, s.eval_set, s.knobs, s.spec.window, s.device, s.prepare)
 
     def learning_curve(self, row: dict, step: int) -> None:
         """Every ``eval_every`` steps (rank 0), the held-out agreement into the step's ``row``."""

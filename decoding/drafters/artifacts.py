@@ -1,8 +1,10 @@
 """Trained drafter artifacts: ``drafter.safetensors`` (only the trained weights) + ``drafter.json`` (what it is).
 
 The description names the recipe, its knobs, the target it was trained for
-(name and :func:`~decoding.drafters.trained.model_fingerprint`) and the training
-figures. Artifacts live in ``$SPECRAY_HOME/drafters/<name>`` or any directory;
+(name and :func:`~decoding.drafters.trained.model_fingerprint`), how the weights are
+stored (``storage``: each matrix as its change from the target tensor it started
+from, in ``bits``-bit groups of ``group``; see ``decoding.drafters.storage``) and
+the training figures. Artifacts live in ``$SPECRAY_HOME/drafters/<name>`` or any directory;
 ``SpecConfig(method="trained", drafter=NAME_OR_PATH)`` loads one. Loading an
 artifact for another target fails with a ``ConfigError`` on ``drafter``.
 
@@ -23,8 +25,10 @@ import torch
 from decoding.builders import builds
 from decoding.drafters.base import Drafter
 from decoding.drafters.draft_model import DraftModelDrafter, draft_model_adapter, first_layers_adapter, model_depth
+from decoding.drafters.eagle import VocabHead
 from decoding.drafters.early_exit import EarlyExitDrafter
 from decoding.drafters.stop_head import EXIT_SOURCE, AcceptanceStop, StopHead, chain_drafting, exit_layers, stop_source_of
+from decoding.drafters.storage import Storage, StorageError, bits_used, decode, encode, is_matrix
 from decoding.drafters.trained import RECIPES, Recipe, TrimmedHead, get_recipe, trim_vocab
 from decoding.errors import ConfigError
 from decoding.model.adapter import ModelAdapter
@@ -33,7 +37,8 @@ from decoding.paths import specray_home
 from decoding.trees.hardware import chooser_for
 from decoding.trees.shapes import Dynamic, tree_shape
 
-FORMAT = 1
+FORMAT = 2  # 2: matrices stored as quantised changes from the target's tensors (``storage``); 1: dense (still read)
+READABLE = (1, 2)
 WEIGHTS, DESCRIPTION = "drafter.safetensors", "drafter.json"
 
 
@@ -103,20 +108,22 @@ def save_artifact(
     target_name: str,
     training: dict,
     vocab: torch.Tensor | None = None,
-    weights_dtype: torch.dtype | None = None,
+    storage: Storage | None = None,
 ) -> Path:
-    """Write weights and description atomically (a half-written artifact is never loaded). ``weights_dtype`` stores
-    the floating-point weights in that dtype (bfloat16 halves a float32 drafter; loading casts to the target's)."""
+    """Write weights and description atomically (a half-written artifact is never loaded), the weights in
+    ``storage`` (default :class:`~decoding.drafters.storage.Storage`: each matrix as its change from the target's
+    tensor, in the fewest bits within the error budget)."""
     from safetensors.torch import save_file
 
+    storage = storage or Storage()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
-    if weights_dtype is not None:
-        tensors = {k: v.to(weights_dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    rec = get_recipe(recipe)
+    state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    tensors, metadata = encode(state, base_state(rec, knobs, target_hf, state), storage)
     if vocab is not None:
-        tensors[VOCAB_ORDER] = vocab.long().contiguous().cpu()
-    save_file(tensors, str(out / (WEIGHTS + ".tmp")))
+        tensors[VOCAB_ORDER] = vocab.to(torch.int32).contiguous().cpu()
+    save_file(tensors, str(out / (WEIGHTS + ".tmp")), metadata=metadata)
     os.replace(out / (WEIGHTS + ".tmp"), out / WEIGHTS)
     c = target_hf.config
     desc = {
@@ -130,12 +137,45 @@ def save_artifact(
             "hidden_size": c.hidden_size,
             "vocab_size": c.vocab_size,
         },
-        "parameters": sum(t.numel() for k, t in tensors.items() if k != VOCAB_ORDER),
+        "parameters": sum(t.numel() for t in state.values() if t.is_floating_point()),
+        "storage": {**storage.to_dict(), "bits_used": bits_used(metadata), "bytes": (out / WEIGHTS).stat().st_size},
         "vocab_ranked": 0 if vocab is None else int(vocab.numel()),
         "training": training,
     }
     (out / (DESCRIPTION + ".tmp")).write_text(json.dumps(desc, indent=2, sort_keys=True, default=str))
     os.replace(out / (DESCRIPTION + ".tmp"), out / DESCRIPTION)
+    return out
+
+
+def base_state(recipe: Recipe, knobs: dict, target_hf, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors each matrix of a trained module started from: the module as ``recipe`` builds it from the target
+    (a trimmed head: the target's head rows of the tokens in ``state``), for the matrices that are a function of the
+    target; randomly initialised ones (they differ between two builds) and zero-initialised ones have none."""
+    built = []
+    for seed in (0, 1):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            m = recipe.build(target_hf, knobs)
+        m.load_state_dict({k: v for k, v in state.items() if not v.is_floating_point()}, strict=False)  # token ids
+        for head in m.modules():
+            if isinstance(head, VocabHead):  # a trained head starts as the target's rows of its tokens
+                head.reset(head.vocab)
+        built.append({k: v.detach().cpu() for k, v in m.state_dict().items()})
+    a, b = built
+    return {k: v for k, v in a.items() if is_matrix(v) and torch.equal(v, b[k]) and bool(v.any())}
+
+
+def stored_copy(module: torch.nn.Module, recipe: str, knobs: dict, target_hf, storage: Storage | None = None) -> torch.nn.Module:
+    """A copy of ``module`` with the weights an artifact in ``storage`` loads back (what its drafter computes with):
+    training evaluates it to record the agreement of the weights as stored."""
+    import copy
+
+    state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    bases = base_state(get_recipe(recipe), knobs, target_hf, state)
+    tensors, metadata = encode(state, bases, storage or Storage())
+    loaded = decode(tensors, metadata, bases)
+    out = copy.deepcopy(module)
+    out.load_state_dict({k: v.to(state[k].dtype) for k, v in loaded.items()})
     return out
 
 
@@ -166,8 +206,9 @@ def read_description(name: str) -> tuple[Path, dict]:
         desc = json.loads((path / DESCRIPTION).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError("drafter", f"{path / DESCRIPTION} is not readable JSON ({e})") from None
-    if not isinstance(desc, dict) or desc.get("format") != FORMAT or "recipe" not in desc or "target" not in desc:
-        raise ConfigError("drafter", f"{path / DESCRIPTION} is not a specray drafter description (format {FORMAT})")
+    if not isinstance(desc, dict) or desc.get("format") not in READABLE or "recipe" not in desc or "target" not in desc:
+        got = desc.get("format") if isinstance(desc, dict) else None
+        raise ConfigError("drafter", f"{path / DESCRIPTION} is not a specray drafter description of format {FORMAT} (format {got})")
     return path, desc
 
 
@@ -197,8 +238,6 @@ def load_artifact(name: str, target_hf) -> Artifact:
 
 
 def _load(name: str, path: Path, desc: dict, target_hf) -> Artifact:
-    from safetensors.torch import load_file
-
     fp = model_fingerprint(target_hf)
     want = desc["target"]
     if want.get("fingerprint") != fp:
@@ -210,15 +249,29 @@ def _load(name: str, path: Path, desc: dict, target_hf) -> Artifact:
     recipe = get_recipe(desc["recipe"])
     knobs = recipe.check(desc.get("knobs", {}), target_hf.config.num_hidden_layers)
     module = recipe.build(target_hf, knobs)
+    tensors, metadata = read_weights(path / WEIGHTS, desc["recipe"], knobs)
+    vocab = tensors.pop(VOCAB_ORDER, None)
+    vocab = None if vocab is None else vocab.long()
     try:
-        tensors = load_file(str(path / WEIGHTS))
-        vocab = tensors.pop(VOCAB_ORDER, None)
-        module.load_state_dict(tensors)
-    except (OSError, RuntimeError) as e:
+        state = decode(tensors, metadata, base_state(recipe, knobs, target_hf, tensors))
+        module.load_state_dict(state)
+    except (StorageError, RuntimeError) as e:
         raise ConfigError("drafter", f"{path / WEIGHTS} does not hold a {desc['recipe']} drafter with knobs {knobs}: {e}") from None
     dtype = target_hf.lm_head.weight.dtype
     module.to(device=target_hf.lm_head.weight.device, dtype=dtype).eval().requires_grad_(False)
     return Artifact(path, desc, recipe, knobs, module, vocab, target_hf.lm_head)
+
+
+def read_weights(file: Path, recipe: str, knobs: dict) -> tuple[dict, dict]:
+    """The tensors and metadata of a weights file; one line naming the file when it is missing or not safetensors."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), "pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+    except Exception as e:  # noqa: BLE001 (safetensors raises its own error type for a corrupt or truncated file)
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError("drafter", f"{file} does not hold a {recipe} drafter with knobs {knobs}: {why}") from None
 
 
 @builds("trained")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from decoding.config import SpecConfig
-from decoding.engine import SpecDecoder
+from decoding.in_process import SpecDecoder
 
 PROMPT = "the cat sat on the mat and the cat sat on the"
 

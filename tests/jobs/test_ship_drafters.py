@@ -49,6 +49,45 @@ def test_ship_drafters_trains_publishes_and_plots(tiny_data, capsys):
     assert json.loads((root / "docs" / "training.json").read_text())["eagle"]["steps"] == 12
 
 
+def test_repack_rewrites_the_shipped_artifacts_and_measures_them(tiny_data, tmp_path, capsys):
+    """``--repack`` trains nothing: an artifact in the old dense format (1) is rewritten in the current one, its
+    training record kept, its held-out agreement measured before and after."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from decoding.drafters.artifacts import FORMAT, load_artifact
+    from decoding.model.loading import load_model
+    from jobs.ship_drafters import main
+
+    model, data, root = tiny_data
+    shipped = tmp_path / "shipped"
+    argv = ["--model", str(model), "--data", str(data), "--only", "distill", "--steps-scale", "0.004", "--shipped", str(shipped)]
+    argv += ["--docs", str(tmp_path / "docs"), "--no-progress", "--json", "--threads", "1"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    target = load_model(str(model), "float32").model
+    art = load_artifact(str(shipped / "distill"), target)
+    dense = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in art.module.state_dict().items()}
+    save_file(dense, str(shipped / "distill" / "drafter.safetensors"))  # as format 1 stored it
+    desc = json.loads((shipped / "distill" / "drafter.json").read_text())
+    trained = desc["training"]
+    (shipped / "distill" / "drafter.json").write_text(json.dumps({**desc, "format": 1}))
+    shutil.rmtree(tmp_path / "docs")
+    assert main(["--model", str(model), "--data", str(data), "--only", "distill", "--shipped", str(shipped), "--repack", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)["distill"]
+    after = json.loads((shipped / "distill" / "drafter.json").read_text())
+    assert after["format"] == FORMAT and after["storage"]["bytes"] == result["bytes_after"]
+    assert after["training"]["steps"] == trained["steps"] and after["training"]["repacked"]["from_format"] == 1
+    assert result["agreement_before"] == after["training"]["repacked"]["eval_agreement_before"] and len(result["agreement_before"]) == 1
+    assert result["agreement_stored"] == after["training"]["eval_agreement_stored"] and 0 <= result["agreement_stored"][0] <= 1
+    assert not (tmp_path / "docs").exists()  # no training: no curves, no record
+    load_artifact(str(shipped / "distill"), target)
+    code = main(["--model", str(model), "--data", str(data), "--only", "eagle", "--shipped", str(shipped), "--repack"])
+    assert_one_line_error(code, capsys.readouterr().err, "no artifact to repack")
+
+
 def test_bad_input_fails_in_one_line(tiny_data, tmp_path, capsys):
     from jobs.ship_drafters import main
 

@@ -164,7 +164,7 @@ def artifacts(four_layer_dir, tmp_path_factory):
         with torch.no_grad():
             for p in module.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * 0.05)
-        out[name] = str(save_artifact(root / name, recipe, knobs, module, target, "tiny4", training={}, weights_dtype=torch.bfloat16))
+        out[name] = str(save_artifact(root / name, recipe, knobs, module, target, "tiny4", training={}))
     return out
 
 
