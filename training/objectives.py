@@ -263,7 +263,7 @@ def stop_rows(module, shared: Shared, ex: dict) -> tuple[torch.Tensor, torch.Ten
 def stop_objectives(module, shared: Shared, ex: dict, knobs: dict) -> Objectives:
     """SpecDec++'s acceptance-prediction head (``decoding.drafters.stop_head``) on :func:`stop_rows`. One pair over every
     row: student = [0, z] (z the head's acceptance logit), teacher = the label's log one-hot; KL, cross-entropy and
-    TVD++ then all train a binary classifier, and agreement is its accuracy. (``training.stop_head`` fits the same
+    TVD++ then all train a binary classifier, and agreement is its accuracy. (``training.fit_stop_head`` fits the same
     head faster: every row computed once.)"""
     features, label = stop_rows(module, shared, ex)
     z = module(features)

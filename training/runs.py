@@ -16,7 +16,7 @@ from pathlib import Path
 
 from decoding.errors import ConfigError
 from decoding.paths import portable
-from training.stop_head import train_stop_head
+from training.fit_stop_head import train_stop_head
 
 
 @dataclass(frozen=True)

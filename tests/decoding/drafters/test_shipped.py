@@ -67,7 +67,7 @@ def test_each_artifact_matches_the_bundled_model(artifact, smollm2_fp32):
 @pytest.mark.parametrize("artifact", [p for p in ARTIFACTS if p.name.startswith("stop-")], ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_each_stop_head_predicts_acceptance_on_held_out_sequences(artifact):
     """A shipped stop head ranks accepted drafts above rejected ones and beats the constant base rate on held-out data
-    (its record: ``training.stop_head.evaluate_head``), and it is tiny."""
+    (its record: ``training.fit_stop_head.evaluate_head``), and it is tiny."""
     held_out = json.loads((artifact / DESCRIPTION).read_text())["training"]["eval"]
     assert held_out["rows"] >= 500 and held_out["auc"] > 0.7
     assert held_out["log_loss"] < held_out["base_rate_log_loss"] - 0.03
