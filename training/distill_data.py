@@ -435,8 +435,8 @@ def _run_phase_here(spec, phase: int, out: Path, spec_bench_turns, manifest: dic
     t0, before = time.time(), worker.tokens
     for index in todo:
         if deadline is not None and time.time() > deadline:
-            bar.note(f"stopped by the time limit before shard {phase}-{index:05d}; rerun to resume")
             bar.close()
+            print(f"distill: stopped by the time limit before shard {phase}-{index:05d}; rerun to resume", file=sys.stderr)
             return False
         name = f"{phase}-{index:05d}"
         rows, stats = worker.run(name, shards[index], phase)

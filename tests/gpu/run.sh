@@ -5,7 +5,8 @@
 #      at 16 rows (device.json; `python -m jobs.bench_device --from-json device.json --readme README.md --block gpu`
 #      writes it into the README);
 #   3. the 13 Spec-Bench categories: AR, the model-free methods, eagle (chain and trees), the distilled draft's tree
-#      (bench_variants' summary.json).
+#      (bench_variants' summary.json);
+#   4. distill (only when asked): the committed self-distillation run resumed on the GPU (`specray distill --local`).
 # Run from the project root on a machine with a CUDA GPU: `bash tests/gpu/run.sh`. Stage limits (seconds):
 # GPU_TESTS_S, GPU_DEVICE_S, GPU_BENCH_S; GPU_STAGES picks stages (default "tests device bench").
 set -u
@@ -17,20 +18,21 @@ stages=${GPU_STAGES:-tests device bench}
 dev=${GPU_DEVICE:-cuda}  # GPU_DEVICE=cpu dry-runs the commands here
 new=${GPU_NEW_TOKENS:-128}
 work=$(mktemp -d)
+touch "$work/stamp"
 "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" 2>&1 | tee "$out/stages.log"
 for stage in $stages; do
   start=$(date +%s)
   case $stage in
     tests)
-      timeout "${GPU_TESTS_S:-240}" "$py" -m pytest tests/gpu -q -p no:cacheprovider -rfEs --durations=8 2>&1 | tee "$out/tests.log"
+      timeout -s INT -k 30 "${GPU_TESTS_S:-240}" "$py" -m pytest tests/gpu -q -p no:cacheprovider -rfEs --durations=8 ${GPU_TESTS_ARGS:-} 2>&1 | tee "$out/tests.log"
       rc=${PIPESTATUS[0]} ;;
     device)
-      timeout "${GPU_DEVICE_S:-240}" "$py" -m jobs.bench_device --device "$dev" --max-new-tokens "$new" --prompts "${GPU_PROMPTS:-3}" \
+      timeout -s INT -k 30 "${GPU_DEVICE_S:-240}" "$py" -m jobs.bench_device --device "$dev" --max-new-tokens "$new" --prompts "${GPU_PROMPTS:-3}" \
         --rows "${GPU_ROWS:-1,4,16,64,128}" --spec-rows 16 --methods "${GPU_SPEC_METHODS:-ngram,eagle,suffix}" \
         --out "$out" 2>&1 | tee "$out/device.log"
       rc=${PIPESTATUS[0]} ;;
     bench)
-      timeout "${GPU_BENCH_S:-300}" "$py" -m jobs.bench_variants --set device="$dev" --dtype bfloat16 --limit "${GPU_LIMIT:-1}" \
+      timeout -s INT -k 30 "${GPU_BENCH_S:-300}" "$py" -m jobs.bench_variants --set device="$dev" --dtype bfloat16 --limit "${GPU_LIMIT:-1}" \
         --max-new-tokens "$new" ${GPU_BENCH_ARGS:-} --out "$work/bench" \
         --variant ngram=ngram:k=8 --variant suffix=suffix --variant recycling=recycling \
         --variant eagle=eagle --variant eagle-levels=eagle:tree=levels,tree_budget=32,k=6 \
@@ -39,6 +41,13 @@ for stage in $stages; do
         2>&1 | tee "$out/bench.log"
       rc=${PIPESTATUS[0]}
       cp "$work/bench/summary.json" "$out/bench-summary.json" 2>/dev/null ;;
+    distill)  # resume the committed self-distillation run with the batched engine on the GPU; new shards in distill.tar
+      cp -rp data/distill/smollm2-135m "$work/distill"
+      timeout -s INT -k 30 "${GPU_DISTILL_S:-180}" "$py" -m jobs.distill --local --device "$dev" --out "$work/distill" \
+        --per-kind 800 --questions 2000 --articles 600 --german 300 --shard-size 192 --rows "${GPU_DISTILL_ROWS:-64}" \
+        --max-minutes "${GPU_DISTILL_MIN:-2}" --no-progress 2>&1 | tee "$out/distill.log"
+      rc=${PIPESTATUS[0]}
+      (cd "$work/distill" && tar -cf "$out/distill.tar" manifest.json $(find . -name 'shard-*.parquet' -newer "$work/stamp" | sort)) ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
   echo "stage $stage: $(($(date +%s) - start)) s, exit $rc" | tee -a "$out/stages.log"
