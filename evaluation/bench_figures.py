@@ -162,7 +162,7 @@ def reference_margins(target: ModelAdapter, prompt_ids: torch.Tensor, new_tokens
     if n == 0:
         return []
     t = prompt_ids.shape[1]
-    seq = torch.cat([prompt_ids, torch.tensor([list(new_tokens)], dtype=prompt_ids.dtype, device=prompt_ids.device)], dim=1)
+    seq = torch.cat([prompt_ids.cpu(), torch.tensor([list(new_tokens)], dtype=prompt_ids.dtype)], dim=1).to(target.device)
     cache = target.new_cache(1, t + n)
     h = target.forward(cache, 0, input_ids=seq[:, : t + n - 1])  # the last token's logits are never used
     return top2_margin(target.logits(h[:, t - 1 :]))[0].tolist()
