@@ -71,9 +71,9 @@ def main_with_args(args) -> int:
     out = output_dir(args.out, "--out")
     summary = measure(base, methods, rows, args.spec_rows, args.prompts, [m for m in args.peer_modes.split(",") if m])
     Path(out).mkdir(parents=True, exist_ok=True)
+    summary["command"] = " ".join(["specray bench-device", *sys.argv[1:]]) if sys.argv[0].endswith(("specray", "bench_device.py")) else ""
     (Path(out) / "device.json").write_text(json.dumps(summary, indent=1))
     block = args.block or summary["device_type"]
-    summary["command"] = " ".join(["specray bench-device", *sys.argv[1:]]) if sys.argv[0].endswith(("specray", "bench_device.py")) else ""
     text = markdown(summary, summary["command"])
     if args.readme:
         write_block(Path(args.readme), block, text)
