@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Every GPU check in one go, each stage under its own time limit, logs and figures under $OUT (default ./gpu-out):
+# Every GPU check in one go, each stage under its own time limit; under $OUT (default ./gpu-out) one log (run.log)
+# and the stages' figures and data (device.json, bench-summary.json, distill.tar, shipped.tar):
 #   1. tests/gpu (graphs equal eager, one sync a step, sampling, every method equal to AR in float32);
 #   2. bench-device: AR one stream against transformers' generate() (plain and static-cache), batched AR, speculation
 #      at 16 rows (device.json; `python -m jobs.bench_device --from-json device.json --readme README.md --block gpu`
 #      writes it into the README);
 #   3. the 13 Spec-Bench categories: AR, the model-free methods, eagle (chain and trees), the distilled draft's tree
 #      (bench_variants' summary.json);
-#   4. distill (only when asked): the committed self-distillation run resumed on the GPU (`specray distill --local`).
+#   4. distill (only when asked): the committed self-distillation run resumed on the GPU (`specray distill --local`);
+#   5. train (only when asked): the shipped drafters retrained on that data (`specray ship-drafters --device cuda`).
 # Run from the project root on a machine with a CUDA GPU: `bash tests/gpu/run.sh`. Stage limits (seconds):
 # GPU_TESTS_S, GPU_DEVICE_S, GPU_BENCH_S; GPU_STAGES picks stages (default "tests device bench").
 set -u
@@ -19,17 +21,17 @@ dev=${GPU_DEVICE:-cuda}  # GPU_DEVICE=cpu dry-runs the commands here
 new=${GPU_NEW_TOKENS:-128}
 work=$(mktemp -d)
 touch "$work/stamp"
-"$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" 2>&1 | tee "$out/stages.log"
+"$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" 2>&1 | tee -a "$out/run.log"
 for stage in $stages; do
   start=$(date +%s)
   case $stage in
     tests)
-      timeout -s INT -k 30 "${GPU_TESTS_S:-240}" "$py" -m pytest tests/gpu -q -p no:cacheprovider -rfEs --durations=8 ${GPU_TESTS_ARGS:-} 2>&1 | tee "$out/tests.log"
+      timeout -s INT -k 30 "${GPU_TESTS_S:-240}" "$py" -m pytest tests/gpu -q -p no:cacheprovider -rfEs --durations=8 ${GPU_TESTS_ARGS:-} 2>&1 | tee -a "$out/run.log"
       rc=${PIPESTATUS[0]} ;;
     device)
       timeout -s INT -k 30 "${GPU_DEVICE_S:-240}" "$py" -m jobs.bench_device --device "$dev" --max-new-tokens "$new" --prompts "${GPU_PROMPTS:-3}" \
         --rows "${GPU_ROWS:-1,4,16,64,128}" --spec-rows 16 --methods "${GPU_SPEC_METHODS:-ngram,eagle,suffix}" \
-        --out "$out" 2>&1 | tee "$out/device.log"
+        --out "$out" 2>&1 | tee -a "$out/run.log"
       rc=${PIPESTATUS[0]} ;;
     bench)
       timeout -s INT -k 30 "${GPU_BENCH_S:-300}" "$py" -m jobs.bench_variants --set device="$dev" --dtype bfloat16 --limit "${GPU_LIMIT:-1}" \
@@ -38,17 +40,24 @@ for stage in $stages; do
         --variant eagle=eagle --variant eagle-levels=eagle:tree=levels,tree_budget=32,k=6 \
         --variant eagle-dyspec=eagle:tree=dyspec,tree_budget=48,k=8 \
         --variant distill-dyspec=trained:drafter=smollm2-135m/distill,tree=dyspec,tree_budget=32,k=6 \
-        2>&1 | tee "$out/bench.log"
+        2>&1 | tee -a "$out/run.log"
       rc=${PIPESTATUS[0]}
       cp "$work/bench/summary.json" "$out/bench-summary.json" 2>/dev/null ;;
     distill)  # resume the committed self-distillation run with the batched engine on the GPU; new shards in distill.tar
       cp -rp data/distill/smollm2-135m "$work/distill"
       timeout -s INT -k 30 "${GPU_DISTILL_S:-180}" "$py" -m jobs.distill --local --device "$dev" --out "$work/distill" \
         --per-kind 800 --questions 2000 --articles 600 --german 300 --shard-size 192 --rows "${GPU_DISTILL_ROWS:-64}" \
-        --max-minutes "${GPU_DISTILL_MIN:-2}" --no-progress 2>&1 | tee "$out/distill.log"
+        --max-minutes "${GPU_DISTILL_MIN:-2}" --no-progress 2>&1 | tee -a "$out/run.log"
       rc=${PIPESTATUS[0]}
       (cd "$work/distill" && tar -cf "$out/distill.tar" manifest.json $(find . -name 'shard-*.parquet' -newer "$work/stamp" | sort)) ;;
+    train)  # retrain shipped drafters on the data (the distill stage's when it ran, else the committed); back in shipped.tar
+      data="$work/distill"; [ -d "$data" ] || data=data/distill/smollm2-135m
+      timeout -s INT -k 30 "${GPU_TRAIN_S:-420}" "$py" -m jobs.ship_drafters --device "$dev" --data "$data" \
+        --only "${GPU_TRAIN_ONLY:-eagle,distill}" --steps-scale "${GPU_TRAIN_SCALE:-4}" --max-minutes "${GPU_TRAIN_MIN:-3}" \
+        --shipped "$work/shipped" --docs "$work/curves" --no-progress 2>&1 | tee -a "$out/run.log"
+      rc=${PIPESTATUS[0]}
+      tar -cf "$out/shipped.tar" -C "$work" $(cd "$work" && ls -d shipped curves 2>/dev/null) ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
-  echo "stage $stage: $(($(date +%s) - start)) s, exit $rc" | tee -a "$out/stages.log"
+  echo "stage $stage: $(($(date +%s) - start)) s, exit $rc" | tee -a "$out/run.log"
 done
