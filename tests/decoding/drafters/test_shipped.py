@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from decoding.drafters.artifacts import DESCRIPTION, FORMAT, WEIGHTS
+from decoding.drafters.artifacts import DESCRIPTION, FORMAT, READABLE, WEIGHTS
 
 SHIPPED = Path(__file__).resolve().parents[3] / "decoding" / "drafters" / "shipped"
 ARTIFACTS = sorted(p for p in SHIPPED.glob("*/*") if (p / DESCRIPTION).is_file())
+# drafters proper; SpecDec++'s stop heads (recipe ``stop``, about 1 KB, no target tensor to start from) stay dense
+DRAFTERS = [p for p in ARTIFACTS if json.loads((p / DESCRIPTION).read_text())["recipe"] != "stop"]
 MAX_BYTES = 4 * 10**6  # each; all of them stay within 12 MB (tests/test_tree_size.py)
 
 
@@ -26,10 +28,13 @@ def test_each_artifact_is_small_and_names_its_target(artifact):
     description = json.loads((artifact / DESCRIPTION).read_text())
     assert description["target"]["name"] == artifact.parent.name
     assert description["training"]["steps"] > 0 and description["training"]["eval_agreement"][0] > 0.2  # it learned
-    assert description["format"] == FORMAT and description["storage"]["bytes"] == (artifact / WEIGHTS).stat().st_size
+    if artifact in DRAFTERS:
+        assert description["format"] == FORMAT and description["storage"]["bytes"] == (artifact / WEIGHTS).stat().st_size
+    else:
+        assert description["format"] in READABLE and (artifact / WEIGHTS).stat().st_size < 10_000
 
 
-@pytest.mark.parametrize("artifact", ARTIFACTS, ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize("artifact", DRAFTERS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_compact_storage_costs_little_agreement(artifact):
     """The held-out agreement of the weights as stored (measured by ``specray ship-drafters --repack`` or at the end
     of training) is within 0.03 of the weights as trained (as they were before the repack), at every draft depth: the

@@ -35,7 +35,7 @@ def ar_outputs(ar_greedy):
 
 
 def test_every_recipe_is_covered():
-    assert set(KNOBS) == set(RECIPES)
+    assert set(KNOBS) == {name for name, recipe in RECIPES.items() if recipe.drafts}  # 'stop' drafts no tokens
 
 
 def fit_briefly(loaded, ar_outputs, out):
