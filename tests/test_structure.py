@@ -134,3 +134,35 @@ def test_the_architecture_page_lists_every_module():
     unlisted = sorted(rel(p) for p in product_files() if rel(p) not in named and not (p.name == "__init__.py" and only_docstring(p)))
     assert not missing_files, f"docs/architecture.md names modules that do not exist: {missing_files}"
     assert not unlisted, f"docs/architecture.md does not list: {unlisted}"
+
+
+def missing_imports(paths: list[Path]) -> list[str]:
+    """``file:line: module`` for every import of a project module that does not exist, inside functions too."""
+
+    def exists(module: str) -> bool:
+        base = ROOT / Path(*module.split("."))
+        return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+    missing = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            else:
+                continue
+            for module in modules:
+                if module.split(".")[0] in PRODUCT and not exists(module):
+                    missing.append(f"{path.name}:{node.lineno}: {module}")
+    return missing
+
+
+def test_every_project_import_resolves(tmp_path):
+    """A module renamed or moved leaves no import behind, not even one inside a function that runs only on a GPU, on
+    a cluster or in a slow test (``from decoding.model.models import ...`` after models.py became loading.py)."""
+    missing = missing_imports(product_files() + sorted((ROOT / "tests").rglob("*.py")))
+    assert not missing, "imports of modules that do not exist:\n" + "\n".join(missing)
+    stale = tmp_path / "stale.py"  # the check finds one
+    stale.write_text("def f():\n    from decoding.model.models import load_model\n    import decoding.engine\n")
+    assert missing_imports([stale]) == ["stale.py:2: decoding.model.models", "stale.py:3: decoding.engine"]

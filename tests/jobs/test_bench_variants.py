@@ -36,7 +36,7 @@ def test_variants_side_by_side_with_eads_tradeoff(tmp_path):
 
 def _head(path, model_dir):
     """A stop head artifact for the tiny model (untrained: these tests need one that loads, not one that predicts)."""
-    from decoding.model.models import load_model
+    from decoding.model.loading import load_model
 
     from decoding.drafters.artifacts import save_artifact
     from decoding.drafters.stop_head import StopHead
