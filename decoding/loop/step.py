@@ -287,12 +287,22 @@ def verify_rows(step: Step, logits: torch.Tensor) -> Verdict:
 
 
 def _sampled(step: Step, probs: torch.Tensor) -> Verdict:
+    """The rejection rule of every sampled row. A chain keeps the chain rule in a step with trees: its uniforms are then
+    read the same way whatever shares its step, so a seeded row draws the same tokens alone and beside a tree."""
     u = step.uniforms
     u_sample = u.gather(1, step.drafts[:, None])[:, 0]
-    if step.trees:
-        return verify_tree_speculative(step.nodes, _children(step, step.width), step.q, probs, u, u_sample, step.max_depth, step.has_q)
     q = None if step.q is None else step.q[:, 1:]
-    return verify_speculative(step.nodes[:, 1:], q, probs, u[:, : step.width - 1], u_sample, step.drafts, step.has_q)
+    chains = verify_speculative(step.nodes[:, 1:], q, probs, u[:, : step.width - 1], u_sample, step.drafts, step.has_q)
+    if not step.trees:
+        return chains
+    trees = verify_tree_speculative(step.nodes, _children(step, step.width), step.q, probs, u, u_sample, step.max_depth, step.has_q)
+    return _select(_chain_rows(step), chains, trees)
+
+
+def _chain_rows(step: Step) -> torch.Tensor:
+    """[R] bool: rows whose drafts form a chain (each node's parent the node before it, up to the row's own drafts)."""
+    idx = torch.arange(1, step.width, device=step.parents.device)
+    return ((step.parents[:, 1:] == idx - 1) | (idx > step.drafts[:, None])).all(1)
 
 
 def _select(keep: torch.Tensor, a: Verdict, b: Verdict) -> Verdict:

@@ -329,3 +329,24 @@ def test_adaptive_model_drafter_and_fixed_rows_share_a_step(tiny_model, target, 
     outs = generate_many(target, seqs, max_rows=3, cost=knee())
     assert [o.token_ids for o in outs] == [ar_alone[0], ar_alone[1], ar_alone[3]]
     assert outs[1].steps[0].k == 3 and all(r.k <= 3 for r in outs[1].steps)  # the fixed row keeps its k
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "sps"])
+def test_a_seeded_sampled_chain_draws_the_same_tokens_beside_a_tree(tiny_model, target, drafter, one_thread):
+    """A sampled chain row reads its uniforms the same way whatever shares its step: alone, beside chains, or beside a
+    row that drafts a tree (the step then verifies its trees as trees, its chains as chains). So a seeded request gives
+    the same text on a busy server as alone."""
+    sampling = SamplingParams(temperature=1.0)
+
+    def seeded():
+        return Sequence(
+            ids(PROMPTS[4]), drafter=make_drafter(tiny_model, drafter), k=4, max_new_tokens=24, sampling=sampling,
+            generator=torch.Generator().manual_seed(7),
+        )  # fmt: skip
+
+    alone = generate_many(target, [seeded()], max_rows=1)[0].token_ids
+    for company in ("ngram-tree", "sps-tree", "ngram"):
+        other = Sequence(ids(PROMPTS[1]), drafter=make_drafter(tiny_model, company), k=4, max_new_tokens=24)
+        outs = generate_many(target, [seeded(), other], max_rows=2)
+        assert outs[0].token_ids == alone, company
+        assert any(s.drafted for s in outs[0].steps) and max(r.rows for r in outs[0].steps) == 2
