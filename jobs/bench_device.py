@@ -162,24 +162,49 @@ def measure(base, methods: list[str], rows: list[int], spec_rows: int, n_prompts
 
 
 def markdown(summary: dict, cmd: str) -> str:
+    """The three figures as short tables, one row of values each (the README keeps them on a screen).
+
+    >>> print(markdown({"device": "X", "dtype": "bfloat16", "implementation": "layers", "threads": 2, "max_new_tokens": 8,
+    ...     "one_stream": {"specray-ar": 50.0, "hf-plain": 25.0}, "batched_ar": {"1": 50.0, "4": 150.0},
+    ...     "spec_rows": 4, "under_load": {"ar": 150.0, "ngram": 180.0}}, ""))
+    Device: X (bfloat16, forward: layers, 2 threads), 8 new tokens.
+    <BLANKLINE>
+    | one stream, tokens/s | specray-ar | hf-plain |
+    |---|---|---|
+    | tokens/s (specray AR over it) | 50.0 (1.00x) | 25.0 (2.00x) |
+    <BLANKLINE>
+    | batched AR, rows | 1 | 4 |
+    |---|---|---|
+    | tokens/s (over 1 row) | 50 (1.0x) | 150 (3.0x) |
+    <BLANKLINE>
+    | at 4 rows | ar | ngram |
+    |---|---|---|
+    | tokens/s (over batched AR) | 150 (1.00x) | 180 (1.20x) |
+    """
     one, load = summary["one_stream"], summary["under_load"]
     sweep = {int(r): v for r, v in summary["batched_ar"].items()}  # rows are strings once read back from JSON
-    ar = one["specray-ar"]
+    ar, first = one["specray-ar"], sweep[min(sweep)]
+
+    def table(head: str, cells: dict, row: str) -> list[str]:
+        return [
+            f"| {head} | " + " | ".join(map(str, cells)) + " |",
+            "|---" * (len(cells) + 1) + "|",
+            f"| {row} | " + " | ".join(cells.values()) + " |",
+        ]
+
     lines = [
         f"Device: {summary['device']} ({summary['dtype']}, forward: {summary['implementation']}, {summary['threads']} threads), "
         f"{summary['max_new_tokens']} new tokens.",
         "",
-        "| one stream | tokens/s | specray AR / it |",
-        "|---|---|---|",
-        *(f"| {name} | {v:.1f} | {ar / v:.2f}x |" for name, v in one.items()),
+        *table("one stream, tokens/s", {n: f"{v:.1f} ({ar / v:.2f}x)" for n, v in one.items()}, "tokens/s (specray AR over it)"),
         "",
-        "| batched AR rows | tokens/s | vs 1 row |",
-        "|---|---|---|",
-        *(f"| {r} | {v:.0f} | {v / sweep[min(sweep)]:.1f}x |" for r, v in sweep.items()),
+        *table("batched AR, rows", {r: f"{v:.0f} ({v / first:.1f}x)" for r, v in sweep.items()}, "tokens/s (over 1 row)"),
         "",
-        f"| at {summary['spec_rows']} rows | tokens/s | over batched AR |",
-        "|---|---|---|",
-        *(f"| {m} | {v:.0f} | {v / load['ar']:.2f}x |" for m, v in load.items()),
+        *table(
+            f"at {summary['spec_rows']} rows",
+            {m: f"{v:.0f} ({v / load['ar']:.2f}x)" for m, v in load.items()},
+            "tokens/s (over batched AR)",
+        ),
     ]
     if cmd:
         lines += ["", f"Command: `{cmd}`"]

@@ -104,10 +104,9 @@ def fit(head, x: torch.Tensor, y: torch.Tensor, lr: float = 1e-2, epochs: int = 
 def train_stop_head(run, data: Path, out: Path, model: str, device: str, features_quant: str, deadline: float | None) -> dict:
     """Train the ``stop`` recipe's head of ``run`` (a ``training.runs.DataRun``) on the data in ``data``; the artifact
     goes to ``out``. ``deadline`` (a ``time.time()``) bounds the collection of training rows (default: 4 minutes)."""
-    from decoding.model.loading import load_model
-
     from decoding.drafters.artifacts import save_artifact
     from decoding.drafters.trained import Shared, get_recipe
+    from decoding.model.loading import load_model
     from training.features import TargetFeatures, distill_training_set
 
     t0 = time.time()

@@ -36,10 +36,9 @@ def test_variants_side_by_side_with_eads_tradeoff(tmp_path):
 
 def _head(path, model_dir):
     """A stop head artifact for the tiny model (untrained: these tests need one that loads, not one that predicts)."""
-    from decoding.model.loading import load_model
-
     from decoding.drafters.artifacts import save_artifact
     from decoding.drafters.stop_head import StopHead
+    from decoding.model.loading import load_model
 
     target = load_model(str(model_dir), "float32").model
     return save_artifact(path, "stop", {"source": "exit", "hidden": 4}, StopHead(4), target, "tiny", training={"steps": 1})

@@ -226,9 +226,8 @@ def test_every_sample_of_the_stop_head_methods_is_valid():
 @pytest.mark.slow
 def test_every_early_exit_sample_builds_its_drafter():
     """What a trial does first, on the bundled model: build the sampled config's drafter (no invalid trial)."""
-    from decoding.model.loading import load_model
-
     from decoding.in_process import build_drafter
+    from decoding.model.loading import load_model
 
     loaded = load_model("smollm2-135m", "bfloat16")
     space, samples = _samples(["early-exit"], 24, seed=5)
