@@ -157,6 +157,20 @@ class PromptRunner:
                 gens.append(bm.gen_row(name, prompt.prompt_id, prompt.category, kind="peer", wall_s=res, config=config, **common))
         return gens, steps
 
+    def run_all(self, prompts: Sequence[Prompt], warmup: int = 1) -> tuple[list[dict], list[dict]]:
+        """Every config on every prompt (after ``warmup`` untimed generations), progress to stderr; the generation
+        rows and step rows of them all."""
+        import sys
+
+        self.warmup(prompts[0], warmup)
+        gens, steps = [], []
+        for i, prompt in enumerate(prompts):
+            g, s = self.run_prompt(prompt, i)
+            gens += g
+            steps += s
+            print(f"prompt {i + 1}/{len(prompts)} done", file=sys.stderr)
+        return gens, steps
+
     def run_prompt(self, prompt: Prompt, index: int, repeat: int = 0) -> tuple[list[dict], list[dict]]:
         """Every config on one prompt, in the order rotated by ``index``; rows in config order."""
         ids = self.encode(prompt)

@@ -68,13 +68,10 @@ def run_variants(configs: dict[str, SpecConfig], prompts, drafters, warmup: int 
     from evaluation.prompt_runner import PromptRunner
 
     runner = PromptRunner(configs)
-    runner.warmup(prompts[0], warmup)
-    gens, steps = [], []
-    for i, prompt in enumerate(prompts):
-        g, s = runner.run_prompt(prompt, i)
-        gens += g
-        steps += s
-        print(f"prompt {i + 1}/{len(prompts)} done", file=sys.stderr)
+    try:
+        gens, steps = runner.run_all(prompts, warmup)
+    finally:
+        runner.close()
     summary = bm.summarize_methods(gens, steps, order=list(configs))
     return summary, tree_report(summary, steps, drafters)
 

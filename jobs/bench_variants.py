@@ -79,13 +79,7 @@ def main_with_args(args) -> int:
 
     runner = PromptRunner(configs)
     try:
-        runner.warmup(prompts[0], args.warmup)
-        gens, steps = [], []
-        for i, prompt in enumerate(prompts):
-            g, s = runner.run_prompt(prompt, i)
-            gens += g
-            steps += s
-            print(f"prompt {i + 1}/{len(prompts)} done", file=sys.stderr)
+        gens, steps = runner.run_all(prompts, args.warmup)
     finally:
         runner.close()
     summary = bm.summarize_methods(gens, steps, order=list(configs))
