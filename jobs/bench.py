@@ -104,6 +104,15 @@ def parse_context_tokens(text: str | None) -> list[int]:
     return list(dict.fromkeys(parse_ints(text, "--context-tokens", 64, " tokens")))
 
 
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The prompt selection :func:`load_workload` reads, and the untimed warm-up, for the bench's side jobs
+    (``jobs.bench_variants``, ``jobs.bench_trees``)."""
+    p.add_argument("--prompts", help="Spec-Bench style JSONL (default: the bundled Spec-Bench questions)")
+    p.add_argument("--categories", help="comma list of categories")
+    p.add_argument("--limit", type=int, help="at most N prompts per category")
+    p.add_argument("--warmup", type=int, default=1)
+
+
 def load_workload(args, cfg: SpecConfig | None = None) -> list[Prompt]:
     source = args.prompts or DEFAULT_PROMPTS
     wanted = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from evaluation.tree_variants import TREE_DRAFTERS, calibrate, render, run_variants, variants
-from jobs.bench import load_workload
+from jobs.bench import add_workload_args, load_workload
 from jobs.common import Parser, add_config_args, command, config_from_args, fail, output_dir, parse_ints
 
 
@@ -40,10 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true", help="measure each drafter's per-rank acceptance for sequoia first")
     p.add_argument("--probe-width", type=int, default=6, help="ranks per depth of the calibration probe tree (default 6)")
     add_config_args(p, method=False)
-    p.add_argument("--prompts", help="Spec-Bench style JSONL (default: the bundled Spec-Bench questions)")
-    p.add_argument("--categories", help="comma list of categories")
-    p.add_argument("--limit", type=int, help="at most N prompts per category")
-    p.add_argument("--warmup", type=int, default=1)
+    add_workload_args(p)
     p.add_argument("--out", default="bench-trees", help="output directory for summary.json (default ./bench-trees)")
     return p
 

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from decoding.errors import ConfigError
-from jobs.bench import load_workload
+from jobs.bench import add_workload_args, load_workload
 from jobs.common import Parser, add_config_args, command, config_from_args, fail, output_dir
 
 
@@ -31,10 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m jobs.bench_variants", description="Named configurations side by side against ar.")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=METHOD[:KEY=VALUE,...]", help="a configuration to run")
     add_config_args(p, method=False)
-    p.add_argument("--prompts", help="Spec-Bench style JSONL (default: the bundled Spec-Bench questions)")
-    p.add_argument("--categories", help="comma list of categories")
-    p.add_argument("--limit", type=int, help="at most N prompts per category")
-    p.add_argument("--warmup", type=int, default=1)
+    add_workload_args(p)
     p.add_argument("--plot-lossy", metavar="PATH", help="plot the lossy variants' speedup against their divergence from ar")
     p.add_argument("--out", default="bench-variants", help="output directory for summary.json (default ./bench-variants)")
     return p
