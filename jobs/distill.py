@@ -2,7 +2,7 @@
 
     specray distill --out data/distill/smollm2-135m                       # the full corpus, local Ray
     ray job submit --working-dir . -- python -m jobs.distill --out /data/distill --workers 8
-    python -m jobs.distill --out /data/distill --local --device cuda --rows 64          # one GPU, no Ray
+    python -m jobs.distill --out /data/distill --local --device cuda --rows 64 --workers 4   # one GPU, no Ray
 
 The target answers the prompt corpus (training/corpus.py: the model's own questions and articles, task
 templates over topic lists, Python's reference as documents; no Spec-Bench prompt) with the batched engine,
@@ -40,14 +40,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--shard-size", type=int, default=32, help="prompts per shard (default 32)")
     p.add_argument("--rows", type=int, default=16, help="rows of each worker's continuous batch (default 16)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, help="engines (default: the cluster's CPUs / --threads)")
+    p.add_argument("--workers", type=int, help="engines (default: the cluster's CPUs / --threads; with --local 1, or N processes sharing the device)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (and Ray CPUs) per engine (default 1)")
     p.add_argument("--device", default="auto", help="where each engine runs: auto (a GPU Ray gave the worker, else CPU), cpu")
     p.add_argument("--address", help="Ray cluster to join (default RAY_ADDRESS, else an embedded local Ray)")
     p.add_argument(
         "--local",
         action="store_true",
-        help="one engine in this process, no Ray (a GPU machine without a cluster); --workers does not apply",
+        help="no Ray (a GPU machine without a cluster): one engine in this process, or --workers N processes on the device",
     )
     p.add_argument("--max-minutes", type=float, help="with --local: stop between shards after this long (rerun to resume)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -93,7 +93,7 @@ def main_with_args(args) -> int:
     run = dict(threads=args.threads, phases=phases, progress=not args.no_progress, device=args.device)
     if args.local:
         deadline = None if args.max_minutes is None else time.time() + 60 * args.max_minutes
-        manifest = distill(spec, Path(out), local=True, deadline=deadline, **run)
+        manifest = distill(spec, Path(out), local=True, deadline=deadline, workers=args.workers, **run)
     else:
         from cluster.runtime import connect, shutdown_if_started_here
 

@@ -35,6 +35,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--docs", default=str(ROOT / "docs" / "drafters"), help="where the learning curves go (default docs/drafters)")
     p.add_argument("--max-sequences", type=int, help="train on the first N training sequences only")
     p.add_argument("--steps-scale", type=float, default=1.0, help="multiply every drafter's steps (e.g. 0.1 for a quick run)")
+    p.add_argument("--batch", type=int, help="sequences per step for every drafter but the stop heads (default each one's own; a GPU takes 32)")
     p.add_argument("--max-minutes", type=float, help="stop each drafter's training after M minutes; its artifact records the steps done")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
@@ -63,6 +64,8 @@ def main_with_args(args) -> int:
         fail("--steps-scale must be > 0 and --max-sequences >= 2")
     if args.max_minutes is not None and args.max_minutes <= 0:
         fail("--max-minutes must be > 0")
+    if args.batch is not None and args.batch < 1:
+        fail("--batch must be >= 1")
     data = Path(args.data) if args.data else ROOT / "data" / "distill" / args.model
     if not (data / "manifest.json").is_file():
         fail(f"--data: {data} is not a `specray distill` data directory (no manifest.json)")
@@ -74,6 +77,8 @@ def main_with_args(args) -> int:
     for name in names:
         run = SHIPPED_RECIPES[name]
         run = dataclasses.replace(run, steps=max(1, round(run.steps * args.steps_scale)), max_sequences=args.max_sequences)
+        if args.batch is not None and run.recipe != "stop":
+            run = dataclasses.replace(run, batch=args.batch)
         work = specray_home() / "ship" / args.model / name
         print(f"{name}: {run.recipe} {run.knobs}, {run.steps} steps of {run.batch} sequences", file=sys.stderr)
         results[name] = train_on_data(

@@ -263,12 +263,16 @@ class DistillWorker:
     """One engine: the target loaded once, answering shards (a Ray actor in :func:`distill`)."""
 
     def __init__(self, spec: dict, threads: int, device: str = "auto"):
+        import torch
+
         from decoding.config import SpecConfig
         from decoding.in_process import SpecDecoder
 
         self.spec = DistillSpec.from_dict(spec)
         cfg = SpecConfig(model=self.spec.model, dtype=self.spec.dtype, quant=self.spec.quant, threads=threads, device=device)
         self.decoder = SpecDecoder(cfg)
+        device = self.decoder.target.device
+        self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         self.tokens = 0
         self.current: str | None = None
 
@@ -279,7 +283,7 @@ class DistillWorker:
             node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
         except ImportError:  # in process on a machine without Ray (``distill(..., local=True)``)
             node = "local"
-        return {"node": node, "pid": os.getpid()}
+        return {"node": node, "pid": os.getpid(), "device": self.device_name}
 
     def run(self, name: str, prompts: list[dict], phase: int) -> tuple[list[dict], dict]:
         self.current = name
@@ -325,8 +329,10 @@ def distill(
 
     ``workers`` engines (default: the cluster's CPUs / ``threads``) of ``threads`` torch threads each, spread over
     the nodes. ``on_dispatch(shard, actor)`` is called as each shard is handed to a worker (tests kill workers there).
-    ``local``: one engine in this process, no Ray (a GPU machine without a cluster); ``deadline`` (``time.time()``)
-    then stops it between shards, every finished shard kept for the next run to resume from.
+    ``local``: no Ray (a GPU machine without a cluster): one engine in this process, or with ``workers`` > 1 that
+    many engine processes on the one device (a small model's batched decoding is bound by the host's work per
+    step, which processes spread over the cores while they share the GPU); ``deadline`` (``time.time()``) then stops
+    dispatching shards, every finished shard kept for the next run to resume from.
     """
     spec.check()
     if spec_bench_turns is None:  # the evaluation set never enters the data
@@ -337,10 +343,13 @@ def distill(
     out.mkdir(parents=True, exist_ok=True)
     manifest = _check_resume(out, spec)
     if local:
-        worker = DistillWorker(spec.to_dict(), threads, device)
-        for phase in phases:
-            if not _run_phase_here(spec, phase, out, spec_bench_turns, manifest, worker, progress, deadline):
-                break
+        pool = _LocalPool(spec, threads, device, workers or 1)
+        try:
+            for phase in phases:
+                if not _run_phase_here(spec, phase, out, spec_bench_turns, manifest, pool, progress, deadline):
+                    break
+        finally:
+            pool.close()
         return manifest
     import ray
 
@@ -426,29 +435,96 @@ def _run_phase(
     _write_manifest(out, manifest)
 
 
-def _run_phase_here(spec, phase: int, out: Path, spec_bench_turns, manifest: dict, worker, progress: bool, deadline) -> bool:
-    """One phase's shards on ``worker`` in this process; False when ``deadline`` stopped it before its end."""
+def _run_phase_here(spec, phase: int, out: Path, spec_bench_turns, manifest: dict, pool: _LocalPool, progress: bool, deadline) -> bool:
+    """One phase's shards on the local engines (``pool``), in order, each written as it finishes; False when
+    ``deadline`` stopped the dispatch before the phase's end (the shards already running still finish)."""
     prompts = phase_prompts(spec, phase, out, spec_bench_turns)
     shards = shards_of(prompts, spec.shard_size)
-    todo = [i for i in range(len(shards)) if not shard_path(out, phase, i).exists()]
+    todo = deque(i for i in range(len(shards)) if not shard_path(out, phase, i).exists())
     bar = _Bar(len(prompts), len(prompts) - sum(len(shards[i]) for i in todo), f"phase {phase}", progress)
-    t0, before = time.time(), worker.tokens
-    for index in todo:
-        if deadline is not None and time.time() > deadline:
-            bar.close()
-            print(f"distill: stopped by the time limit before shard {phase}-{index:05d}; rerun to resume", file=sys.stderr)
-            return False
-        name = f"{phase}-{index:05d}"
-        rows, stats = worker.run(name, shards[index], phase)
-        write_shard(shard_path(out, phase, index), rows)
+    t0, tokens, stopped = time.time(), 0, False
+    while todo or pool.running:
+        while todo and pool.idle and not stopped:
+            if deadline is not None and time.time() > deadline:
+                stopped = True
+                print(f"distill: stopped by the time limit before shard {phase}-{todo[0]:05d}; rerun to resume", file=sys.stderr)
+                break
+            index = todo.popleft()
+            pool.submit(f"{phase}-{index:05d}", shards[index], phase)
+        if not pool.running:
+            break
+        name, rows, stats = pool.next_done()
+        write_shard(shard_path(out, phase, int(name.split("-")[1])), rows)
         manifest["shards"][name] = {"prompts": len(rows), "attempts": 1, **stats}
         _write_manifest(out, manifest)
+        tokens += stats["tokens"]
         bar.advance(len(rows))
-        bar.tokens(worker.tokens - before, time.time() - t0)
+        bar.tokens(tokens, time.time() - t0)
     bar.close()
+    if todo:
+        return False
     _summarise_phase(manifest, phase, out)
     _write_manifest(out, manifest)
     return True
+
+
+class _LocalPool:
+    """The engines of a run without Ray: one :class:`DistillWorker` in this process, or ``workers`` processes (spawned:
+    CUDA does not survive a fork), each with its own worker, running one shard at a time."""
+
+    def __init__(self, spec: DistillSpec, threads: int, device: str, workers: int):
+        self.workers, self.running = workers, {}
+        self.done: deque = deque()
+        if workers == 1:
+            self.here, self.executor = DistillWorker(spec.to_dict(), threads, device), None
+        else:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            self.here = None
+            self.executor = ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_local, initargs=(spec.to_dict(), threads, device)
+            )
+
+    @property
+    def idle(self) -> bool:
+        return len(self.running) < self.workers
+
+    def submit(self, name: str, prompts: list[dict], phase: int) -> None:
+        if self.executor is None:  # in this process: run it now, hand it out at the next ``next_done``
+            self.running[name] = None
+            self.done.append((name, *self.here.run(name, prompts, phase)))
+            return
+        self.running[name] = self.executor.submit(_run_local, name, prompts, phase)
+
+    def next_done(self) -> tuple[str, list[dict], dict]:
+        """The first shard to finish: (name, rows, stats)."""
+        if not self.done:
+            from concurrent.futures import FIRST_COMPLETED, wait
+
+            finished, _ = wait([f for f in self.running.values() if f is not None], return_when=FIRST_COMPLETED)
+            for name, future in list(self.running.items()):
+                if future in finished:
+                    self.done.append((name, *future.result()))
+        name, rows, stats = self.done.popleft()
+        del self.running[name]
+        return name, rows, stats
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+_LOCAL_WORKER: DistillWorker | None = None
+
+
+def _start_local(spec: dict, threads: int, device: str) -> None:
+    global _LOCAL_WORKER
+    _LOCAL_WORKER = DistillWorker(spec, threads, device)
+
+
+def _run_local(name: str, prompts: list[dict], phase: int) -> tuple[list[dict], dict]:
+    return _LOCAL_WORKER.run(name, prompts, phase)
 
 
 def _poll(pool, base: dict) -> int:

@@ -7,8 +7,10 @@
 #      writes it into the README);
 #   3. the 13 Spec-Bench categories: AR, the model-free methods, eagle (chain and trees), the distilled draft's tree
 #      (bench_variants' summary.json);
-#   4. distill (only when asked): the committed self-distillation run resumed on the GPU (`specray distill --local`);
-#   5. train (only when asked): the shipped drafters retrained on that data (`specray ship-drafters --device cuda`).
+#   4. distill (only when asked): the committed self-distillation run resumed on the GPU (`specray distill --local`,
+#      GPU_DISTILL_WORKERS engine processes sharing the GPU);
+#   5. train (only when asked): the shipped drafters retrained on that data (`specray ship-drafters --device cuda`),
+#      each under its own limit (GPU_TRAIN="eagle:3 distill:2 ...", minutes).
 # Run from the project root on a machine with a CUDA GPU: `bash tests/gpu/run.sh`. Stage limits (seconds):
 # GPU_TESTS_S, GPU_DEVICE_S, GPU_BENCH_S; GPU_STAGES picks stages (default "tests device bench").
 set -u
@@ -46,16 +48,20 @@ for stage in $stages; do
     distill)  # resume the committed self-distillation run with the batched engine on the GPU; new shards in distill.tar
       cp -rp data/distill/smollm2-135m "$work/distill"
       timeout -s INT -k 30 "${GPU_DISTILL_S:-180}" "$py" -m jobs.distill --local --device "$dev" --out "$work/distill" \
-        --per-kind 800 --questions 2000 --articles 600 --german 300 --shard-size 192 --rows "${GPU_DISTILL_ROWS:-64}" \
+        --per-kind 800 --questions 2000 --articles 600 --german 300 --shard-size 192 --rows "${GPU_DISTILL_ROWS:-64}" --workers "${GPU_DISTILL_WORKERS:-4}" \
         --max-minutes "${GPU_DISTILL_MIN:-2}" --no-progress 2>&1 | tee -a "$out/run.log"
       rc=${PIPESTATUS[0]}
       (cd "$work/distill" && tar -cf "$out/distill.tar" manifest.json $(find . -name 'shard-*.parquet' -newer "$work/stamp" | sort)) ;;
     train)  # retrain shipped drafters on the data (the distill stage's when it ran, else the committed); back in shipped.tar
       data="$work/distill"; [ -d "$data" ] || data=data/distill/smollm2-135m
-      timeout -s INT -k 30 "${GPU_TRAIN_S:-420}" "$py" -m jobs.ship_drafters --device "$dev" --data "$data" \
-        --only "${GPU_TRAIN_ONLY:-eagle,distill}" --steps-scale "${GPU_TRAIN_SCALE:-4}" --max-minutes "${GPU_TRAIN_MIN:-3}" \
-        --shipped "$work/shipped" --docs "$work/curves" --no-progress 2>&1 | tee -a "$out/run.log"
-      rc=${PIPESTATUS[0]}
+      # GPU_TRAIN="name:minutes ...": each drafter under its own time limit (a GPU step takes 32 sequences)
+      rc=0
+      for job in ${GPU_TRAIN:-eagle:3 distill:2 kangaroo-l6:1 kangaroo-l12:1}; do
+        timeout -s INT -k 30 "${GPU_TRAIN_S:-420}" "$py" -m jobs.ship_drafters --device "$dev" --data "$data" \
+          --only "${job%%:*}" --steps-scale "${GPU_TRAIN_SCALE:-4}" --batch "${GPU_TRAIN_BATCH:-32}" --max-minutes "${job##*:}" \
+          --shipped "$work/shipped" --docs "$work/curves" --no-progress 2>&1 | tee -a "$out/run.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+      done
       tar -cf "$out/shipped.tar" -C "$work" $(cd "$work" && ls -d shipped curves 2>/dev/null) ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac

@@ -36,11 +36,11 @@ def test_ship_drafters_trains_publishes_and_plots(tiny_data, capsys):
     from jobs.ship_drafters import main
 
     model, data, root = tiny_data
-    argv = ["--model", str(model), "--data", str(data), "--only", "eagle,distill", "--steps-scale", "0.004"]
+    argv = ["--model", str(model), "--data", str(data), "--only", "eagle,distill", "--steps-scale", "0.004", "--batch", "3"]
     argv += ["--shipped", str(root / "shipped"), "--docs", str(root / "docs"), "--no-progress", "--json", "--threads", "1"]
     assert main(argv) == 0
     results = json.loads(capsys.readouterr().out)
-    assert set(results) == {"eagle", "distill"}
+    assert set(results) == {"eagle", "distill"} and {r["batch"] for r in results.values()} == {3}
     target = load_model(str(model), "float32").model
     for name in results:
         art = load_artifact(str(root / "shipped" / name), target)  # published, loadable, fingerprinted to the model
@@ -96,6 +96,7 @@ def test_bad_input_fails_in_one_line(tiny_data, tmp_path, capsys):
         (["--only", "eagle,nope", "--data", str(data)], "nope"),
         (["--data", str(tmp_path)], "manifest.json"),
         (["--data", str(data), "--steps-scale", "0"], "steps-scale"),
+        (["--data", str(data), "--batch", "0"], "--batch"),
     ):
         assert_one_line_error(main(argv), capsys.readouterr().err, needle)
 

@@ -7,6 +7,8 @@ killed mid-shard has its shard redone, and a resumed run writes nothing twice.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from tests_support import assert_one_line_error, multinode_cluster
 
@@ -133,6 +135,20 @@ def test_local_run_without_ray_stops_at_its_deadline_and_resumes(tiny_model_dir,
     )
     assert rc == 0
     assert {n: shard_path(out, 1, int(n.split("-")[1])).stat().st_mtime_ns for n in shards} == stamps  # nothing written twice
+
+
+def test_local_worker_processes_write_what_one_engine_writes(tiny_model_dir, tmp_path):
+    """``--local --workers 2``: two engine processes share the device; the shards (greedy and seeded sampled answers)
+    are those one engine writes, each written once, and the manifest names both processes."""
+    from training.distill_data import distill
+
+    spec = DistillSpec(model=str(tiny_model_dir), dtype="float32", **TINY)
+    one = distill(spec, tmp_path / "one", phases=(1,), progress=False, local=True)
+    two = distill(spec, tmp_path / "two", phases=(1,), progress=False, local=True, workers=2)
+    assert sorted(one["shards"]) == sorted(two["shards"]) and len(two["shards"]) >= 2
+    assert len({v["pid"] for v in two["shards"].values()}) == 2 and os.getpid() not in {v["pid"] for v in two["shards"].values()}
+    assert read_rows(tmp_path / "one", phase=1) == read_rows(tmp_path / "two", phase=1)
+    assert two["phases"]["1"]["sequences"] == one["phases"]["1"]["sequences"]
 
 
 def test_bad_commands_fail_in_one_line(tmp_path, capsys):
