@@ -40,7 +40,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--shard-size", type=int, default=32, help="prompts per shard (default 32)")
     p.add_argument("--rows", type=int, default=16, help="rows of each worker's continuous batch (default 16)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, help="engines (default: the cluster's CPUs / --threads; with --local 1, or N processes sharing the device)")
+    p.add_argument(
+        "--workers", type=int, help="engines (default: the cluster's CPUs / --threads; --local: 1, or N processes on the device)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (and Ray CPUs) per engine (default 1)")
     p.add_argument("--device", default="auto", help="where each engine runs: auto (a GPU Ray gave the worker, else CPU), cpu")
     p.add_argument("--address", help="Ray cluster to join (default RAY_ADDRESS, else an embedded local Ray)")

@@ -35,7 +35,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--docs", default=str(ROOT / "docs" / "drafters"), help="where the learning curves go (default docs/drafters)")
     p.add_argument("--max-sequences", type=int, help="train on the first N training sequences only")
     p.add_argument("--steps-scale", type=float, default=1.0, help="multiply every drafter's steps (e.g. 0.1 for a quick run)")
-    p.add_argument("--batch", type=int, help="sequences per step for every drafter but the stop heads (default each one's own; a GPU takes 32)")
+    p.add_argument("--batch", type=int, help="sequences per step for every drafter but the stop heads (default: each one's own)")
     p.add_argument("--max-minutes", type=float, help="stop each drafter's training after M minutes; its artifact records the steps done")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")

@@ -483,7 +483,10 @@ class _LocalPool:
 
             self.here = None
             self.executor = ProcessPoolExecutor(
-                workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_local, initargs=(spec.to_dict(), threads, device)
+                workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_start_local,
+                initargs=(spec.to_dict(), threads, device),
             )
 
     @property
