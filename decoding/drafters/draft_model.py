@@ -3,10 +3,13 @@ it drafts with."""
 
 from __future__ import annotations
 
+import torch
+
 from decoding.drafters.base import DecodeState, Drafter, Proposal
-from decoding.drafters.drafting import draft_chain, draft_tree, max_nodes_of, tree_forward
+from decoding.drafters.drafting import draft_chain, draft_tree, greedy_chain_loop, max_nodes_of, one_token_place, tree_forward
 from decoding.errors import ConfigError
 from decoding.model.adapter import KVCache, ModelAdapter
+from decoding.model.graphs import LoopGraphs
 from decoding.model.loading import load_model
 from decoding.trees.shapes import Dynamic, Tree
 
@@ -20,8 +23,14 @@ class DraftModelDrafter(Drafter):
 
     name = "sps"
 
-    def __init__(self, adapter: ModelAdapter, confidence_threshold: float = 0.0, tree: Tree | Dynamic | None = None):
+    def __init__(
+        self, adapter: ModelAdapter, confidence_threshold: float = 0.0, tree: Tree | Dynamic | None = None, loop_graphs: bool | None = None
+    ):
         self.adapter = adapter
+        # greedy chains: the k drafts as one CUDA graph per shape (default: on a CUDA device; True on the CPU runs the
+        # same loop on static buffers, as the tests check)
+        on = adapter.device.type == "cuda" if loop_graphs is None else loop_graphs
+        self.loops = (adapter.loop_graphs() if adapter.device.type == "cuda" else LoopGraphs(adapter.device)) if on else None
         self.threshold = confidence_threshold
         self.tree = tree  # None: draft a chain; else the shape of the tree to draft
         self.cache: KVCache | None = None
@@ -48,11 +57,38 @@ class DraftModelDrafter(Drafter):
             tokens, probs, tree, self._fed = draft_tree(tree_step, a.logits(h[:, -1:])[:, -1], self.tree, k, state, feed_last=False)
             return Proposal(tokens=tokens, probs=probs, tree=tree)
 
+        if self._loop_applies(state) and k > 1:
+            tokens = self._chain_loop(h[:, -1:], n, k)
+            if tokens is not None:
+                self._fed = k - 1
+                return Proposal(tokens=tokens)
+
         def step(tok, i, need_logits):
             return a.logits(a.forward(cache, n + i, input_ids=tok[:, None]))[:, -1]
 
         tokens, probs, self._fed = draft_chain(step, a.logits(h[:, -1:])[:, -1], k, state, self.threshold, feed_last=False)
         return Proposal(tokens=tokens, probs=probs)
+
+    def _loop_applies(self, state: DecodeState) -> bool:
+        """Greedy chains with no stopping rule, over a plain cache: every step of the loop has a fixed shape."""
+        plain = getattr(self.cache, "plain", False) and hasattr(self.cache, "k_all")
+        stops = not isinstance(self.threshold, (int, float)) or self.threshold > 0
+        return self.loops is not None and state.sampling.greedy and plain and not stops
+
+    def _chain_loop(self, h: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
+        """k greedy drafts [B, k] after the last committed token's hidden state ``h`` [B, 1, H], as one graph."""
+        a, cache = self.adapter, self.cache
+
+        def feed(h, tok, slot):
+            place = one_token_place(slot, cache.max_len)
+            return a.eager_forward(cache, tok[:, None], None, 0, a.num_layers, slot[:, None], place, None)
+
+        def loop(h, slot):
+            return greedy_chain_loop(lambda x: a.logits(x)[:, -1], feed, h, slot, k)
+
+        slot = torch.full((h.shape[0],), n, dtype=torch.long, device=h.device)
+        key = ("chain", cache.k_all.data_ptr(), tuple(cache.k_all.shape), k)
+        return self.loops.run(key, loop, h, slot)
 
     def update(self, state: DecodeState, num_accepted: int) -> None:
         if self.tree is not None and state.accepted_path is not None:

@@ -7,6 +7,7 @@ import torch
 
 from decoding.drafters.base import DecodeState
 from decoding.model.adapter import KVCache, ModelAdapter
+from decoding.model.fast_layers import Placement
 from decoding.sampling import choose, warp
 from decoding.trees.shapes import Dynamic, Tree
 
@@ -278,3 +279,92 @@ def max_nodes_of(shape: Tree | Dynamic | None, k: int) -> int:
     if isinstance(shape, Dynamic):
         return max(shape.budget, shape.width * k)
     return k
+
+
+# ---- draft loops as functions of device tensors (one CUDA graph each: decoding.model.graphs.LoopGraphs) ---------------
+#
+# The loops above decide on the host as they go (thresholds, the heap of best-first growth, Python lists of nodes).
+# Greedy chains and EAGLE-2's level trees need no such decision: every step is a fixed shape, so the whole loop (each
+# draft forward, the head, the arg-max, the level's top-k and the final reranking) is one function of device tensors
+# that a drafter captures once per shape and replays, and the host reads the result once.
+
+
+def one_token_place(slot: torch.Tensor, end: int) -> Placement:
+    """Row b's one token written at ``slot[b]`` ([B] device tensor), seeing every slot below it and itself."""
+    return Placement(slot[:, None], slot, end)
+
+
+def greedy_chain_loop(logits_of, feed, root: torch.Tensor, slot: torch.Tensor, k: int) -> torch.Tensor:
+    """``draft_chain``'s greedy chain with no host read: k drafts [B, k] (indices into the logits' columns).
+
+    ``logits_of(h [B, 1, H]) -> [B, V]`` is the draft head; ``feed(h, token [B], slot [B]) -> h`` runs the draft
+    forward on one token per row written at ``slot`` (draft i at ``slot + i``). Draft i is the arg-max of the
+    softmax, as ``sampling.choose`` picks greedy drafts; the last draft is not fed.
+    """
+    h, tokens = root, []
+    for i in range(k):
+        tok = logits_of(h).float().softmax(-1).max(-1).indices
+        tokens.append(tok)
+        if i < k - 1:
+            h = feed(h, tok, slot + i)
+    return torch.stack(tokens, 1)
+
+
+def level_sizes(width: int, max_rank: int, k: int) -> list[int]:
+    """Nodes per level of ``draft_levels``' growth for greedy drafts (every candidate valid): level 1 holds the root's
+    ``min(width, max_rank)`` best children, each later level ``width`` of its parents' candidates (fewer while the
+    level before offers fewer).
+
+    >>> level_sizes(8, 8, 4), level_sizes(4, 2, 4)
+    ([8, 8, 8, 8], [2, 4, 4, 4])
+    """
+    c = min(width, max_rank)
+    sizes = [c] if k > 0 else []
+    while len(sizes) < k:
+        sizes.append(min(width, c * sizes[-1]))
+    return sizes
+
+
+def greedy_levels_loop(logits_of, feed, root: torch.Tensor, root_slot: torch.Tensor, shape: Dynamic, k: int, end: int):
+    """``draft_levels``' EAGLE-2 tree for one row under greedy drafting, with no host read.
+
+    ``logits_of(h [1, t, H]) -> [t, V]``; ``feed(h_parents [1, t, H], tokens [t], place, positions [1, t]) -> h
+    [1, t, H]`` runs the draft forward on one level's nodes. Node i (1..N, in drafting order: level by level, each
+    level by path probability) sits at slot ``root_slot + i`` at position ``root_slot + depth``, attending to the
+    committed prefix and its own ancestors. Returns (tokens [1, budget] as column indices, parents [budget] indexing
+    [pending, kept nodes...], path probabilities [budget]): every drafted node reranked by path probability, a child
+    never before its parent (a stable sort of nodes in level order: ties keep the shallower first), the best
+    ``budget`` kept.
+    """
+    sizes = level_sizes(shape.width, shape.max_rank, k)
+    c, total = min(shape.width, shape.max_rank), sum(sizes)
+    device = root.device
+    path = torch.ones(1 + total, device=device)
+    parent = torch.zeros(1 + total, dtype=torch.long, device=device)
+    token = torch.zeros(1 + total, dtype=torch.long, device=device)
+    ancestors = torch.zeros(1 + total, 1 + total, dtype=torch.bool, device=device)
+    ancestors[0, 0] = True
+    outputs = root.new_zeros(1 + total, root.shape[-1])
+    outputs[0] = root[0, -1]
+    logits, lo_prev, hi_prev, lo = logits_of(root[:, -1:]), 0, 1, 1
+    for d, size in enumerate(sizes, start=1):
+        score, cand = logits.float().softmax(-1).topk(c, dim=-1)  # [parents of the level, c]
+        joint = (path[lo_prev:hi_prev, None] * score).flatten()
+        best, pick = joint.topk(size)
+        hi = lo + size
+        path[lo:hi], token[lo:hi] = best, cand.flatten()[pick]
+        parent[lo:hi] = lo_prev + torch.div(pick, c, rounding_mode="floor")
+        ancestors[lo:hi] = ancestors[parent[lo:hi]]
+        ancestors[lo:hi, lo:hi] |= torch.eye(size, dtype=torch.bool, device=device)
+        if d < len(sizes):
+            slots = (root_slot + torch.arange(lo, hi, device=device))[None]
+            place = Placement(slots, root_slot, end, ancestors[None, lo:hi])
+            h = feed(outputs[parent[lo:hi]][None], token[lo:hi], place, (root_slot + d).expand(1, size))
+            outputs[lo:hi] = h[0]
+            logits = logits_of(h)
+        lo_prev, hi_prev, lo = lo, hi, hi
+    keep = min(shape.budget, total) if k > 0 else 0
+    order = torch.sort(path[1:], descending=True, stable=True).indices[:keep] + 1
+    new_index = torch.zeros(1 + total, dtype=torch.long, device=device)
+    new_index[order] = torch.arange(1, keep + 1, device=device)
+    return token[order][None], new_index[parent[order]], path[order]

@@ -32,8 +32,17 @@ import torch
 from torch import nn
 
 from decoding.drafters.base import DecodeState, Drafter, Proposal
-from decoding.drafters.drafting import draft_chain, draft_tree, max_nodes_of, tree_forward
+from decoding.drafters.drafting import (
+    draft_chain,
+    draft_tree,
+    greedy_chain_loop,
+    greedy_levels_loop,
+    max_nodes_of,
+    one_token_place,
+    tree_forward,
+)
 from decoding.model.adapter import KVCache, ModelAdapter
+from decoding.model.graphs import LoopGraphs
 from decoding.trees.shapes import Dynamic, Tree
 
 EPS = 1e-6
@@ -130,8 +139,19 @@ class EagleDrafter(Drafter):
 
     name = "eagle"
 
-    def __init__(self, net: EagleNet, confidence_threshold: float = 0.0, tree: Tree | Dynamic | None = None, chooser=None):
-        self.net, self.adapter = net, ModelAdapter(net)
+    def __init__(
+        self,
+        net: EagleNet,
+        confidence_threshold: float = 0.0,
+        tree: Tree | Dynamic | None = None,
+        chooser=None,
+        loop_graphs: bool | None = None,
+    ):
+        self.net, self.adapter = net, ModelAdapter.shared(net)
+        # greedy chains and level trees: the whole draft loop as one CUDA graph per shape (default: on a CUDA device);
+        # True on the CPU runs the same loop on static buffers (what the tests check against the eager loop)
+        on = self.adapter.device.type == "cuda" if loop_graphs is None else loop_graphs
+        self.loops = (self.adapter.loop_graphs() if self.adapter.device.type == "cuda" else LoopGraphs(self.adapter.device)) if on else None
         self.feature_layers = net.feature_layers
         self.threshold = confidence_threshold
         self.tree = tree
@@ -184,6 +204,10 @@ class EagleDrafter(Drafter):
         if self.tree is None:
             # greedy chains draft over the head's tokens; sampled ones need q over the whole vocabulary
             vocab = self._trimmed() if state.sampling.greedy else None
+            if self._loop_applies(state) and k > 1:
+                tokens = self._chain_loop(root, n, k, vocab)
+                if tokens is not None:
+                    return Proposal(tokens=tokens)
             prev = [root]
 
             def step(tok, i, need_logits):
@@ -193,13 +217,72 @@ class EagleDrafter(Drafter):
 
             tokens, probs, _ = draft_chain(step, self._logits(root, vocab)[:, -1], k, state, self.threshold, feed_last=False)
             return Proposal(tokens=tokens if vocab is None else vocab[tokens], probs=probs)
-        tokens, parents, path_p = self.draft_tree(state, k, root)
+        grown = self._levels_loop(root, n, k) if self._loop_applies(state) and self._levels() and k > 0 else None
+        if grown is not None:
+            ids, parents, path_p = grown
+            self._probs = None
+        else:
+            tokens, parents, path_p = self.draft_tree(state, k, root)
+            ids = torch.tensor([tokens], dtype=torch.long, device=state.tokens.device)
         if self.chooser is not None and isinstance(self.tree, Dynamic):
             keep = self.chooser.prefix(path_p)  # every prefix is a tree (best-first, or reranked levels)
-            self.last = {"drafted": len(tokens), "verified": keep, "expected": 1 + sum(path_p[:keep])}
-            tokens, parents = tokens[:keep], parents[:keep]
-        ids = torch.tensor([tokens], dtype=torch.long, device=state.tokens.device)
+            self.last = {"drafted": ids.shape[1], "verified": keep, "expected": 1 + sum(path_p[:keep])}
+            ids, parents = ids[:, :keep], parents[:keep]
         return Proposal(tokens=ids, probs=self._probs, tree=Tree.from_parents([-1] + parents))
+
+    # ---- the draft loop as one graph ---------------------------------------------------------------------------------
+    def _loop_applies(self, state: DecodeState) -> bool:
+        """Greedy drafts with no stopping rule, over a plain cache: every step of the loop has a fixed shape."""
+        plain = getattr(self.cache, "plain", False) and hasattr(self.cache, "k_all")
+        stops = not isinstance(self.threshold, (int, float)) or self.threshold > 0
+        return self.loops is not None and state.sampling.greedy and plain and not stops
+
+    def _levels(self) -> bool:
+        return isinstance(self.tree, Dynamic) and self.tree.width > 0 and self._trimmed() is not None
+
+    def _feed_one(self, vocab):
+        a, net, cache = self.adapter, self.net, self.cache
+
+        def feed(h, tok, slot):
+            ids = tok if vocab is None else vocab[tok]
+            place = one_token_place(slot, cache.max_len)
+            return a.eager_forward(cache, None, net.inputs(h, ids[:, None]), 0, a.num_layers, slot[:, None], place, None)
+
+        return feed
+
+    def _chain_loop(self, root: torch.Tensor, n: int, k: int, vocab) -> torch.Tensor | None:
+        """Drafts [B, k] (token ids) of the greedy chain from ``root`` (o_{n-2}), replayed as one graph."""
+        feed, cache = self._feed_one(vocab), self.cache
+
+        def loop(root, slot):
+            tokens = greedy_chain_loop(lambda h: self._logits(h, vocab)[:, -1], feed, root, slot, k)
+            return tokens if vocab is None else vocab[tokens]
+
+        slot = torch.full((root.shape[0],), n - 1, dtype=torch.long, device=root.device)
+        key = ("chain", cache.k_all.data_ptr(), tuple(cache.k_all.shape), root.shape[0], k, vocab is not None)
+        return self.loops.run(key, loop, root, slot)
+
+    def _levels_loop(self, root: torch.Tensor, n: int, k: int):
+        """EAGLE-2's level tree (``draft_levels``) replayed as one graph: (ids [1, nodes], parents, path probabilities),
+        the last two read back in one copy; None where the loop does not apply (several rows) or its capture failed."""
+        if root.shape[0] != 1:
+            return None
+        a, net, cache, vocab, shape = self.adapter, self.net, self.cache, self._trimmed(), self.tree
+
+        def feed(h, toks, place, positions):
+            return a.eager_forward(cache, None, net.inputs(h, vocab[toks][None]), 0, a.num_layers, positions, place, None)
+
+        def loop(root, root_slot):
+            toks, parents, path = greedy_levels_loop(lambda h: self._logits(h, vocab)[0], feed, root, root_slot, shape, k, cache.max_len)
+            return vocab[toks], torch.stack([parents.float(), path])
+
+        root_slot = torch.full((1,), n - 2, dtype=torch.long, device=root.device)
+        key = ("levels", cache.k_all.data_ptr(), tuple(cache.k_all.shape), k, shape)
+        out = self.loops.run(key, loop, root, root_slot)
+        if out is None:
+            return None
+        ids, host = out[0], out[1].tolist()  # the one read of the draft: the tree's shape and its path probabilities
+        return ids, [int(x) for x in host[0]], host[1]
 
     def draft_tree(self, state: DecodeState, k: int, root=None) -> tuple[list[int], list[int], list[float]]:
         """A token tree of up to ``k`` levels in ``self.tree``'s shape: (tokens, parents indexing [pending, nodes...],

@@ -185,7 +185,7 @@ class KangarooDrafter(EarlyExitDrafter):
 
     def __init__(self, net: DraftNet, exit_layer: int, confidence_threshold: float = 0.0):
         super().__init__(exit_layer, confidence_threshold)
-        self.net = ModelAdapter(net)
+        self.net = ModelAdapter.shared(net)
         self.cache: KVCache | None = None
 
     def start(self, state: DecodeState) -> None:
@@ -316,7 +316,7 @@ class FeatureDrafter(Drafter):
     name = "feature"
 
     def __init__(self, net: DraftNet, confidence_threshold: float = 0.0):
-        self.net, self.adapter = net, ModelAdapter(net)
+        self.net, self.adapter = net, ModelAdapter.shared(net)
         self.threshold = confidence_threshold
         self.cache: KVCache | None = None
         self.fed = 0
@@ -382,7 +382,13 @@ def trim_vocab(drafter: Drafter, head: TrimmedHead) -> Drafter:
     """Make a trained drafter draft with ``head`` instead of the target's full LM head."""
     for name in ("net", "adapter"):  # Kangaroo (net), feature head and distilled draft (adapter): a ModelAdapter
         if isinstance(getattr(drafter, name, None), ModelAdapter):
-            getattr(drafter, name).lm_head = head
+            # the drafter's own adapter: the module's shared one (ModelAdapter.shared) keeps the head other drafters use;
+            # the layers' graphs and cache pool stay shared, the draft loops (which bake the head in) do not
+            adapter = copy.copy(getattr(drafter, name))
+            adapter.lm_head, adapter._loops = head, None
+            setattr(drafter, name, adapter)
+            if getattr(drafter, "loops", None) is not None and adapter.device.type == "cuda":
+                drafter.loops = adapter.loop_graphs()
             return drafter
     drafter.lm_head = head  # Medusa / Hydra
     return drafter
@@ -476,7 +482,7 @@ class DistillRecipe(Recipe):
         return DraftNet(hf_model, list(range(knobs["draft_layers"])), draft_vocab=knobs.get("draft_vocab", 0))
 
     def drafter(self, module, knobs, confidence_threshold, tree=None):
-        return DraftModelDrafter(ModelAdapter(module), confidence_threshold, tree=tree)
+        return DraftModelDrafter(ModelAdapter.shared(module), confidence_threshold, tree=tree)
 
 
 class FeatureRecipe(Recipe):

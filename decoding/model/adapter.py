@@ -175,6 +175,25 @@ class ModelAdapter:
             self.graphs = GraphRunner(self)
             self.pool = CachePool() if self.device.type == "cuda" else None
 
+    @classmethod
+    def shared(cls, module) -> ModelAdapter:
+        """The one adapter of a drafter's module (kept on the module): every drafter over that module (a batch's rows,
+        a server's requests) shares its captured graphs and its pool of cache storage, so a new request replays
+        the graphs an earlier one captured instead of capturing its own."""
+        adapter = getattr(module, "_specray_adapter", None)
+        if adapter is None:
+            adapter = cls(module)
+            object.__setattr__(module, "_specray_adapter", adapter)  # not a submodule: never saved or trained
+        return adapter
+
+    def loop_graphs(self):
+        """The :class:`~decoding.model.graphs.LoopGraphs` of draft loops over this adapter's caches (made once)."""
+        if getattr(self, "_loops", None) is None:
+            from decoding.model.graphs import LoopGraphs
+
+            self._loops = LoopGraphs(self.device)
+        return self._loops
+
     @property
     def implementation(self) -> str:
         """Which forward runs the layers ("layers": decoding.model.fast_layers, "compiled": its compiled form for one row

@@ -232,16 +232,7 @@ class GraphRunner:
         return g
 
     def _capture(self, body, device):
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):  # warm-up outside the graph: lazy initialisations, the allocator's first blocks
-            for _ in range(2):
-                body()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = body()
-        return graph, out
+        return capture(body, device, self.pool)
 
     def warm(self, cache, widths=(1, 2, 4, 8), budget_s: float = 60.0, progress: bool = True) -> int:
         """Capture the target's one-row graphs for ``widths`` over ``cache`` (a pooled cache of the shape generation
@@ -267,6 +258,84 @@ class GraphRunner:
             if self.run(cache, ids, place.slots, place, 0, self.adapter.num_layers, None) is not None:
                 made += 1
         return made
+
+
+def capture(body, device, pool):
+    """``body()`` captured as one CUDA graph (after two warm-up runs on a side stream: lazy initialisations, the
+    allocator's first blocks): (graph, the outputs its replays overwrite)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = body()
+    return graph, out
+
+
+class LoopGraphs:
+    """Whole multi-step functions of device tensors, captured as one CUDA graph per key and replayed: a drafter's
+    draft loop (every draft forward, the heads, the arg-maxes, a tree's growth and reranking), where
+    :class:`GraphRunner` replays one forward at a time and the host launches the rest op by op.
+
+    ``run(key, fn, *inputs)`` calls ``fn(*static)`` on static copies of ``inputs`` (device tensors): the first call of
+    a key captures it (the key names everything the graph bakes in: shapes, the cache's storage, the loop's
+    constants), later calls copy their inputs into the static buffers and replay. It returns a copy of ``fn``'s
+    outputs (a tensor or a tuple of tensors), or None where the capture failed (one warning naming the key; the caller
+    runs its eager loop). Without CUDA (``capture=False``) ``fn`` runs on the static buffers each call: the CPU tests
+    check the loop's static form against the eager loop.
+    """
+
+    def __init__(self, device, capture: bool | None = None, max_graphs: int = MAX_GRAPHS):
+        device = torch.device(device)
+        can = torch.cuda.is_available() and device.type == "cuda"
+        self.device, self.capture = device, can if capture is None else capture and can
+        self.max_graphs = max_graphs
+        self.graphs: OrderedDict[tuple, tuple] = OrderedDict()  # key -> (static inputs, graph or None, outputs)
+        self.failed: set[tuple] = set()
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.captures = self.replays = 0
+        self.capture_s = 0.0
+
+    def run(self, key: tuple, fn, *inputs: torch.Tensor):
+        if key in self.failed:
+            return None
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self._make(key, fn, inputs)
+            if entry is None:
+                return None
+        else:
+            self.graphs.move_to_end(key)
+            for buf, x in zip(entry[0], inputs, strict=True):
+                buf.copy_(x)
+        static, graph, out = entry
+        if graph is not None:
+            graph.replay()
+        else:
+            out = fn(*static)
+        self.replays += 1
+        return tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
+
+    def _make(self, key: tuple, fn, inputs):
+        if len(self.graphs) >= self.max_graphs:
+            self.graphs.popitem(last=False)
+        static = tuple(x.clone() for x in inputs)
+        graph, out = None, None
+        if self.capture:
+            begin = time.perf_counter()
+            try:
+                graph, out = capture(lambda: fn(*static), self.device, self.pool)
+            except Exception as e:  # noqa: BLE001 - a loop that cannot be captured runs eager from now on
+                log.warning("specray: capturing the draft loop %s as a CUDA graph failed (%s: %s); it runs eager", key, type(e).__name__, e)
+                self.failed.add(key)
+                return None
+            self.capture_s += time.perf_counter() - begin
+        self.captures += 1
+        self.graphs[key] = (static, graph, out)
+        return self.graphs[key]
 
 
 def _copy_into(g: _Graph, result) -> None:

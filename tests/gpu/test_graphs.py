@@ -48,7 +48,26 @@ DRAFTERS = {
     "early-exit-tree": (lambda m: EarlyExitDrafter(2, tree=Tree.from_paths([[0], [1], [0, 0], [1, 0]])), 3),
     "eagle": (_eagle, 3),
     "eagle-dyspec": (lambda m: _eagle(m, Dynamic(budget=12)), 4),
+    "eagle-levels": (lambda m: _eagle(m, Dynamic(budget=12, width=4)), 4),
 }
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle-levels", "sps-layers"])
+def test_whole_draft_loops_replay_as_one_graph_and_keep_the_output(model, prompt, name):
+    """Greedy chains and level trees: the drafter's whole draft loop is one captured graph per shape (LoopGraphs), and
+    the output is what the drafter gives with its loop run op by op."""
+    make, k = DRAFTERS[name]
+    target = ModelAdapter(model)
+    plain = make(model)
+    plain.loops = None
+    want = generate(target, prompt, drafter=plain, k=k, max_new_tokens=40)
+    looped = make(model)
+    got = generate(target, prompt, drafter=looped, k=k, max_new_tokens=40)
+    assert got.token_ids == want.token_ids
+    assert [s.accepted for s in got.steps] == [s.accepted for s in want.steps]
+    loops = looped.loops
+    assert loops.capture and loops.captures > 0 and loops.replays > loops.captures and not loops.failed
+    assert all(graph is not None for _, graph, _ in loops.graphs.values())
 
 
 def test_graphs_are_on_by_default_on_cuda(model):
