@@ -342,8 +342,7 @@ def greedy_levels_loop(logits_of, feed, root: torch.Tensor, root_slot: torch.Ten
     path = torch.ones(1 + total, device=device)
     parent = torch.zeros(1 + total, dtype=torch.long, device=device)
     token = torch.zeros(1 + total, dtype=torch.long, device=device)
-    ancestors = torch.zeros(1 + total, 1 + total, dtype=torch.bool, device=device)
-    ancestors[0, 0] = True
+    ancestors = torch.eye(1 + total, dtype=torch.bool, device=device)  # each node's own bit; its ancestors' added below
     outputs = root.new_zeros(1 + total, root.shape[-1])
     outputs[0] = root[0, -1]
     logits, lo_prev, hi_prev, lo = logits_of(root[:, -1:]), 0, 1, 1
@@ -354,8 +353,7 @@ def greedy_levels_loop(logits_of, feed, root: torch.Tensor, root_slot: torch.Ten
         hi = lo + size
         path[lo:hi], token[lo:hi] = best, cand.flatten()[pick]
         parent[lo:hi] = lo_prev + torch.div(pick, c, rounding_mode="floor")
-        ancestors[lo:hi] = ancestors[parent[lo:hi]]
-        ancestors[lo:hi, lo:hi] |= torch.eye(size, dtype=torch.bool, device=device)
+        ancestors[lo:hi] |= ancestors[parent[lo:hi]]
         if d < len(sizes):
             slots = (root_slot + torch.arange(lo, hi, device=device))[None]
             place = Placement(slots, root_slot, end, ancestors[None, lo:hi])

@@ -7,9 +7,11 @@
 #      writes it into the README);
 #   3. the 13 Spec-Bench categories: AR, the model-free methods, eagle (chain and trees), the distilled draft's tree
 #      (bench_variants' summary.json);
-#   4. distill (only when asked): the committed self-distillation run resumed on the GPU (`specray distill --local`,
+#   4. probe (only when asked): per-step costs of AR, eagle (chain, level tree) and the distilled draft, with their
+#      draft loops replayed as one CUDA graph and op by op (tests/gpu/probe.py; probe.json);
+#   5. distill (only when asked): the committed self-distillation run resumed on the GPU (`specray distill --local`,
 #      GPU_DISTILL_WORKERS engine processes sharing the GPU);
-#   5. train (only when asked): the shipped drafters retrained on that data (`specray ship-drafters --device cuda`),
+#   6. train (only when asked): the shipped drafters retrained on that data (`specray ship-drafters --device cuda`),
 #      each under its own limit (GPU_TRAIN="eagle:3 distill:2 ...", minutes).
 # Run from the project root on a machine with a CUDA GPU: `bash tests/gpu/run.sh`. Stage limits (seconds):
 # GPU_TESTS_S, GPU_DEVICE_S, GPU_BENCH_S; GPU_STAGES picks stages (default "tests device bench").
@@ -45,6 +47,10 @@ for stage in $stages; do
         2>&1 | tee -a "$out/run.log"
       rc=${PIPESTATUS[0]}
       cp "$work/bench/summary.json" "$out/bench-summary.json" 2>/dev/null ;;
+    probe)  # per-step draft and verification costs, each drafter's draft loop as one graph and op by op (probe.json)
+      timeout -s INT -k 30 "${GPU_PROBE_S:-240}" "$py" tests/gpu/probe.py --device "$dev" --new "$new" --out "$out/probe.json" \
+        2>>"$out/probe.err" | tee -a "$out/run.log"
+      rc=${PIPESTATUS[0]} ;;
     distill)  # resume the committed self-distillation run with the batched engine on the GPU; new shards in distill.tar
       cp -rp data/distill/smollm2-135m "$work/distill"
       timeout -s INT -k 30 "${GPU_DISTILL_S:-180}" "$py" -m jobs.distill --local --device "$dev" --out "$work/distill" \
