@@ -54,7 +54,7 @@ def main_with_args(args) -> int:
 
     from decoding.model.loading import set_threads
     from decoding.paths import portable, specray_home
-    from training.runs import SHIPPED_RECIPES, learning_curves, publish, read_history, train_on_data
+    from training.runs import SHIPPED_RECIPES, agreement_vs_data, learning_curves, publish, read_history, record_runs, train_on_data
 
     names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else list(SHIPPED_RECIPES)
     unknown = sorted(set(names) - set(SHIPPED_RECIPES))
@@ -105,6 +105,9 @@ def main_with_args(args) -> int:
     for name in merged:
         histories[name] = read_history(specray_home() / "ship" / args.model / name)
     learning_curves({n: h for n, h in histories.items() if h}, Path(args.docs) / "learning_curves.png")
+    device = next((r.get("device") for r in results.values() if r.get("device")), args.device)
+    runs = record_runs(Path(args.docs) / "agreement_vs_data.json", results, device)
+    agreement_vs_data(runs, Path(args.docs) / "agreement_vs_data.png")
     if args.json:
         print(json.dumps(results))
         return 0

@@ -76,6 +76,8 @@ def train_on_data(
     deadline: float | None = None,
 ) -> dict:
     """Train (or resume) ``run`` on the data in ``data``; the artifact goes to ``out``. Returns a summary."""
+    import torch
+
     from decoding.drafters.trained import get_recipe
     from decoding.model.loading import load_model
     from training.features import TargetFeatures, distill_training_set
@@ -133,7 +135,10 @@ def train_on_data(
             features=features,
             eval_examples=eval_set,
         )
-    return _summary(run, out, knobs, train_set, tokens, time.perf_counter() - t0, training)
+    summary = _summary(run, out, knobs, train_set, tokens, time.perf_counter() - t0, training)
+    dev = next(target.parameters()).device
+    summary["device"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+    return summary
 
 
 def _summary(run: DataRun, out: Path, knobs: dict, train_set: list, tokens: int, seconds: float, training: dict) -> dict:
@@ -243,6 +248,64 @@ def learning_curves(histories: dict[str, list[dict]], path: Path) -> None:
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def record_runs(path: Path, results: dict[str, dict], device: str) -> list[dict]:
+    """Add each drafter's finished training (its data size, steps and held-out agreement) to the record of every
+    training so far (``path``, JSON rows); returns all rows. Stop heads (they predict acceptance, they do not draft)
+    are left out."""
+    rows = _read_rows(path)
+    for name, r in results.items():
+        if r.get("recipe") == "stop" or not r.get("agreement_after"):
+            continue
+        rows.append(
+            {
+                "drafter": name,
+                "train_sequences": r["train_sequences"],
+                "train_answer_tokens": r["train_answer_tokens"],
+                "steps": r.get("steps"),
+                "batch": r.get("batch"),
+                "agreement": [round(a, 4) for a in r["agreement_after"]],
+                "device": device,
+                "date": time.strftime("%Y-%m-%d"),
+            }
+        )
+    Path(path).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def _read_rows(path: Path) -> list[dict]:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return []
+
+
+def agreement_vs_data(rows: list[dict], path: Path) -> None:
+    """Per drafter, held-out top-1 agreement (first draft) of each training against its training set's size
+    (sequences), each point labelled with the sequences it drew (steps x batch): does more data still help?"""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name in sorted({r["drafter"] for r in rows}):
+        runs = sorted((r for r in rows if r["drafter"] == name), key=lambda r: r["train_sequences"])
+        xs, ys = [r["train_sequences"] for r in runs], [r["agreement"][0] for r in runs]
+        ax.plot(xs, ys, marker="o", label=name)
+        for r, x, y in zip(runs, xs, ys, strict=True):
+            if r.get("steps") and r.get("batch"):
+                ax.annotate(f"{r['steps'] * r['batch']:,} drawn", (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
+    ax.set_xscale("log")
+    ax.set(xlabel="training sequences (log)", ylabel="held-out top-1 agreement (first draft)")
+    ax.set_title("held-out agreement against data size, one point per training")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

@@ -47,6 +47,13 @@ def test_ship_drafters_trains_publishes_and_plots(tiny_data, capsys):
         assert art.recipe.name == name and not (root / "shipped" / name / "checkpoint.pt").exists()
     assert (root / "docs" / "learning_curves.png").stat().st_size > 0
     assert json.loads((root / "docs" / "training.json").read_text())["eagle"]["steps"] == 12
+    runs = json.loads((root / "docs" / "agreement_vs_data.json").read_text())  # one row per training, kept across runs
+    assert sorted(r["drafter"] for r in runs) == ["distill", "eagle"] and {r["device"] for r in runs} == {"cpu"}
+    assert all(
+        r["train_sequences"] == results[r["drafter"]]["train_sequences"] and (r["steps"], r["batch"]) == (results[r["drafter"]]["steps"], 3)
+        for r in runs
+    )
+    assert (root / "docs" / "agreement_vs_data.png").stat().st_size > 0
 
 
 def test_repack_rewrites_the_shipped_artifacts_and_measures_them(tiny_data, tmp_path, capsys):
