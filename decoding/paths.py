@@ -29,3 +29,15 @@ def portable(path: str | os.PathLike) -> str:
             rel = p.relative_to(root).as_posix()
             return rel if name is None else f"{name}/{rel}"
     return os.fspath(path)
+
+
+def local(record: str) -> Path:
+    """The place on this machine a record written by :func:`portable` names (the inverse of ``portable``).
+
+    >>> local(portable(specray_home() / "ship" / "eagle")) == (specray_home() / "ship" / "eagle").resolve()
+    True
+    """
+    if record.startswith("$SPECRAY_HOME/"):
+        return specray_home().resolve() / record[len("$SPECRAY_HOME/") :]
+    p = Path(record)
+    return p if p.is_absolute() else PROJECT / p

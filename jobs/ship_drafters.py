@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--max-sequences", type=int, help="train on the first N training sequences only")
     p.add_argument("--steps-scale", type=float, default=1.0, help="multiply every drafter's steps (e.g. 0.1 for a quick run)")
     p.add_argument("--batch", type=int, help="sequences per step for every drafter but the stop heads (default: each one's own)")
+    p.add_argument("--init", choices=["shipped"], help="shipped: train each drafter further from its shipped artifact (warm start)")
+    p.add_argument("--lr-scale", type=float, default=1.0, help="multiply every drafter's learning rate (e.g. 0.5 with --init)")
     p.add_argument("--max-minutes", type=float, help="stop each drafter's training after M minutes; its artifact records the steps done")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
@@ -60,8 +63,8 @@ def main_with_args(args) -> int:
     unknown = sorted(set(names) - set(SHIPPED_RECIPES))
     if unknown:
         fail(f"--only: unknown shipped drafter {unknown[0]!r}; choose from {', '.join(SHIPPED_RECIPES)}")
-    if args.steps_scale <= 0 or (args.max_sequences is not None and args.max_sequences < 2):
-        fail("--steps-scale must be > 0 and --max-sequences >= 2")
+    if args.steps_scale <= 0 or args.lr_scale <= 0 or (args.max_sequences is not None and args.max_sequences < 2):
+        fail("--steps-scale and --lr-scale must be > 0 and --max-sequences >= 2")
     if args.max_minutes is not None and args.max_minutes <= 0:
         fail("--max-minutes must be > 0")
     if args.batch is not None and args.batch < 1:
@@ -79,7 +82,15 @@ def main_with_args(args) -> int:
         run = dataclasses.replace(run, steps=max(1, round(run.steps * args.steps_scale)), max_sequences=args.max_sequences)
         if args.batch is not None and run.recipe != "stop":
             run = dataclasses.replace(run, batch=args.batch)
-        work = specray_home() / "ship" / args.model / name
+        run = dataclasses.replace(run, lr=run.lr * args.lr_scale)
+        if args.init == "shipped":
+            if not (shipped / name / "drafter.json").is_file():
+                fail(f"--init shipped: {shipped / name} holds no artifact to start {name} from")
+            start = specray_home() / "ship" / Path(args.model).name / f"{name}-init"  # a copy: the shipped one is replaced at the end
+            shutil.rmtree(start, ignore_errors=True)
+            shutil.copytree(shipped / name, start)
+            run = dataclasses.replace(run, init=portable(start))
+        work = specray_home() / "ship" / Path(args.model).name / name
         print(f"{name}: {run.recipe} {run.knobs}, {run.steps} steps of {run.batch} sequences", file=sys.stderr)
         results[name] = train_on_data(
             run,
@@ -103,7 +114,7 @@ def main_with_args(args) -> int:
     merged = {**_read_json(record), **results}
     record.write_text(json.dumps(merged, indent=1, sort_keys=True))
     for name in merged:
-        histories[name] = read_history(specray_home() / "ship" / args.model / name)
+        histories[name] = read_history(specray_home() / "ship" / Path(args.model).name / name)
     learning_curves({n: h for n, h in histories.items() if h}, Path(args.docs) / "learning_curves.png")
     device = next((r.get("device") for r in results.values() if r.get("device")), args.device)
     runs = record_runs(Path(args.docs) / "agreement_vs_data.json", results, device)

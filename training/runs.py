@@ -35,6 +35,7 @@ class DataRun:
     eval_sequences: int = 64
     eval_every: int = 0
     max_context: int | None = 768  # tokens the target sees up to a window's end when it computes features
+    init: str | None = None  # warm start from this artifact (``TrainSpec.init``)
 
 
 # The drafters shipped for the bundled model: name -> how it is trained (``specray ship-drafters``). Exit layers of the
@@ -105,6 +106,7 @@ def train_on_data(
         run.window,
         autocast=True,
         eval_every=run.eval_every,
+        init=run.init,
     )
     tokens = sum(int(e["tokens"].shape[0] - e["answer_from"]) for e in train_set)
     extra = {"data": portable(data), "train_sequences": len(train_set), "train_answer_tokens": tokens, "eval_sequences": len(eval_set)}

@@ -46,6 +46,7 @@ class TrainSpec:
     train_vocab: int = 0  # > 0: losses over the data's most frequent tokens only (the LM head dominates CPU training cost)
     autocast: bool = False  # bfloat16 autocast for the drafter's forward and backward (about 2x on this kind of CPU)
     eval_every: int = 0  # > 0: held-out agreement every this many steps (the learning curve against data seen)
+    init: str | None = None  # start from this artifact (``decoding.paths.portable``), its trimmed vocabulary kept
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -331,8 +332,19 @@ def _session(spec: TrainSpec, target_hf, examples: list[dict], shard: tuple[int,
     device = next(target_hf.parameters()).device  # the drafter trains where the target is (SpecConfig.device)
 
     torch.manual_seed(spec.seed)  # module init (random parts) is reproducible
-    module = recipe.build(target_hf, knobs).float().to(device).train()
-    recipe.prepare(module, vocab)  # a trimmed head drafts over the data's most frequent tokens
+    if spec.init:  # warm start: the artifact's weights and its head's vocabulary, trained further
+        from decoding.drafters.artifacts import load_artifact
+        from decoding.paths import local
+
+        art = load_artifact(str(local(spec.init)), target_hf)
+        if art.recipe.name != recipe.name or art.knobs != knobs:
+            raise ValueError(f"init: {spec.init} is a {art.recipe.name} drafter with {art.knobs}, not {recipe.name} with {knobs}")
+        module = recipe.build(target_hf, knobs).float()
+        module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in art.module.state_dict().items()})
+        module = module.to(device).train()
+    else:
+        module = recipe.build(target_hf, knobs).float().to(device).train()
+        recipe.prepare(module, vocab)  # a trimmed head drafts over the data's most frequent tokens
     head = getattr(module, "lm_head", None)
     if isinstance(head, VocabHead):  # the losses over the head's own tokens
         train_shared = Shared(target_hf, head.vocab)

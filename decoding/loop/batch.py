@@ -20,7 +20,7 @@ import torch
 from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.loop.goodput import Acceptance, CostModel, DraftCost, RowPlan, choose_width
 from decoding.loop.output import Generation, Output, StepCallback
-from decoding.loop.prefill import PREFILL_CHUNK, Prefill, check_context, first_token
+from decoding.loop.prefill import PREFILL_CHUNK, Prefill, check_context, chunk_of, first_token
 from decoding.loop.step import Workspace, propose, truncate, verify_step
 from decoding.model.adapter import KVCache, ModelAdapter
 from decoding.sampling import GREEDY, SamplingParams
@@ -99,8 +99,9 @@ class Batch:
     whole chunks while they fit in ``prefill_budget`` prompt tokens, at least one), then one decoding step of
     every row. A sequence whose prompt is filled commits its first token and decodes from that same step, so a
     long prompt costs the other rows a bounded delay per step instead of its whole prefill at once; its own
-    output is what it would be alone (the chunks do not depend on the batch). The prompt being filled holds the
-    cache row after the decoding rows.
+    output is what it would be alone (the chunks do not depend on the batch). The prompt being filled goes into a
+    one-row staging cache, the same storage for every joining sequence (on a GPU its chunks replay the same few
+    graphs, whichever row it joins at), and is copied into its row of the batch cache when it starts decoding.
 
     ``max_rows`` caps the batch, joining sequences included (:meth:`add` refuses beyond it: the caller queues);
     ``max_step_tokens`` caps rows x width of one step for adaptive rows; ``cost`` is the forward-cost model
@@ -132,6 +133,7 @@ class Batch:
         self.joining: list[Sequence] = []  # queued or being prefilled (only the first may have begun), in order
         self.cache: KVCache | None = None
         self.workspace = Workspace(target.device)  # the step's device buffers, allocated once
+        self._staging: KVCache | None = None  # where a joining prompt is filled (see the class docstring)
         self._view: tuple[int, KVCache] | None = None  # (rows, view of rows 0..rows-1)
 
     def __len__(self) -> int:
@@ -170,11 +172,11 @@ class Batch:
             seq = self.joining[0]
             if seq.fill is None:
                 self._reserve(len(self.rows) + 1, seq.max_len)
-                seq.fill = Prefill(seq.prompt_ids.to(self.target.device), seq.drafter.feature_layers)
+                seq.fill = Prefill(seq.prompt_ids.to(self.target.device), seq.drafter.feature_layers, chunk_of(self.target))
             n = seq.fill.next_chunk()
             if used and self.prefill_budget is not None and used + n > self.prefill_budget:
                 break
-            seq.fill.run_chunk(self.target, self.cache.row(len(self.rows)))
+            seq.fill.run_chunk(self.target, self._staging_for(seq.prompt_len))
             used += n
             if seq.fill.remaining == 0:
                 self.joining.pop(0)
@@ -184,11 +186,21 @@ class Batch:
                     ended.append(seq)
         return ended
 
+    def _staging_for(self, slots: int) -> KVCache:
+        """The one-row cache joining prompts are filled in, holding at least ``slots`` positions (grown when not)."""
+        if self._staging is None or self._staging.max_len < slots:
+            self._staging = self.target.new_cache(1, slots)
+        return self._staging
+
     def _start(self, seq: Sequence) -> bool:
-        """A filled prompt: draw its first token and start its drafter; False when it ended there."""
-        target, view = self.target, self.cache.row(len(self.rows))
+        """A filled prompt: its KV into the next free row, draw its first token and start its drafter; False when it
+        ended there."""
+        target, row, n = self.target, len(self.rows), seq.prompt_len
+        for dst, src in ((self.cache.k_all, self._staging.k_all), (self.cache.v_all, self._staging.v_all)):
+            dst[:, row, :, :n] = src[:, 0, :, :n]
+        view = self.cache.row(row)
         h, features = seq.fill.result()
-        view.rollback(seq.prompt_len)
+        view.rollback(n)
         first = first_token(target, h[:, -1:], seq.sampling, seq.generator)
         tokens = torch.cat([seq.fill.prompt, first], dim=1)
         seq.fill = None
@@ -211,10 +223,6 @@ class Batch:
             return False
         return True
 
-    def _filling(self) -> Sequence | None:
-        """The joining sequence whose prompt is partly in the cache (in the row after the decoding rows), if any."""
-        return self.joining[0] if self.joining and self.joining[0].fill is not None else None
-
     def _reserve(self, rows: int, slots: int) -> None:
         """Make the cache hold ``rows`` rows of ``slots`` positions (grown, with the rows in use copied over)."""
         cache = self.cache
@@ -226,10 +234,9 @@ class Batch:
             new_rows = cache.batch if cache.batch >= rows else min(self.max_rows, max(rows, 2 * cache.batch))
             new_len = cache.max_len if cache.max_len >= slots else max(slots, cache.max_len + cache.max_len // 2)
         grown = self.target.new_cache(new_rows, new_len)
-        filling = self._filling()
-        used = len(self.rows) + (filling is not None)
+        used = len(self.rows)
         if cache is not None and used:
-            top = max([s.state.target_cache.length for s in self.rows] + ([filling.fill.done] if filling else []))
+            top = max(s.state.target_cache.length for s in self.rows)
             for dst, src in ((grown.k_all, cache.k_all), (grown.v_all, cache.v_all)):
                 dst[:, :used, :, :top] = src[:, :used, :, :top]
             for i, seq in enumerate(self.rows):
@@ -252,9 +259,6 @@ class Batch:
             view.length = last.state.target_cache.length
             last.state.target_cache = view
             self.rows[i] = last
-        filling = self._filling()
-        if filling is not None:  # the prompt being filled follows the decoding rows down
-            self._move(len(self.rows) + 1, len(self.rows), filling.fill.done)
 
     def _move(self, src: int, dst: int, length: int) -> None:
         for buf in (self.cache.k_all, self.cache.v_all):

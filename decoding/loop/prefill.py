@@ -29,20 +29,33 @@ def check_context(prompt_len: int, max_new_tokens: int, max_context: int) -> Non
 PREFILL_CHUNK = 256  # prompt tokens per prefill forward (see Prefill)
 
 
+def chunk_of(model: ModelAdapter) -> int:
+    """Prompt tokens per prefill forward on ``model``: ``PREFILL_CHUNK``, or where its forwards replay captured CUDA
+    graphs the widest graph (64 tokens), so every chunk replays one graph instead of launching a whole forward's
+    kernels one by one (about 1,200 for SmolLM2, 28 ms on an H200, against 2-3 ms for a graphed 64-token chunk)."""
+    graphs = getattr(model, "graphs", None)
+    if graphs is not None and graphs.capture:
+        from decoding.model.graphs import WIDTHS
+
+        return min(PREFILL_CHUNK, WIDTHS[-1])
+    return PREFILL_CHUNK
+
+
 class Prefill:
-    """A prompt run into a cache in chunks of ``PREFILL_CHUNK`` tokens, one forward per chunk.
+    """A prompt run into a cache in chunks of ``chunk`` tokens (``chunk_of`` the model), one forward per chunk.
 
     The chunks are the same whoever runs them (one sequence alone, a batch that interleaves them with other
-    rows' decoding steps, the two-sided runtime): chunk c is always positions [c * PREFILL_CHUNK, (c + 1) *
-    PREFILL_CHUNK) over the chunks before it, so the cache's bits and the first token never depend on what else
+    rows' decoding steps, the two-sided runtime): chunk c is always positions [c * chunk, (c + 1) * chunk) over
+    the chunks before it, so the cache's bits and the first token never depend on what else
     ran. ``features``: the layers whose hidden states to keep (``ModelAdapter.forward``'s ``captured``).
 
     >>> # p = Prefill(prompt, ()); while p.remaining: p.run_chunk(target, cache)
     >>> # hidden, features = p.result()     # [1, T, H], None
     """
 
-    def __init__(self, prompt: torch.Tensor, features=()):  # prompt [1, T]
+    def __init__(self, prompt: torch.Tensor, features=(), chunk: int | None = None):  # prompt [1, T]
         self.prompt = prompt
+        self.chunk = chunk or PREFILL_CHUNK
         self.done = 0
         self.hidden: list[torch.Tensor] = []
         self.features: dict[int, list[torch.Tensor]] = {layer: [] for layer in features}
@@ -53,7 +66,7 @@ class Prefill:
 
     def next_chunk(self) -> int:
         """Tokens the next :meth:`run_chunk` feeds."""
-        return min(PREFILL_CHUNK, self.remaining)
+        return min(self.chunk, self.remaining)
 
     def run_chunk(self, model: ModelAdapter, cache: KVCache) -> None:
         """Feed the next chunk; the cache then holds the prompt up to its end."""
@@ -74,7 +87,7 @@ class Prefill:
 def fill(model: ModelAdapter, cache: KVCache, prompt: torch.Tensor, captured: dict | None = None) -> torch.Tensor:
     """Run the prompt [1, T] into an empty ``cache`` (in :class:`Prefill`'s chunks), which then holds exactly the prompt;
     returns the hidden states [1, T, H] (and fills ``captured``, see ``ModelAdapter.forward``)."""
-    run = Prefill(prompt, tuple(captured) if captured else ())
+    run = Prefill(prompt, tuple(captured) if captured else (), chunk_of(model))
     while run.remaining:
         run.run_chunk(model, cache)
     h, features = run.result()

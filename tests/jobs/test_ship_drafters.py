@@ -56,6 +56,33 @@ def test_ship_drafters_trains_publishes_and_plots(tiny_data, capsys):
     assert (root / "docs" / "agreement_vs_data.png").stat().st_size > 0
 
 
+def test_init_shipped_trains_the_shipped_drafter_further(tiny_data, tmp_path, capsys):
+    """``--init shipped``: each drafter starts from its shipped artifact (its weights and trimmed vocabulary), so its
+    held-out agreement before training is the shipped one's; the record names the start portably."""
+    import torch
+
+    from decoding.drafters.artifacts import load_artifact
+    from decoding.model.loading import load_model
+    from jobs.ship_drafters import main
+
+    model, data, _ = tiny_data
+    argv = ["--model", str(model), "--data", str(data), "--only", "eagle", "--steps-scale", "0.004", "--shipped", str(tmp_path / "shipped")]
+    argv += ["--docs", str(tmp_path / "docs"), "--no-progress", "--json", "--threads", "1"]
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)["eagle"]
+    target = load_model(str(model), "float32").model
+    vocab = load_artifact(str(tmp_path / "shipped" / "eagle"), target).module.lm_head.vocab.clone()
+    assert main([*argv, "--init", "shipped", "--lr-scale", "0.5"]) == 0
+    second = json.loads(capsys.readouterr().out)["eagle"]
+    assert second["agreement_before"] == pytest.approx(first["agreement_stored"], abs=1e-6)
+    desc = json.loads((tmp_path / "shipped" / "eagle" / "drafter.json").read_text())
+    assert desc["training"]["spec"]["init"].endswith("eagle-init") and not desc["training"]["spec"]["init"].startswith("/")
+    assert desc["training"]["spec"]["lr"] == pytest.approx(0.5e-3)
+    assert torch.equal(load_artifact(str(tmp_path / "shipped" / "eagle"), target).module.lm_head.vocab, vocab)
+    code = main([*argv[:-6], "--shipped", str(tmp_path / "none"), "--docs", str(tmp_path / "docs"), "--init", "shipped"])
+    assert_one_line_error(code, capsys.readouterr().err, "no artifact to start")
+
+
 def test_repack_rewrites_the_shipped_artifacts_and_measures_them(tiny_data, tmp_path, capsys):
     """``--repack`` trains nothing: an artifact in the old dense format (1) is rewritten in the current one, its
     training record kept, its held-out agreement measured before and after."""
