@@ -206,6 +206,29 @@ def test_a_row_leaving_while_a_prompt_is_filled_keeps_both_exact(tiny_model, tar
     assert long.result().token_ids == ar_alone[4]
 
 
+def test_joining_prompts_fill_one_staging_cache_whatever_row_they_join(tiny_model, ar_alone, one_thread):
+    """Every joining prompt is filled in the same one-row staging storage (on a GPU: the same graphs whatever row it
+    joins at) and copied into its row; where graphs replay, prefill chunks are the widest graph (64 tokens)."""
+    from decoding.loop.prefill import PREFILL_CHUNK, chunk_of
+
+    graphed = ModelAdapter(tiny_model, graphs=True)  # the graph body on static buffers (no capture on a CPU)
+    batch = Batch(graphed, max_rows=3)
+    storages, seqs = {}, [Sequence(ids(PROMPTS[i % len(PROMPTS)]), k=2, max_new_tokens=6 + 3 * i) for i in range(7)]
+    waiting = list(seqs)
+    while waiting or len(batch):
+        while waiting and not batch.full:
+            batch.add(waiting.pop(0))
+        batch.step()
+        if batch._staging is not None:
+            storages.setdefault(batch._staging.k_all.data_ptr(), batch._staging.max_len)
+    sizes = list(storages.values())  # a new storage only for a longer prompt than any before, never for another row
+    assert sizes == sorted(set(sizes)) and len(sizes) <= len({len(p) for p in PROMPTS}) < len(seqs)
+    assert [s.result().token_ids for s in seqs] == [ar_alone[i % len(PROMPTS)][: 6 + 3 * i] for i in range(7)]
+    assert chunk_of(graphed) == PREFILL_CHUNK and chunk_of(ModelAdapter(tiny_model)) == PREFILL_CHUNK
+    graphed.graphs.capture = True  # what a CUDA adapter reports
+    assert chunk_of(graphed) == 64
+
+
 def test_a_drafter_that_fails_to_start_fails_alone(tiny_model, target, ar_alone, one_thread):
     class Broken(NgramDrafter):
         def start(self, state):
