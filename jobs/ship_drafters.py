@@ -117,7 +117,7 @@ def main_with_args(args) -> int:
         histories[name] = read_history(specray_home() / "ship" / Path(args.model).name / name)
     learning_curves({n: h for n, h in histories.items() if h}, Path(args.docs) / "learning_curves.png")
     device = next((r.get("device") for r in results.values() if r.get("device")), args.device)
-    runs = record_runs(Path(args.docs) / "agreement_vs_data.json", results, device)
+    runs = record_runs(Path(args.docs) / "agreement_vs_data.json", results, device, data)
     agreement_vs_data(runs, Path(args.docs) / "agreement_vs_data.png")
     if args.json:
         print(json.dumps(results))

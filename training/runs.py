@@ -256,10 +256,10 @@ def learning_curves(histories: dict[str, list[dict]], path: Path) -> None:
     plt.close(fig)
 
 
-def record_runs(path: Path, results: dict[str, dict], device: str) -> list[dict]:
-    """Add each drafter's finished training (its data size, steps and held-out agreement) to the record of every
-    training so far (``path``, JSON rows); returns all rows. Stop heads (they predict acceptance, they do not draft)
-    are left out."""
+def record_runs(path: Path, results: dict[str, dict], device: str, data: Path) -> list[dict]:
+    """Add each drafter's finished training (its data size, steps and held-out agreement, on the held-out set of
+    ``data``) to the record of every training so far (``path``, JSON rows); returns all rows. Stop heads (they
+    predict acceptance, they do not draft) are left out."""
     rows = _read_rows(path)
     for name, r in results.items():
         if r.get("recipe") == "stop" or not r.get("agreement_after"):
@@ -274,6 +274,7 @@ def record_runs(path: Path, results: dict[str, dict], device: str) -> list[dict]
                 "agreement": [round(a, 4) for a in r["agreement_after"]],
                 "device": device,
                 "date": time.strftime("%Y-%m-%d"),
+                "eval_set": portable(data),
             }
         )
     Path(path).write_text(json.dumps(rows, indent=1))
@@ -295,15 +296,22 @@ def agreement_vs_data(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    latest = rows[-1].get("eval_set") if rows else None  # agreements on another held-out set are drawn dotted
+    colors = {}
     for name in sorted({r["drafter"] for r in rows}):
-        runs = sorted((r for r in rows if r["drafter"] == name), key=lambda r: r["train_sequences"])
-        xs, ys = [r["train_sequences"] for r in runs], [r["agreement"][0] for r in runs]
-        ax.plot(xs, ys, marker="o", label=name)
-        for r, x, y in zip(runs, xs, ys, strict=True):
-            if r.get("steps") and r.get("batch"):
-                ax.annotate(f"{r['steps'] * r['batch']:,} drawn", (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
+        for same in (True, False):
+            runs = [r for r in rows if r["drafter"] == name and (r.get("eval_set") == latest) == same]
+            runs.sort(key=lambda r: r["train_sequences"])
+            if not runs:
+                continue
+            xs, ys = [r["train_sequences"] for r in runs], [r["agreement"][0] for r in runs]
+            label = name if same else f"{name} (another held-out set)"
+            line = ax.plot(xs, ys, marker="o" if same else "x", ls="-" if same else ":", color=colors.get(name), label=label)[0]
+            colors[name] = line.get_color()
+            _label_draws(ax, runs, xs, ys)
     ax.set_xscale("log")
+
     ax.set(xlabel="training sequences (log)", ylabel="held-out top-1 agreement (first draft)")
     ax.set_title("held-out agreement against data size, one point per training")
     ax.grid(alpha=0.3)
@@ -312,6 +320,12 @@ def agreement_vs_data(rows: list[dict], path: Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _label_draws(ax, runs: list[dict], xs: list, ys: list) -> None:
+    for r, x, y in zip(runs, xs, ys, strict=True):
+        if r.get("steps") and r.get("batch"):
+            ax.annotate(f"{r['steps'] * r['batch']:,} drawn", (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
 
 
 def read_history(work: Path) -> list[dict]:
