@@ -9,7 +9,6 @@ from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.drafters.drafting import draft_chain, draft_tree, greedy_chain_loop, max_nodes_of, one_token_place, tree_forward
 from decoding.errors import ConfigError
 from decoding.model.adapter import KVCache, ModelAdapter
-from decoding.model.graphs import LoopGraphs
 from decoding.model.loading import load_model
 from decoding.trees.shapes import Dynamic, Tree
 
@@ -30,7 +29,7 @@ class DraftModelDrafter(Drafter):
         # greedy chains: the k drafts as one CUDA graph per shape (default: on a CUDA device; True on the CPU runs the
         # same loop on static buffers, as the tests check)
         on = adapter.device.type == "cuda" if loop_graphs is None else loop_graphs
-        self.loops = (adapter.loop_graphs() if adapter.device.type == "cuda" else LoopGraphs(adapter.device)) if on else None
+        self.loops = adapter.loop_graphs() if on else None
         self.threshold = confidence_threshold
         self.tree = tree  # None: draft a chain; else the shape of the tree to draft
         self.cache: KVCache | None = None

@@ -42,7 +42,6 @@ from decoding.drafters.drafting import (
     tree_forward,
 )
 from decoding.model.adapter import KVCache, ModelAdapter
-from decoding.model.graphs import LoopGraphs
 from decoding.trees.shapes import Dynamic, Tree
 
 EPS = 1e-6
@@ -151,7 +150,7 @@ class EagleDrafter(Drafter):
         # greedy chains and level trees: the whole draft loop as one CUDA graph per shape (default: on a CUDA device);
         # True on the CPU runs the same loop on static buffers (what the tests check against the eager loop)
         on = self.adapter.device.type == "cuda" if loop_graphs is None else loop_graphs
-        self.loops = (self.adapter.loop_graphs() if self.adapter.device.type == "cuda" else LoopGraphs(self.adapter.device)) if on else None
+        self.loops = self.adapter.loop_graphs() if on else None
         self.feature_layers = net.feature_layers
         self.threshold = confidence_threshold
         self.tree = tree

@@ -387,7 +387,7 @@ def trim_vocab(drafter: Drafter, head: TrimmedHead) -> Drafter:
             adapter = copy.copy(getattr(drafter, name))
             adapter.lm_head, adapter._loops = head, None
             setattr(drafter, name, adapter)
-            if getattr(drafter, "loops", None) is not None and adapter.device.type == "cuda":
+            if getattr(drafter, "loops", None) is not None:
                 drafter.loops = adapter.loop_graphs()
             return drafter
     drafter.lm_head = head  # Medusa / Hydra
