@@ -41,6 +41,7 @@ class DraftModelDrafter(Drafter):
 
     def start(self, state: DecodeState) -> None:
         self.cache = self.adapter.new_cache(state.tokens.shape[0], state.max_len)
+        self._base, self._fed = 0, 0  # nothing of an earlier generation carries over
 
     def propose(self, state: DecodeState, k: int) -> Proposal:
         n = state.tokens.shape[1]
@@ -95,9 +96,10 @@ class DraftModelDrafter(Drafter):
             fed = [i for i in state.accepted_path[1:] if i <= self._fed]
             self.cache.compact(self._base, [i + self._base - 1 for i in fed])
             self.cache.rollback(self._base + len(fed))
-            return
-        # valid draft KV: the committed prefix plus the fed drafts that were accepted
-        self.cache.rollback(self._base + min(num_accepted, self._fed))
+        else:  # valid draft KV: the committed prefix plus the fed drafts that were accepted
+            self.cache.rollback(self._base + min(num_accepted, self._fed))
+        # a step without a proposal (the loop skips ``propose`` at k = 0) keeps the cache as it is
+        self._base, self._fed = self.cache.length, 0
 
     def truncate(self, length: int) -> None:
         if self.cache is not None and self.cache.length > length:

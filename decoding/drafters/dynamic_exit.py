@@ -87,6 +87,13 @@ class DynamicExitDrafter(EarlyExitDrafter):
         self.choices = []
         layer, head = layer_costs(state.target)
         self.head_layers = head / layer
+        self._plain_step()
+
+    def _plain_step(self) -> None:
+        """Until the next proposal, a step is plain: its verification captures every candidate exit (the loop skips
+        ``propose`` at k = 0, so nothing of a drafting step may carry over to it)."""
+        self.drafting, self.kept, self.draft_hidden = False, {}, []
+        self.feature_layers = tuple(self.exits)
 
     def alphas(self) -> list[float]:
         """Each candidate's estimated acceptance (one host read)."""
@@ -133,6 +140,7 @@ class DynamicExitDrafter(EarlyExitDrafter):
         agree = shortlist.gather(-1, scores.argmax(-1).T).T == labels  # [C, m+1]
         self.hits.mul_(DECAY).add_(agree.float().sum(-1))
         self.seen.mul_(DECAY).add_(m + 1)
+        self._plain_step()
 
 
 def build_del(cfg, target) -> DynamicExitDrafter:

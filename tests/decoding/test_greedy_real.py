@@ -10,7 +10,7 @@ from decoding.in_process import SpecDecoder
 CATEGORIES = ["writing", "coding", "math_reasoning", "summarization", "rag", "translation"]
 PROMPTS = spec_bench_prompts(per_category=2, categories=CATEGORIES)  # 12 prompts, 6 categories
 METHODS = {
-    "ngram": dict(method="ngram", k=4, ngram_max=3),
+    "ngram": dict(method="ngram", k=4, ngram_max=3, adaptive_k=False),  # fixed k: its acceptance is asserted below
     "sps": dict(method="sps", draft_layers=8, k=4),
     "early-exit": dict(method="early-exit", exit_layer=20, k=3),
     "early-exit-threshold": dict(method="early-exit", exit_layer=24, k=5, confidence_threshold=0.4),

@@ -229,6 +229,18 @@ def test_joining_prompts_fill_one_staging_cache_whatever_row_they_join(tiny_mode
     assert chunk_of(graphed) == 64
 
 
+@pytest.mark.parametrize("kind", ["sps", "del"])
+def test_steps_without_a_proposal_leave_no_stale_drafter_state(tiny_model, target, ar_alone, kind, one_thread):
+    """The loop skips ``propose`` at k = 0 (k=auto decides so, e.g. on a loaded machine), so a drafter must not carry
+    one step's or one generation's proposal state into a step it did not propose: the same drafter drafts a long
+    prompt, then decodes a shorter one without drafting, then drafts again; each output is AR's."""
+    from decoding.drafters.dynamic_exit import DynamicExitDrafter
+
+    drafter = DraftModelDrafter(ModelAdapter(tiny_model, num_layers=1)) if kind == "sps" else DynamicExitDrafter([1, 2])
+    for prompt, k, new in ((4, 3, 24), (0, 0, 6), (2, 0, 6), (1, 3, 24)):  # the short ones end before the long one's length
+        assert generate(target, ids(PROMPTS[prompt]), drafter=drafter, k=k, max_new_tokens=new).token_ids == ar_alone[prompt][:new]
+
+
 def test_a_drafter_that_fails_to_start_fails_alone(tiny_model, target, ar_alone, one_thread):
     class Broken(NgramDrafter):
         def start(self, state):
