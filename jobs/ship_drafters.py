@@ -77,6 +77,7 @@ def main_with_args(args) -> int:
     if args.repack:
         return repack_shipped(args, names, data, shipped)
     results, histories = {}, {}
+    ship_home = specray_home() / "ship" / Path(args.model).name  # checkpoints, one folder per drafter (rerunning resumes)
     for name in names:
         run = SHIPPED_RECIPES[name]
         run = dataclasses.replace(run, steps=max(1, round(run.steps * args.steps_scale)), max_sequences=args.max_sequences)
@@ -86,11 +87,11 @@ def main_with_args(args) -> int:
         if args.init == "shipped":
             if not (shipped / name / "drafter.json").is_file():
                 fail(f"--init shipped: {shipped / name} holds no artifact to start {name} from")
-            start = specray_home() / "ship" / Path(args.model).name / f"{name}-init"  # a copy: the shipped one is replaced at the end
+            start = ship_home / f"{name}-init"  # a copy: the shipped one is replaced at the end
             shutil.rmtree(start, ignore_errors=True)
             shutil.copytree(shipped / name, start)
             run = dataclasses.replace(run, init=portable(start))
-        work = specray_home() / "ship" / Path(args.model).name / name
+        work = ship_home / name
         print(f"{name}: {run.recipe} {run.knobs}, {run.steps} steps of {run.batch} sequences", file=sys.stderr)
         results[name] = train_on_data(
             run,
@@ -114,7 +115,7 @@ def main_with_args(args) -> int:
     merged = {**_read_json(record), **results}
     record.write_text(json.dumps(merged, indent=1, sort_keys=True))
     for name in merged:
-        histories[name] = read_history(specray_home() / "ship" / Path(args.model).name / name)
+        histories[name] = read_history(ship_home / name)
     learning_curves({n: h for n, h in histories.items() if h}, Path(args.docs) / "learning_curves.png")
     device = next((r.get("device") for r in results.values() if r.get("device")), args.device)
     runs = record_runs(Path(args.docs) / "agreement_vs_data.json", results, device, data)

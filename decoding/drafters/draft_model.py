@@ -6,7 +6,16 @@ from __future__ import annotations
 import torch
 
 from decoding.drafters.base import DecodeState, Drafter, Proposal
-from decoding.drafters.drafting import draft_chain, draft_tree, greedy_chain_loop, max_nodes_of, one_token_place, tree_forward
+from decoding.drafters.drafting import (
+    draft_chain,
+    draft_loops,
+    draft_tree,
+    greedy_chain_loop,
+    loop_applies,
+    max_nodes_of,
+    one_token_place,
+    tree_forward,
+)
 from decoding.errors import ConfigError
 from decoding.model.adapter import KVCache, ModelAdapter
 from decoding.model.loading import load_model
@@ -26,10 +35,7 @@ class DraftModelDrafter(Drafter):
         self, adapter: ModelAdapter, confidence_threshold: float = 0.0, tree: Tree | Dynamic | None = None, loop_graphs: bool | None = None
     ):
         self.adapter = adapter
-        # greedy chains: the k drafts as one CUDA graph per shape (default: on a CUDA device; True on the CPU runs the
-        # same loop on static buffers, as the tests check)
-        on = adapter.device.type == "cuda" if loop_graphs is None else loop_graphs
-        self.loops = adapter.loop_graphs() if on else None
+        self.loops = draft_loops(adapter, loop_graphs)  # greedy chains: the k drafts as one CUDA graph per shape
         self.threshold = confidence_threshold
         self.tree = tree  # None: draft a chain; else the shape of the tree to draft
         self.cache: KVCache | None = None
@@ -57,7 +63,7 @@ class DraftModelDrafter(Drafter):
             tokens, probs, tree, self._fed = draft_tree(tree_step, a.logits(h[:, -1:])[:, -1], self.tree, k, state, feed_last=False)
             return Proposal(tokens=tokens, probs=probs, tree=tree)
 
-        if self._loop_applies(state) and k > 1:
+        if loop_applies(self, state) and k > 1:
             tokens = self._chain_loop(h[:, -1:], n, k)
             if tokens is not None:
                 self._fed = k - 1
@@ -68,12 +74,6 @@ class DraftModelDrafter(Drafter):
 
         tokens, probs, self._fed = draft_chain(step, a.logits(h[:, -1:])[:, -1], k, state, self.threshold, feed_last=False)
         return Proposal(tokens=tokens, probs=probs)
-
-    def _loop_applies(self, state: DecodeState) -> bool:
-        """Greedy chains with no stopping rule, over a plain cache: every step of the loop has a fixed shape."""
-        plain = getattr(self.cache, "plain", False) and hasattr(self.cache, "k_all")
-        stops = not isinstance(self.threshold, (int, float)) or self.threshold > 0
-        return self.loops is not None and state.sampling.greedy and plain and not stops
 
     def _chain_loop(self, h: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
         """k greedy drafts [B, k] after the last committed token's hidden state ``h`` [B, 1, H], as one graph."""

@@ -289,6 +289,21 @@ def max_nodes_of(shape: Tree | Dynamic | None, k: int) -> int:
 # that a drafter captures once per shape and replays, and the host reads the result once.
 
 
+def draft_loops(adapter: ModelAdapter, wanted: bool | None):
+    """A drafter's ``LoopGraphs`` (its adapter's), or None: by default on a CUDA device; ``True`` on the CPU runs the same
+    loops on static buffers (what the tests check against the eager loops)."""
+    on = adapter.device.type == "cuda" if wanted is None else wanted
+    return adapter.loop_graphs() if on else None
+
+
+def loop_applies(drafter, state: DecodeState) -> bool:
+    """Whether ``drafter`` (with ``loops``, ``cache`` and ``threshold``) may replay its draft loop this step: greedy
+    drafts with no stopping rule (a threshold or stop head decides on the host), over a plain cache."""
+    plain = getattr(drafter.cache, "plain", False) and hasattr(drafter.cache, "k_all")
+    stops = not isinstance(drafter.threshold, (int, float)) or drafter.threshold > 0
+    return drafter.loops is not None and state.sampling.greedy and plain and not stops
+
+
 def one_token_place(slot: torch.Tensor, end: int) -> Placement:
     """Row b's one token written at ``slot[b]`` ([B] device tensor), seeing every slot below it and itself."""
     return Placement(slot[:, None], slot, end)

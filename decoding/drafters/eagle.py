@@ -34,9 +34,11 @@ from torch import nn
 from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.drafters.drafting import (
     draft_chain,
+    draft_loops,
     draft_tree,
     greedy_chain_loop,
     greedy_levels_loop,
+    loop_applies,
     max_nodes_of,
     one_token_place,
     tree_forward,
@@ -147,10 +149,7 @@ class EagleDrafter(Drafter):
         loop_graphs: bool | None = None,
     ):
         self.net, self.adapter = net, ModelAdapter.shared(net)
-        # greedy chains and level trees: the whole draft loop as one CUDA graph per shape (default: on a CUDA device);
-        # True on the CPU runs the same loop on static buffers (what the tests check against the eager loop)
-        on = self.adapter.device.type == "cuda" if loop_graphs is None else loop_graphs
-        self.loops = self.adapter.loop_graphs() if on else None
+        self.loops = draft_loops(self.adapter, loop_graphs)  # greedy chains and level trees: one CUDA graph per shape
         self.feature_layers = net.feature_layers
         self.threshold = confidence_threshold
         self.tree = tree
@@ -203,7 +202,7 @@ class EagleDrafter(Drafter):
         if self.tree is None:
             # greedy chains draft over the head's tokens; sampled ones need q over the whole vocabulary
             vocab = self._trimmed() if state.sampling.greedy else None
-            if self._loop_applies(state) and k > 1:
+            if loop_applies(self, state) and k > 1:
                 tokens = self._chain_loop(root, n, k, vocab)
                 if tokens is not None:
                     return Proposal(tokens=tokens)
@@ -216,7 +215,7 @@ class EagleDrafter(Drafter):
 
             tokens, probs, _ = draft_chain(step, self._logits(root, vocab)[:, -1], k, state, self.threshold, feed_last=False)
             return Proposal(tokens=tokens if vocab is None else vocab[tokens], probs=probs)
-        grown = self._levels_loop(root, n, k) if self._loop_applies(state) and self._levels() and k > 0 else None
+        grown = self._levels_loop(root, n, k) if loop_applies(self, state) and self._levels() and k > 0 else None
         if grown is not None:
             ids, parents, path_p = grown
             self._probs = None
@@ -230,12 +229,6 @@ class EagleDrafter(Drafter):
         return Proposal(tokens=ids, probs=self._probs, tree=Tree.from_parents([-1] + parents))
 
     # ---- the draft loop as one graph ---------------------------------------------------------------------------------
-    def _loop_applies(self, state: DecodeState) -> bool:
-        """Greedy drafts with no stopping rule, over a plain cache: every step of the loop has a fixed shape."""
-        plain = getattr(self.cache, "plain", False) and hasattr(self.cache, "k_all")
-        stops = not isinstance(self.threshold, (int, float)) or self.threshold > 0
-        return self.loops is not None and state.sampling.greedy and plain and not stops
-
     def _levels(self) -> bool:
         return isinstance(self.tree, Dynamic) and self.tree.width > 0 and self._trimmed() is not None
 
