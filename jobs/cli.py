@@ -11,6 +11,7 @@ COMMANDS = {
     "bench": "jobs.bench",
     "bench-serve": "jobs.bench_serve",
     "bench-device": "jobs.bench_device",
+    "bench-training": "jobs.bench_training",
     "bench-http": "jobs.bench_http",
     "registry": "jobs.registry",
     "serve": "jobs.serve",

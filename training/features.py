@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from decoding.model.adapter import ModelAdapter
+from training.objectives import Windows
 
 
 class TargetFeatures:
@@ -47,24 +48,57 @@ class TargetFeatures:
             start = int(torch.randint(lo, start + 1, (1,), generator=generator))
         return start, start + window
 
+    def span(self, ex: dict, window: int, generator: torch.Generator | None) -> tuple[int, int, int]:
+        """(lo, start, end): the window's rows [start, end) and the first token the target reads (``max_context``)."""
+        start, end = self.window(ex, window, generator)
+        lo = 0 if self.max_context is None else max(0, min(start, end - self.max_context))
+        return lo, start, end
+
     @torch.inference_mode()
-    def _hidden(self, tokens: torch.Tensor, start: int) -> dict[int, torch.Tensor]:
+    def _hidden(self, texts: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """{layer: [B, L, H]} of ``texts`` run as one batch, right-padded to the longest (causal: the padding after a
+        text changes none of its rows)."""
         a = self.adapter
+        width = max(t.shape[0] for t in texts)
+        ids = torch.zeros(len(texts), width, dtype=torch.long)
+        for b, t in enumerate(texts):
+            ids[b, : t.shape[0]] = t
         captured = dict.fromkeys(self.layers)
-        a.forward(a.new_cache(1, tokens.shape[0]), 0, input_ids=tokens[None].to(a.device), captured=captured)
-        self.tokens_run += tokens.shape[0]
-        return {layer: h[0, start:].float().clone() for layer, h in captured.items()}
+        a.forward(a.new_cache(len(texts), width), 0, input_ids=ids.to(a.device), captured=captured)
+        self.tokens_run += sum(t.shape[0] for t in texts)
+        return captured
 
     def example(self, ex: dict, window: int, generator: torch.Generator | None = None, device: torch.device | None = None) -> dict:
         """The window's example with the target's hidden states (float32, on ``device``) of its rows."""
-        start, end = self.window(ex, window, generator)
-        lo = 0 if self.max_context is None else max(0, min(start, end - self.max_context))
+        lo, start, end = self.span(ex, window, generator)
         tokens = ex["tokens"][lo:end]
-        hidden = {layer: h.to(device) for layer, h in self._hidden(tokens, start - lo).items()}
+        hidden = {layer: h[0, start - lo :].float().clone().to(device) for layer, h in self._hidden([tokens]).items()}
         out = {**ex, "tokens": tokens.to(device), "start": start - lo, "hidden": hidden}
         if "answer_from" in ex:
             out["answer_from"] = ex["answer_from"] - lo
         return out
+
+    def batch(self, examples: list[dict], window: int, generator: torch.Generator | None = None, device: torch.device | None = None) -> Windows:
+        """The windows of ``examples`` (drawn in order from ``generator``, as :meth:`example` draws them one by one) as
+        one :class:`~training.objectives.Windows` batch, the target run once over all of them."""
+        spans = [self.span(ex, window, generator) for ex in examples]
+        captured = self._hidden([ex["tokens"][lo:end] for ex, (lo, _, end) in zip(examples, spans, strict=True)])
+        rows = [end - start for _, start, end in spans]
+        width, bsz = max(rows), len(examples)
+        tokens = torch.zeros(bsz, width, dtype=torch.long)
+        hidden = {layer: torch.zeros(bsz, width, h.shape[-1], dtype=torch.float32, device=h.device) for layer, h in captured.items()}
+        for b, (ex, (lo, start, end)) in enumerate(zip(examples, spans, strict=True)):
+            tokens[b, : end - start] = ex["tokens"][start:end]
+            for layer, h in captured.items():
+                hidden[layer][b, : end - start] = h[b, start - lo : end - lo]
+        ints = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        return Windows(
+            tokens.to(device),
+            ints([start - lo for lo, start, _ in spans]),
+            ints(rows),
+            ints([ex.get("answer_from", 0) - lo for ex, (lo, _, _) in zip(examples, spans, strict=True)]),
+            {layer: h.to(device) for layer, h in hidden.items()},
+        )
 
 
 def examples_from_rows(rows: list[dict], min_answer: int = 2) -> list[dict]:

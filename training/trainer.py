@@ -28,7 +28,7 @@ from decoding.drafters.artifacts import save_artifact, stored_copy
 from decoding.drafters.eagle import VocabHead
 from decoding.drafters.storage import Storage
 from decoding.drafters.trained import Shared, get_recipe
-from training.objectives import LOSSES, agreement, objectives, vocab_order
+from training.objectives import LOSSES, Windows, agreement, objectives, vocab_order
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class TrainSpec:
     autocast: bool = False  # bfloat16 autocast for the drafter's forward and backward (about 2x on this kind of CPU)
     eval_every: int = 0  # > 0: held-out agreement every this many steps (the learning curve against data seen)
     init: str | None = None  # start from this artifact (``decoding.paths.portable``), its trimmed vocabulary kept
+    micro_batch: int = 0  # > 0: a step's sequences go through the modules this many at a time (memory); 0: all at once
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -69,10 +70,11 @@ def _crop(ex: dict, window: int, generator: torch.Generator | None = None, devic
     return {**ex, "tokens": tokens, "start": ex["start"] + cut, "hidden": hidden}
 
 
-def example_loss(recipe, module, shared, ex, knobs, loss_fn) -> tuple[torch.Tensor, list[float]]:
-    """Mean over heads of loss_fn(teacher, student), plus the recipe's auxiliary loss; and per-head agreement.
+def windows_loss(recipe, module, shared, ex: Windows, knobs, loss_fn) -> tuple[torch.Tensor, list[float]]:
+    """Mean over heads of loss_fn(teacher, student) (each a mean over the batch's scored rows), plus the recipe's
+    auxiliary loss; and per-head agreement.
 
-    A head with no row in this window (every row masked) adds nothing and agrees 0 of 0 (reported as 0)."""
+    A head with no row in these windows (every row masked) adds nothing and agrees 0 of 0 (reported as 0)."""
     pairs, aux = objectives(recipe, module, shared, ex, knobs)
     live = [(s, t) for s, t in pairs if s.shape[0] > 0]
     if not live:
@@ -84,15 +86,19 @@ def example_loss(recipe, module, shared, ex, knobs, loss_fn) -> tuple[torch.Tens
     return loss, [agreement(t, s.detach()) for s, t in pairs]
 
 
+EVAL_BATCH = 8  # held-out windows per forward
+
+
 @torch.no_grad()
 def evaluate(recipe, module, shared, examples, knobs, window, device: torch.device | None = None, prepare=None) -> list[float]:
     """Per-head top-1 agreement with the target over the examples' windows (head 1 = the first draft), weighted by the
     rows each window scores. ``prepare(ex, window, generator, device)`` makes a window (default: stored hidden
-    states, ``_crop``; on the fly: ``training.features.TargetFeatures.example``)."""
+    states, ``_crop``; on the fly: ``training.features.TargetFeatures.example``); ``EVAL_BATCH`` of them go through
+    the module at once."""
     prepare = prepare or _crop
     sums, rows = None, None
-    for ex in examples:
-        ex = prepare(ex, window, None, device)
+    for lo in range(0, len(examples), EVAL_BATCH):
+        ex = Windows.of([prepare(e, window, None, device) for e in examples[lo : lo + EVAL_BATCH]])
         pairs, _ = objectives(recipe, module, shared, ex, knobs)
         n = [s.shape[0] for s, _ in pairs]
         agree = [agreement(t, s) * k if k else 0.0 for (s, t), k in zip(pairs, n, strict=True)]
@@ -294,7 +300,8 @@ class _Session:
     vocab: list
     train_set: list[dict]
     eval_set: list[dict]
-    prepare: Callable
+    prepare: Callable  # one window of an example (evaluation)
+    features: object  # training.features.TargetFeatures, or None: the examples store their hidden states
     device: torch.device
     module: torch.nn.Module
     opt: torch.optim.Optimizer
@@ -305,6 +312,13 @@ class _Session:
         s = self
         m = s.module if module is None else module.to(s.device).eval()
         return evaluate(s.recipe, m, s.shared, s.eval_set, s.knobs, s.spec.window, s.device, s.prepare)
+
+    def windows(self, examples: list[dict], generator: torch.Generator) -> Windows:
+        """Training windows of ``examples`` as one batch (the target run once over all of them on the fly)."""
+        s = self
+        if s.features is not None:
+            return s.features.batch(examples, s.spec.window, generator, s.device)
+        return Windows.of([_crop(ex, s.spec.window, generator, s.device) for ex in examples])
 
     def learning_curve(self, row: dict, step: int) -> None:
         """Every ``eval_every`` steps (rank 0), the held-out agreement into the step's ``row``."""
@@ -351,7 +365,7 @@ def _session(spec: TrainSpec, target_hf, examples: list[dict], shard: tuple[int,
     else:
         train_shared = Shared(target_hf, vocab[: spec.train_vocab]) if spec.train_vocab else shared
     opt = torch.optim.AdamW(module.parameters(), lr=spec.lr, weight_decay=0.0)
-    return _Session(spec, recipe, knobs, shared, train_shared, vocab, train_set, eval_set, prepare, device, module, opt, rank == 0)
+    return _Session(spec, recipe, knobs, shared, train_shared, vocab, train_set, eval_set, prepare, features, device, module, opt, rank == 0)
 
 
 def _resume(s: _Session, ckpt_path: Path) -> tuple[int, list, list | None]:
@@ -366,20 +380,24 @@ def _resume(s: _Session, ckpt_path: Path) -> tuple[int, list, list | None]:
 
 
 def _optimiser_step(s: _Session, step: int, model, backward, opt_step) -> tuple[float, float, list[int]]:
-    """One optimiser step over the sequences ``step`` draws: (mean loss, mean head agreement, the sequences drawn)."""
+    """One optimiser step over the sequences ``step`` draws, as one batch of windows (or ``micro_batch`` at a time):
+    (mean loss, mean head agreement, the sequences drawn)."""
     spec = s.spec
     for group in s.opt.param_groups:
         group["lr"] = lr_at(spec, step)
     g, idx = draws(spec, len(s.train_set), step)
     s.opt.zero_grad(set_to_none=True)
     total, agree = 0.0, 0.0
-    for i in idx:
-        ex = s.prepare(s.train_set[i], spec.window, g, s.device)
+    size = spec.micro_batch or len(idx)
+    for lo in range(0, len(idx), size):
+        part = idx[lo : lo + size]
+        ex = s.windows([s.train_set[i] for i in part], g)
         with torch.autocast(s.device.type, dtype=torch.bfloat16, enabled=spec.autocast):
-            loss, head_agree = example_loss(s.recipe, model, s.train_shared, ex, s.knobs, LOSSES[spec.loss])
-        backward(loss / len(idx))
-        total += float(loss.detach()) / len(idx)
-        agree += head_agree[0] / len(idx)
+            loss, head_agree = windows_loss(s.recipe, model, s.train_shared, ex, s.knobs, LOSSES[spec.loss])
+        share = len(part) / len(idx)
+        backward(loss * share)
+        total += float(loss.detach()) * share
+        agree += head_agree[0] * share
     torch.nn.utils.clip_grad_norm_(s.module.parameters(), 1.0)
     opt_step()
     return total, agree, idx

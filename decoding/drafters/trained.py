@@ -109,10 +109,12 @@ class DraftNet(nn.Module):
                 self.fuse.weight.copy_(torch.cat([torch.eye(h), torch.eye(h)], 1))
                 self.fuse.bias.zero_()
 
-    def run(self, hidden: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Differentiable causal forward of the blocks, no cache: [B, T, H] at positions start.. -> [B, T, H]."""
+    def run(self, hidden: torch.Tensor, start: int | torch.Tensor = 0) -> torch.Tensor:
+        """Differentiable causal forward of the blocks, no cache: [B, T, H] at positions start.. (an int, or [B]: one
+        start per row) -> [B, T, H]."""
         bsz, t = hidden.shape[:2]
-        positions = torch.arange(start, start + t, device=hidden.device)[None].expand(bsz, t)
+        first = torch.as_tensor(start, device=hidden.device).reshape(-1, 1)
+        positions = (first + torch.arange(t, device=hidden.device)[None]).expand(bsz, t)
         cos_sin = self.model.rotary_emb(hidden, positions)
         for block in self.model.layers:
             hidden = block(hidden, attention_mask=None, position_ids=positions, past_key_values=None, position_embeddings=cos_sin)

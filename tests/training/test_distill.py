@@ -139,14 +139,17 @@ def test_local_run_without_ray_stops_at_its_deadline_and_resumes(tiny_model_dir,
 
 def test_local_worker_processes_write_what_one_engine_writes(tiny_model_dir, tmp_path):
     """``--local --workers 2``: two engine processes share the device; the shards (greedy and seeded sampled answers)
-    are those one engine writes, each written once, and the manifest names both processes."""
+    are those one engine writes, each written once, by the worker processes."""
     from training.distill_data import distill
 
     spec = DistillSpec(model=str(tiny_model_dir), dtype="float32", **TINY)
     one = distill(spec, tmp_path / "one", phases=(1,), progress=False, local=True)
     two = distill(spec, tmp_path / "two", phases=(1,), progress=False, local=True, workers=2)
     assert sorted(one["shards"]) == sorted(two["shards"]) and len(two["shards"]) >= 2
-    assert len({v["pid"] for v in two["shards"].values()}) == 2 and os.getpid() not in {v["pid"] for v in two["shards"].values()}
+    pids = {v["pid"] for v in two["shards"].values()}
+    # shards go to whichever process is ready: on a loaded machine one may start (load its model) after the other ran
+    # every tiny shard, so the manifest names one or both, never this process
+    assert 1 <= len(pids) <= 2 and os.getpid() not in pids
     assert read_rows(tmp_path / "one", phase=1) == read_rows(tmp_path / "two", phase=1)
     assert two["phases"]["1"]["sequences"] == one["phases"]["1"]["sequences"]
 

@@ -193,3 +193,47 @@ def test_stop_head_learns_the_drafts_agreement(target, examples, tmp_path):
     assert art.recipe.name == "stop" and art.knobs == {"source": "exit", "hidden": 8}
     with pytest.raises(Exception, match="not a drafter"):
         art.drafter()
+
+
+@pytest.mark.parametrize("recipe", list(KNOBS))
+def test_a_batch_of_windows_scores_what_each_window_scores(target, examples, recipe):
+    """One forward over right-padded windows of different lengths and starts gives every window's pairs, in order:
+    the padding changes no row (what lets a training step run its sequences as one batch)."""
+    from decoding.drafters.trained import Shared, get_recipe
+    from training.objectives import Windows, objectives
+
+    r = get_recipe(recipe)
+    torch.manual_seed(0)
+    knobs = r.check(KNOBS[recipe], 3)
+    module = r.build(target, knobs).float().eval()
+    shared = Shared(target)
+    a, b = examples[0], examples[1]  # hidden states stored in float16: windows hold float32
+    a = {**a, "hidden": {k: v.float() for k, v in a["hidden"].items()}, "answer_from": 4}
+    b = {**b, "tokens": b["tokens"][:20], "start": 5, "hidden": {k: v[3:18].float() for k, v in b["hidden"].items()}, "answer_from": 9}
+    with torch.no_grad():
+        together, _ = objectives(r, module, shared, Windows.of([a, b]), knobs)
+        alone = [objectives(r, module, shared, ex, knobs)[0] for ex in (a, b)]
+    assert len(together) == len(alone[0]) > 0
+    for head, (student, teacher) in enumerate(together):
+        assert student.shape[0] == sum(pairs[head][0].shape[0] for pairs in alone) > 0
+        assert torch.allclose(student, torch.cat([pairs[head][0] for pairs in alone]), atol=1e-5), (recipe, head)
+        assert torch.allclose(teacher, torch.cat([pairs[head][1] for pairs in alone]), atol=1e-5), (recipe, head)
+
+
+def test_features_of_a_batch_are_each_windows_features(target):
+    """TargetFeatures.batch runs the target once over right-padded texts; it draws the same windows from the same
+    generator as one-by-one examples, and each window's hidden states are the example's (a capped context included)."""
+    from training.features import TargetFeatures
+    from training.objectives import Windows
+
+    g = torch.Generator().manual_seed(5)
+    texts = [{"tokens": torch.randint(0, 12, (n,), generator=g), "answer_from": a} for n, a in ((60, 50), (14, 4), (33, 10))]
+    feats = TargetFeatures(target, [1, 3], max_context=40)
+    one_by_one = torch.Generator().manual_seed(7)
+    alone = Windows.of([feats.example(ex, 16, one_by_one) for ex in texts])
+    batch = feats.batch(texts, 16, torch.Generator().manual_seed(7))
+    assert batch.length.tolist() == alone.length.tolist() == [16, 14, 16]
+    for name in ("tokens", "start", "answer_from"):
+        assert torch.equal(getattr(batch, name), getattr(alone, name)), name
+    for layer in (1, 3):
+        assert torch.allclose(batch.hidden[layer], alone.hidden[layer], rtol=1e-4, atol=1e-4), (batch.hidden[layer] - alone.hidden[layer]).abs().max()

@@ -22,7 +22,7 @@ from decoding.model.adapter import ModelAdapter
 from decoding.sampling import GREEDY
 from decoding.trees.shapes import Dynamic
 from training.features import TargetFeatures
-from training.objectives import eagle_objectives, ttt_mask
+from training.objectives import as_windows, eagle_objectives, ttt_mask
 
 VOCAB = 48
 
@@ -61,7 +61,7 @@ def test_training_forward_equals_drafting(target):
     tokens = torch.randint(VOCAB, (24,), generator=torch.Generator().manual_seed(1))
     feats = TargetFeatures(target, [1, 2, 4])
     ex = feats.example({"tokens": tokens}, window=64)
-    pairs, _ = eagle_objectives(net, Shared(target), ex, {"ttt_steps": 3})
+    pairs, _ = eagle_objectives(net, Shared(target), as_windows(ex), {"ttt_steps": 3})
     # drafting: after committing tokens[:n] (pending tokens[n-1]), drafts forced to tokens[n], tokens[n+1]
     adapter = ModelAdapter(target)
     for n in (8, 13, 17):
