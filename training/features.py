@@ -78,7 +78,9 @@ class TargetFeatures:
             out["answer_from"] = ex["answer_from"] - lo
         return out
 
-    def batch(self, examples: list[dict], window: int, generator: torch.Generator | None = None, device: torch.device | None = None) -> Windows:
+    def batch(
+        self, examples: list[dict], window: int, generator: torch.Generator | None = None, device: torch.device | None = None
+    ) -> Windows:
         """The windows of ``examples`` (drawn in order from ``generator``, as :meth:`example` draws them one by one) as
         one :class:`~training.objectives.Windows` batch, the target run once over all of them."""
         spans = [self.span(ex, window, generator) for ex in examples]

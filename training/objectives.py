@@ -149,7 +149,9 @@ class Windows:
                 h[b, :n] = ex["hidden"][layer]
             hidden[layer] = h
         ints = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-        return Windows(tokens, ints([ex["start"] for ex in examples]), ints(rows), ints([ex.get("answer_from", 0) for ex in examples]), hidden)
+        return Windows(
+            tokens, ints([ex["start"] for ex in examples]), ints(rows), ints([ex.get("answer_from", 0) for ex in examples]), hidden
+        )
 
     def columns(self, width: int) -> torch.Tensor:  # [1, width]
         return torch.arange(width, device=self.tokens.device)[None]
@@ -290,11 +292,11 @@ def _source_drafter(name: str, target_hf):
 
 
 def stop_rows(module, shared: Shared, ex) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stop head's rows of a window or a batch of them (:func:`as_windows`): (features [N, 8] of the source drafter's draft distributions, labels [N]
-    1.0 where its top-1 equals the target's: the greedy acceptance of that draft, given the drafts before it were
-    accepted). The source's own recipe objective gives its logits (frozen; for eagle every unrolled step, so deeper
-    drafts' features are its own); ``exit``: the target's head on one of its upper layers, which each window's start
-    picks (the full LM head over every layer would cost as many heads)."""
+    """The stop head's rows of a window or a batch of them (:func:`as_windows`): (features [N, 8] of the source
+    drafter's draft distributions, labels [N] 1.0 where its top-1 equals the target's: the greedy acceptance of that
+    draft, given the drafts before it were accepted). The source's own recipe objective gives its logits (frozen; for
+    eagle every unrolled step, so deeper drafts' features are its own); ``exit``: the target's head on one of its
+    upper layers, which each window's start picks (the full LM head over every layer would cost as many heads)."""
     ex = as_windows(ex)
     from decoding.drafters.stop_head import EXIT_SOURCE, exit_layers, stop_features
 

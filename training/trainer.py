@@ -365,7 +365,9 @@ def _session(spec: TrainSpec, target_hf, examples: list[dict], shard: tuple[int,
     else:
         train_shared = Shared(target_hf, vocab[: spec.train_vocab]) if spec.train_vocab else shared
     opt = torch.optim.AdamW(module.parameters(), lr=spec.lr, weight_decay=0.0)
-    return _Session(spec, recipe, knobs, shared, train_shared, vocab, train_set, eval_set, prepare, features, device, module, opt, rank == 0)
+    return _Session(
+        spec, recipe, knobs, shared, train_shared, vocab, train_set, eval_set, prepare, features, device, module, opt, rank == 0
+    )
 
 
 def _resume(s: _Session, ckpt_path: Path) -> tuple[int, list, list | None]:

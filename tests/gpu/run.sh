@@ -12,7 +12,9 @@
 #   5. distill (only when asked): the committed self-distillation run resumed on the GPU (`specray distill --local`,
 #      GPU_DISTILL_WORKERS engine processes sharing the GPU);
 #   6. train (only when asked): the shipped drafters retrained on that data (`specray ship-drafters --device cuda`),
-#      each under its own limit (GPU_TRAIN="eagle:3 distill:2 ...", minutes).
+#      each under its own limit (GPU_TRAIN="eagle:3 distill:2 ...", minutes);
+#   7. train-speed (only when asked): a training step one sequence at a time against one batch, side by side
+#      (`specray bench-training`; train-speed.json).
 # Run from the project root on a machine with a CUDA GPU: `bash tests/gpu/run.sh`. Stage limits (seconds):
 # GPU_TESTS_S, GPU_DEVICE_S, GPU_BENCH_S; GPU_STAGES picks stages (default "tests device bench").
 set -u
@@ -69,6 +71,11 @@ for stage in $stages; do
         [ "${PIPESTATUS[0]}" = 0 ] || rc=1
       done
       tar -cf "$out/shipped.tar" -C "$work" $(cd "$work" && ls -d shipped curves 2>/dev/null) ;;
+    train-speed)  # the trainer's step: one sequence at a time against the step's sequences as one batch (train-speed.json)
+      timeout -s INT -k 30 "${GPU_TRAIN_SPEED_S:-240}" "$py" -m jobs.bench_training --device "$dev" --only "${GPU_TRAIN_SPEED_DRAFTER:-eagle}" \
+        --batch "${GPU_TRAIN_BATCH:-32}" --steps 4 --json > "$out/train-speed.json" 2>>"$out/train-speed.err"
+      rc=$?
+      cat "$out/train-speed.json" | tee -a "$out/run.log" ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
   echo "stage $stage: $(($(date +%s) - start)) s, exit $rc" | tee -a "$out/run.log"

@@ -236,4 +236,6 @@ def test_features_of_a_batch_are_each_windows_features(target):
     for name in ("tokens", "start", "answer_from"):
         assert torch.equal(getattr(batch, name), getattr(alone, name)), name
     for layer in (1, 3):
-        assert torch.allclose(batch.hidden[layer], alone.hidden[layer], rtol=1e-4, atol=1e-4), (batch.hidden[layer] - alone.hidden[layer]).abs().max()
+        assert torch.allclose(batch.hidden[layer], alone.hidden[layer], rtol=1e-4, atol=1e-4), (
+            (batch.hidden[layer] - alone.hidden[layer]).abs().max()
+        )
