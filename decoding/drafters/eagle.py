@@ -44,6 +44,7 @@ from decoding.drafters.drafting import (
     tree_forward,
 )
 from decoding.model.adapter import KVCache, ModelAdapter
+from decoding.model.fast_layers import Placement
 from decoding.trees.shapes import Dynamic, Tree
 
 EPS = 1e-6
@@ -196,6 +197,10 @@ class EagleDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, state: DecodeState, k: int) -> Proposal:
         a, n = self.adapter, state.tokens.shape[1]
+        if self.tree is None and k > 1 and loop_applies(self, state):  # catch-up and chain as one graph
+            tokens = self._caught_up_chain(state, k, self._trimmed())
+            if tokens is not None:
+                return Proposal(tokens=tokens)
         root = self._catch_up(state)
         if k <= 0:
             return Proposal.empty(state.tokens.shape[0], state.tokens.device)
@@ -253,6 +258,33 @@ class EagleDrafter(Drafter):
         slot = torch.full((root.shape[0],), n - 1, dtype=torch.long, device=root.device)
         key = ("chain", cache.k_all.data_ptr(), tuple(cache.k_all.shape), root.shape[0], k, vocab is not None)
         return self.loops.run(key, loop, root, slot)
+
+    def _caught_up_chain(self, state: DecodeState, k: int, vocab) -> torch.Tensor | None:
+        """The catch-up (the target's features of the positions kept since the last draft, fed in one block) and the
+        greedy chain from it, replayed as one graph: drafts [B, k]. Only when the catch-up is a step's usual width (at
+        most k + 1 positions: the pending token and the accepted drafts), so the shapes stay few; None otherwise (after
+        a prefill or steps without drafts) or where the capture failed, and the drafter's state is left untouched."""
+        n, cache, a, net, layers = state.tokens.shape[1], self.cache, self.adapter, self.net, self.feature_layers
+        w = n - 1 - self.fed
+        if not 1 <= w <= k + 1:
+            return None
+        feed = self._feed_one(vocab)
+
+        def loop(fed, ids, *features):
+            z = net.inputs(net.fuse(dict(zip(layers, features, strict=True))), ids)
+            slots = fed[:, None] + torch.arange(w, device=fed.device)
+            root = a.eager_forward(cache, None, z, 0, a.num_layers, slots, Placement(slots, fed, cache.max_len), None)[:, -1:]
+            tokens = greedy_chain_loop(lambda h: self._logits(h, vocab)[:, -1], feed, root, fed + w, k)
+            return tokens if vocab is None else vocab[tokens]
+
+        features = [torch.cat([q[layer] for q in self.queue], 1) for layer in layers]
+        fed = torch.full((state.tokens.shape[0],), self.fed, dtype=torch.long, device=state.tokens.device)
+        key = ("caught-up-chain", cache.k_all.data_ptr(), tuple(cache.k_all.shape), fed.shape[0], k, w, vocab is not None)
+        tokens = self.loops.run(key, loop, fed, state.tokens[:, self.fed + 1 : n], *features)
+        if tokens is not None:
+            self.queue, self.fed = [], n - 1
+            cache.rollback(self.fed)
+        return tokens
 
     def _levels_loop(self, root: torch.Tensor, n: int, k: int):
         """EAGLE-2's level tree (``draft_levels``) replayed as one graph: (ids [1, nodes], parents, path probabilities),
