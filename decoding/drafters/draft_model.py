@@ -7,6 +7,7 @@ import torch
 
 from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.drafters.drafting import (
+    block_place,
     draft_chain,
     draft_loops,
     draft_tree,
@@ -52,6 +53,11 @@ class DraftModelDrafter(Drafter):
     def propose(self, state: DecodeState, k: int) -> Proposal:
         n = state.tokens.shape[1]
         cache, a = self.cache, self.adapter
+        if self.tree is None and k > 1 and loop_applies(self, state):  # catch-up and chain as one graph
+            tokens = self._caught_up_chain(state, k)
+            if tokens is not None:
+                self._base, self._fed = n, k - 1
+                return Proposal(tokens=tokens)
         h = a.forward(cache, cache.length, input_ids=state.tokens[:, cache.length : n])
         self._base = n
 
@@ -75,13 +81,18 @@ class DraftModelDrafter(Drafter):
         tokens, probs, self._fed = draft_chain(step, a.logits(h[:, -1:])[:, -1], k, state, self.threshold, feed_last=False)
         return Proposal(tokens=tokens, probs=probs)
 
-    def _chain_loop(self, h: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
-        """k greedy drafts [B, k] after the last committed token's hidden state ``h`` [B, 1, H], as one graph."""
+    def _feed_one(self):
+        """A loop's draft forward: one token per row written at ``slot`` [B] (a device tensor)."""
         a, cache = self.adapter, self.cache
 
         def feed(h, tok, slot):
-            place = one_token_place(slot, cache.max_len)
-            return a.eager_forward(cache, tok[:, None], None, 0, a.num_layers, slot[:, None], place, None)
+            return a.eager_forward(cache, tok[:, None], None, 0, a.num_layers, slot[:, None], one_token_place(slot, cache.max_len), None)
+
+        return feed
+
+    def _chain_loop(self, h: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
+        """k greedy drafts [B, k] after the last committed token's hidden state ``h`` [B, 1, H], as one graph."""
+        a, cache, feed = self.adapter, self.cache, self._feed_one()
 
         def loop(h, slot):
             return greedy_chain_loop(lambda x: a.logits(x)[:, -1], feed, h, slot, k)
@@ -89,6 +100,27 @@ class DraftModelDrafter(Drafter):
         slot = torch.full((h.shape[0],), n, dtype=torch.long, device=h.device)
         key = ("chain", cache.k_all.data_ptr(), tuple(cache.k_all.shape), k)
         return self.loops.run(key, loop, h, slot)
+
+    def _caught_up_chain(self, state: DecodeState, k: int) -> torch.Tensor | None:
+        """The catch-up (the committed tokens the draft's cache lacks, fed in one block) and k greedy drafts after it,
+        as one graph per (k, width), when the catch-up is a step's usual width (at most 2: the target's token, and the
+        last draft when all were accepted); None otherwise or where the capture failed (nothing fed then)."""
+        a, cache, n, feed = self.adapter, self.cache, state.tokens.shape[1], self._feed_one()
+        first, w = cache.length, n - cache.length
+        if not 1 <= w <= 2:
+            return None
+
+        def loop(ids, start):
+            place = block_place(start, w, cache.max_len)
+            h = a.eager_forward(cache, ids, None, 0, a.num_layers, place.slots, place, None)[:, -1:]
+            return greedy_chain_loop(lambda x: a.logits(x)[:, -1], feed, h, start + w, k)
+
+        start = torch.full((state.tokens.shape[0],), first, dtype=torch.long, device=state.tokens.device)
+        key = ("caught-up-chain", cache.k_all.data_ptr(), tuple(cache.k_all.shape), start.shape[0], k, w)
+        tokens = self.loops.run(key, loop, state.tokens[:, first:n], start)
+        if tokens is not None:
+            cache.rollback(n)  # the committed prefix is in the cache; the drafts' keys beyond it are rolled back later
+        return tokens
 
     def update(self, state: DecodeState, num_accepted: int) -> None:
         if self.tree is not None and state.accepted_path is not None:

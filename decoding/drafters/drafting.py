@@ -309,6 +309,15 @@ def one_token_place(slot: torch.Tensor, end: int) -> Placement:
     return Placement(slot[:, None], slot, end)
 
 
+def block_place(first: torch.Tensor, width: int, end: int) -> Placement:
+    """Row b's ``width`` tokens written at ``first[b] ..`` ([B] device tensor), causal: a catch-up block in a loop.
+
+    >>> block_place(torch.tensor([3]), 2, 8).slots.tolist()
+    [[3, 4]]
+    """
+    return Placement(first[:, None] + torch.arange(width, device=first.device), first, end)
+
+
 def greedy_chain_loop(logits_of, feed, root: torch.Tensor, slot: torch.Tensor, k: int) -> torch.Tensor:
     """``draft_chain``'s greedy chain with no host read: k drafts [B, k] (indices into the logits' columns).
 

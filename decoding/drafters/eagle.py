@@ -33,6 +33,7 @@ from torch import nn
 
 from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.drafters.drafting import (
+    block_place,
     draft_chain,
     draft_loops,
     draft_tree,
@@ -44,7 +45,6 @@ from decoding.drafters.drafting import (
     tree_forward,
 )
 from decoding.model.adapter import KVCache, ModelAdapter
-from decoding.model.fast_layers import Placement
 from decoding.trees.shapes import Dynamic, Tree
 
 EPS = 1e-6
@@ -272,8 +272,8 @@ class EagleDrafter(Drafter):
 
         def loop(fed, ids, *features):
             z = net.inputs(net.fuse(dict(zip(layers, features, strict=True))), ids)
-            slots = fed[:, None] + torch.arange(w, device=fed.device)
-            root = a.eager_forward(cache, None, z, 0, a.num_layers, slots, Placement(slots, fed, cache.max_len), None)[:, -1:]
+            place = block_place(fed, w, cache.max_len)
+            root = a.eager_forward(cache, None, z, 0, a.num_layers, place.slots, place, None)[:, -1:]
             tokens = greedy_chain_loop(lambda h: self._logits(h, vocab)[:, -1], feed, root, fed + w, k)
             return tokens if vocab is None else vocab[tokens]
 

@@ -126,7 +126,15 @@ def test_the_draft_model_chain_loop_drafts_what_the_eager_loop_drafts(target, pr
     assert looped.token_ids == eager.token_ids == ar
     assert [s.accepted for s in looped.steps] == [s.accepted for s in eager.steps]
     chains = [s.drafted for s in looped.steps if s.drafted > 1]
-    assert drafter.loops.replays == len(chains) > 0 and drafter.loops.captures == len(set(chains))
+    assert drafter.loops.replays == len(chains) > 0
+    # the catch-up (the target's token, and the last draft when every draft was accepted) is replayed with the chain:
+    # one graph per (k, width); the first chain, after the prompt, replays the chain alone
+    expected = {("chain", chains[0])}
+    for before, step in zip(looped.steps, looped.steps[1:], strict=False):
+        if step.drafted > 1:
+            expected.add(("caught-up-chain", step.drafted, 1 + (before.accepted == before.drafted)))
+    keys = {(key[0], key[4], key[5]) if key[0] == "caught-up-chain" else (key[0], key[3]) for key in drafter.loops.graphs}
+    assert keys == expected and drafter.loops.captures == len(expected)
 
 
 def test_drafters_over_one_module_share_its_adapter_and_a_trimmed_head_stays_their_own(target):
