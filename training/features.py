@@ -85,22 +85,18 @@ class TargetFeatures:
         one :class:`~training.objectives.Windows` batch, the target run once over all of them."""
         spans = [self.span(ex, window, generator) for ex in examples]
         captured = self._hidden([ex["tokens"][lo:end] for ex, (lo, _, end) in zip(examples, spans, strict=True)])
-        rows = [end - start for _, start, end in spans]
-        width, bsz = max(rows), len(examples)
-        tokens = torch.zeros(bsz, width, dtype=torch.long)
-        hidden = {layer: torch.zeros(bsz, width, h.shape[-1], dtype=torch.float32, device=h.device) for layer, h in captured.items()}
+        windows = []
         for b, (ex, (lo, start, end)) in enumerate(zip(examples, spans, strict=True)):
-            tokens[b, : end - start] = ex["tokens"][start:end]
-            for layer, h in captured.items():
-                hidden[layer][b, : end - start] = h[b, start - lo : end - lo]
-        ints = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-        return Windows(
-            tokens.to(device),
-            ints([start - lo for lo, start, _ in spans]),
-            ints(rows),
-            ints([ex.get("answer_from", 0) - lo for ex, (lo, _, _) in zip(examples, spans, strict=True)]),
-            {layer: h.to(device) for layer, h in hidden.items()},
-        )
+            hidden = {layer: h[b, start - lo : end - lo].float().to(device) for layer, h in captured.items()}
+            windows.append(
+                {
+                    "tokens": ex["tokens"][lo:end].to(device),
+                    "start": start - lo,
+                    "hidden": hidden,
+                    "answer_from": ex.get("answer_from", 0) - lo,
+                }
+            )
+        return Windows.of(windows)
 
 
 def examples_from_rows(rows: list[dict], min_answer: int = 2) -> list[dict]:
