@@ -300,7 +300,6 @@ class _Session:
     vocab: list
     train_set: list[dict]
     eval_set: list[dict]
-    prepare: Callable  # one window of an example (evaluation)
     features: object  # training.features.TargetFeatures, or None: the examples store their hidden states
     device: torch.device
     module: torch.nn.Module
@@ -312,6 +311,11 @@ class _Session:
         s = self
         m = s.module if module is None else module.to(s.device).eval()
         return evaluate(s.recipe, m, s.shared, s.eval_set, s.knobs, s.spec.window, s.device, s.prepare)
+
+    @property
+    def prepare(self) -> Callable:
+        """One window of an example (evaluation): the target's features on the fly, else the stored ones."""
+        return self.features.example if self.features is not None else _crop
 
     def windows(self, examples: list[dict], generator: torch.Generator) -> Windows:
         """Training windows of ``examples`` as one batch (the target run once over all of them on the fly)."""
@@ -340,7 +344,6 @@ def _session(spec: TrainSpec, target_hf, examples: list[dict], shard: tuple[int,
     else:
         n_eval = max(1, round(len(examples) * spec.eval_fraction))
         train_set, eval_set = examples[:-n_eval], examples[-n_eval:]
-    prepare = features.example if features is not None else _crop
     rank, world = shard
     train_set = train_set[rank::world] or train_set
     device = next(target_hf.parameters()).device  # the drafter trains where the target is (SpecConfig.device)
@@ -365,9 +368,7 @@ def _session(spec: TrainSpec, target_hf, examples: list[dict], shard: tuple[int,
     else:
         train_shared = Shared(target_hf, vocab[: spec.train_vocab]) if spec.train_vocab else shared
     opt = torch.optim.AdamW(module.parameters(), lr=spec.lr, weight_decay=0.0)
-    return _Session(
-        spec, recipe, knobs, shared, train_shared, vocab, train_set, eval_set, prepare, features, device, module, opt, rank == 0
-    )
+    return _Session(spec, recipe, knobs, shared, train_shared, vocab, train_set, eval_set, features, device, module, opt, rank == 0)
 
 
 def _resume(s: _Session, ckpt_path: Path) -> tuple[int, list, list | None]:
