@@ -130,7 +130,8 @@ def main_with_args(args) -> int:
 
 
 def repack_shipped(args, names: list[str], data: Path, shipped: Path) -> int:
-    from training.runs import repack
+    from decoding.drafters.storage import Storage
+    from training.runs import SHIPPED_RECIPES, repack
 
     missing = [n for n in names if not (shipped / n / "drafter.json").is_file()]
     if missing:
@@ -138,7 +139,8 @@ def repack_shipped(args, names: list[str], data: Path, shipped: Path) -> int:
     results = {}
     for name in names:
         print(f"{name}: repacking {shipped / name}", file=sys.stderr)
-        results[name] = repack(shipped / name, args.model, data, args.device, eval_sequences=args.eval_sequences)
+        storage = Storage(**SHIPPED_RECIPES[name].storage)  # each drafter's own encoding
+        results[name] = repack(shipped / name, args.model, data, args.device, storage, eval_sequences=args.eval_sequences)
     if args.json:
         print(json.dumps(results))
         return 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from decoding.drafters.storage import Storage
 from decoding.errors import ConfigError
 
 
@@ -129,6 +130,7 @@ def _worker(config: dict) -> None:
         extra_training=config["extra"],
         features=features,
         eval_examples=eval_examples,
+        storage=Storage(**config.get("storage", {})),
     )
     if rank == 0:
         ray.train.report({"done": True, "eval_agreement": training["eval_agreement"]})
@@ -146,11 +148,13 @@ def train_on_cluster(
     threads: int = 1,
     address: str | None = None,
     distill: dict | None = None,
+    storage: dict | None = None,
 ) -> dict:
     """Run the training on Ray Train; returns the artifact's ``training`` description (read back from ``out``).
 
     ``distill`` ({"max_sequences", "eval_sequences", "quant"}): ``data_dir`` is a ``specray distill`` directory
-    (token ids; each worker computes the target's features as it draws windows)."""
+    (token ids; each worker computes the target's features as it draws windows). ``storage``: ``Storage`` fields of
+    the artifact's weights off the default."""
     import json
 
     from ray.train import RunConfig, ScalingConfig
@@ -173,6 +177,7 @@ def train_on_cluster(
             "threads": threads,
             "extra": {**(extra or {}), "ray_workers": num_workers, "strategy": strategy},
             "distill": distill,
+            "storage": storage or {},
         }
         resources = None if use_gpu else {"CPU": threads}
         trainer = TorchTrainer(

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from decoding.drafters.storage import Storage
 from decoding.errors import ConfigError
 from decoding.paths import portable
 from training.fit_stop_head import train_stop_head
@@ -36,12 +37,17 @@ class DataRun:
     eval_every: int = 0
     max_context: int | None = 768  # tokens the target sees up to a window's end when it computes features
     init: str | None = None  # warm start from this artifact (``TrainSpec.init``)
+    storage: dict = field(default_factory=dict)  # how its artifact stores its weights: ``Storage`` fields off the default
 
 
 # The drafters shipped for the bundled model: name -> how it is trained (``specray ship-drafters``). Exit layers of the
 # Kangaroo adapters span the range Tune's exit-layer search covers.
 SHIPPED_RECIPES: dict[str, DataRun] = {
-    "eagle": DataRun("eagle", {"draft_vocab": 8192, "ttt_steps": 3}, steps=3000, batch=4, lr=1e-3, eval_every=250),
+    # its retrained head moved over a quarter of its norm from the target's rows: at the default encoding (4 bits for
+    # such a change) it takes 4.5 MB, over the 4 MB a shipped drafter may take; a third keeps it at 2 bits (3.3 MB)
+    "eagle": DataRun(
+        "eagle", {"draft_vocab": 8192, "ttt_steps": 3}, steps=3000, batch=4, lr=1e-3, eval_every=250, storage={"max_change": 0.35}
+    ),
     # 3 layers and a 4,096-token head: the four shipped artifacts stay within 12 MB together (tests/test_tree_size.py)
     "distill": DataRun("distill", {"draft_layers": 3, "draft_vocab": 4096}, steps=1500, batch=4, lr=5e-4, eval_every=250),
     "kangaroo-l6": DataRun("kangaroo", {"exit_layer": 6, "draft_vocab": 8192}, steps=800, batch=4, lr=1e-3, eval_every=200),
@@ -120,7 +126,9 @@ def train_on_data(
             "quant": features_quant,
             "max_context": run.max_context,
         }
-        training = train_on_cluster(spec, model, Path(data), layers, out, workers=workers, strategy=strategy, extra=extra, distill=distill)
+        training = train_on_cluster(
+            spec, model, Path(data), layers, out, workers=workers, strategy=strategy, extra=extra, distill=distill, storage=run.storage
+        )
     else:
         from training.trainer import train
 
@@ -136,6 +144,7 @@ def train_on_data(
             deadline=deadline,
             features=features,
             eval_examples=eval_set,
+            storage=Storage(**run.storage),
         )
     summary = _summary(run, out, knobs, train_set, tokens, time.perf_counter() - t0, training)
     dev = next(target.parameters()).device

@@ -78,3 +78,15 @@ def test_each_stop_head_predicts_acceptance_on_held_out_sequences(artifact):
     assert held_out["log_loss"] < held_out["base_rate_log_loss"] - 0.03
     assert held_out["accuracy"] >= held_out["majority_accuracy"]
     assert (artifact / WEIGHTS).stat().st_size < 4096
+
+
+@pytest.mark.parametrize("artifact", DRAFTERS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_each_drafter_is_stored_as_its_shipped_recipe_says(artifact):
+    """One place decides how a shipped drafter stores its weights: its ``DataRun.storage`` (training.runs), which
+    ``specray ship-drafters`` trains and repacks with."""
+    from decoding.drafters.storage import Storage
+    from training.runs import SHIPPED_RECIPES
+
+    stored = json.loads((artifact / DESCRIPTION).read_text())["storage"]
+    wanted = Storage(**SHIPPED_RECIPES[artifact.name].storage).to_dict()
+    assert {k: stored[k] for k in wanted} == wanted
