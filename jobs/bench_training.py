@@ -5,7 +5,7 @@
 Both modes train the same drafter from the same start on the same draws of the committed self-distillation data
 (``data/distill/<model>``), for ``--steps`` optimiser steps of ``--batch`` sequences each: ``one-by-one`` runs the
 target's features and the drafter's forward and backward once per sequence (``TrainSpec.micro_batch=1``, how the
-trainer worked before it batched), ``batched`` once per step over the step's right-padded windows (the default). The
+trainer works on a CPU), ``batched`` once per step over the step's right-padded windows (how it works on a GPU). The
 modes alternate (one-by-one, batched, batched, one-by-one) so a drift of the machine's speed falls on both; the first
 step of each run is a warm-up and not timed. Prints seconds per step, sequences per second and the ratio; ``--json``
 prints them as JSON. Bad input prints one line and exits 2.
@@ -24,7 +24,7 @@ from pathlib import Path
 from jobs.common import Parser, command, fail
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = {"one-by-one": 1, "batched": 0}  # TrainSpec.micro_batch
+MODES = ("one-by-one", "batched")  # TrainSpec.micro_batch 1, and the whole step
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -34,7 +34,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--data", help="self-distillation data (default data/distill/<model> in this repository)")
     p.add_argument("--steps", type=int, default=6, help="optimiser steps per run, the first a warm-up (default 6)")
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
-    p.add_argument("--max-sequences", type=int, default=512, help="training sequences to draw from (default 512)")
+    p.add_argument("--max-sequences", type=int, help="draw from the first N training sequences only (default all: their lengths vary)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--json", action="store_true")
@@ -84,7 +84,7 @@ def main_with_args(args) -> int:
     choices = [n for n, r in SHIPPED_RECIPES.items() if r.recipe != "stop"]  # the stop heads are fitted at once
     if args.only not in choices:
         fail(f"--only: expected a shipped drafter trained step by step, one of {', '.join(choices)}; got {args.only!r}")
-    if args.steps < 2 or args.batch < 1 or args.max_sequences < 2:
+    if args.steps < 2 or args.batch < 1 or (args.max_sequences is not None and args.max_sequences < 2):
         fail("--steps must be >= 2 (the first is a warm-up), --batch >= 1 and --max-sequences >= 2")
     data = Path(args.data) if args.data else ROOT / "data" / "distill" / args.model
     if not (data / "manifest.json").is_file():
@@ -99,7 +99,8 @@ def main_with_args(args) -> int:
     train_set, eval_set = distill_training_set(data, args.max_sequences, 2)
     seconds: dict[str, list[float]] = {m: [] for m in MODES}
     for mode in ("one-by-one", "batched", "batched", "one-by-one"):
-        seconds[mode].append(measure(run, target, features, train_set, eval_set, args.model, MODES[mode], args.steps, args.batch))
+        micro = 1 if mode == "one-by-one" else args.batch
+        seconds[mode].append(measure(run, target, features, train_set, eval_set, args.model, micro, args.steps, args.batch))
     device = str(next(target.parameters()).device)
     if device.startswith("cuda"):
         import torch

@@ -147,6 +147,7 @@ def train_on_data(
             storage=Storage(**run.storage),
         )
     summary = _summary(run, out, knobs, train_set, tokens, time.perf_counter() - t0, training)
+    summary["eval_set"] = held_out_name(data, eval_set)
     dev = next(target.parameters()).device
     summary["device"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
     return summary
@@ -265,6 +266,19 @@ def learning_curves(histories: dict[str, list[dict]], path: Path) -> None:
     plt.close(fig)
 
 
+def held_out_name(data: Path, eval_set: list[dict]) -> str:
+    """The held-out set's name: the data directory and a hash of its sequences' ids (the data grows as it is generated,
+    and with it the held-out sample: agreements compare only on one set).
+
+    >>> held_out_name(Path("data/distill/m"), [{"id": "a"}, {"id": "b"}])
+    'data/distill/m#2 seqs fcd1'
+    """
+    import hashlib
+
+    digest = hashlib.sha1("\n".join(str(e["id"]) for e in eval_set).encode()).hexdigest()[:4]
+    return f"{portable(data)}#{len(eval_set)} seqs {digest}"
+
+
 def record_runs(path: Path, results: dict[str, dict], device: str, data: Path) -> list[dict]:
     """Add each drafter's finished training (its data size, steps and held-out agreement, on the held-out set of
     ``data``) to the record of every training so far (``path``, JSON rows); returns all rows. Stop heads (they
@@ -281,9 +295,10 @@ def record_runs(path: Path, results: dict[str, dict], device: str, data: Path) -
                 "steps": r.get("steps"),
                 "batch": r.get("batch"),
                 "agreement": [round(a, 4) for a in r["agreement_after"]],
+                "agreement_stored": [round(a, 4) for a in r.get("agreement_stored") or []],
                 "device": device,
                 "date": time.strftime("%Y-%m-%d"),
-                "eval_set": portable(data),
+                "eval_set": r.get("eval_set") or portable(data),
             }
         )
     Path(path).write_text(json.dumps(rows, indent=1))

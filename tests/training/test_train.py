@@ -61,6 +61,15 @@ def test_loss_falls(target, examples, recipe, tmp_path):
     assert art.description["recipe"] == recipe and (tmp_path / "loss.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize("recipe", ["eagle", "distill"])
+def test_a_step_as_one_batch_trains_too(target, examples, recipe, tmp_path):
+    """``micro_batch`` = the step's sequences: one forward and backward over right-padded windows (a GPU's default)."""
+    spec = TrainSpec(recipe, KNOBS[recipe], steps=24, batch=3, lr=1e-2, checkpoint_every=100, micro_batch=3)
+    train(spec, target, examples, tmp_path, "tiny", progress=False)
+    history = json.loads((tmp_path / "history.json").read_text())
+    assert sum(h["loss"] for h in history[-4:]) < 0.8 * sum(h["loss"] for h in history[:4])
+
+
 def test_tvdpp_loss_lowers_total_variation(target, examples, tmp_path):
     from decoding.drafters.trained import Shared, get_recipe
     from training.objectives import objectives, tvd
