@@ -101,19 +101,8 @@ def train_on_data(
     train_set, eval_set = distill_training_set(data, run.max_sequences, run.eval_sequences)
     if len(train_set) < 2 or not eval_set:
         raise ConfigError("data", f"{data} has {len(train_set)} training and {len(eval_set)} held-out sequences; need 2 and 1")
-    spec = TrainSpec(
-        run.recipe,
-        knobs,
-        run.loss,
-        run.steps,
-        run.batch,
-        run.lr,
-        run.seed,
-        run.window,
-        autocast=True,
-        eval_every=run.eval_every,
-        init=run.init,
-    )
+    optimisation = dict(loss=run.loss, steps=run.steps, batch=run.batch, lr=run.lr, seed=run.seed, window=run.window)
+    spec = TrainSpec(run.recipe, knobs, **optimisation, autocast=True, eval_every=run.eval_every, init=run.init)
     tokens = sum(int(e["tokens"].shape[0] - e["answer_from"]) for e in train_set)
     extra = {"data": portable(data), "train_sequences": len(train_set), "train_answer_tokens": tokens, "eval_sequences": len(eval_set)}
     t0 = time.perf_counter()

@@ -49,7 +49,11 @@ def test_ship_drafters_trains_publishes_and_plots(tiny_data, capsys):
     assert json.loads((root / "docs" / "training.json").read_text())["eagle"]["steps"] == 12
     runs = json.loads((root / "docs" / "agreement_vs_data.json").read_text())  # one row per training, kept across runs
     assert sorted(r["drafter"] for r in runs) == ["distill", "eagle"]
-    assert {(r["device"], r["eval_set"]) for r in runs} == {("cpu", str(data))}
+    from training.features import distill_training_set
+    from training.runs import held_out_name
+
+    held_out = held_out_name(data, distill_training_set(data, None, 64)[1])  # the set each row was measured on
+    assert held_out.startswith(f"{data}#") and {(r["device"], r["eval_set"]) for r in runs} == {("cpu", held_out)}
     assert all(
         r["train_sequences"] == results[r["drafter"]]["train_sequences"] and (r["steps"], r["batch"]) == (results[r["drafter"]]["steps"], 3)
         for r in runs
