@@ -90,12 +90,16 @@ class DraftModelDrafter(Drafter):
 
         return feed
 
+    def _greedy_chain(self, h: torch.Tensor, slot: torch.Tensor, k: int) -> torch.Tensor:
+        """A loop's k greedy drafts [B, k] after the hidden state ``h`` [B, 1, H], the first fed at ``slot`` [B]."""
+        return greedy_chain_loop(lambda x: self.adapter.logits(x)[:, -1], self._feed_one(), h, slot, k)
+
     def _chain_loop(self, h: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
         """k greedy drafts [B, k] after the last committed token's hidden state ``h`` [B, 1, H], as one graph."""
-        a, cache, feed = self.adapter, self.cache, self._feed_one()
+        cache = self.cache
 
         def loop(h, slot):
-            return greedy_chain_loop(lambda x: a.logits(x)[:, -1], feed, h, slot, k)
+            return self._greedy_chain(h, slot, k)
 
         slot = torch.full((h.shape[0],), n, dtype=torch.long, device=h.device)
         key = ("chain", cache.k_all.data_ptr(), tuple(cache.k_all.shape), k)
@@ -105,15 +109,15 @@ class DraftModelDrafter(Drafter):
         """The catch-up (the committed tokens the draft's cache lacks, fed in one block) and k greedy drafts after it,
         as one graph per (k, width), when the catch-up is a step's usual width (at most 2: the target's token, and the
         last draft when all were accepted); None otherwise or where the capture failed (nothing fed then)."""
-        a, cache, n, feed = self.adapter, self.cache, state.tokens.shape[1], self._feed_one()
+        a, cache, n = self.adapter, self.cache, state.tokens.shape[1]
         first, w = cache.length, n - cache.length
         if not 1 <= w <= 2:
             return None
 
         def loop(ids, start):
             place = block_place(start, w, cache.max_len)
-            h = a.eager_forward(cache, ids, None, 0, a.num_layers, place.slots, place, None)[:, -1:]
-            return greedy_chain_loop(lambda x: a.logits(x)[:, -1], feed, h, start + w, k)
+            h = a.eager_forward(cache, ids, None, 0, a.num_layers, place.slots, place, None)
+            return self._greedy_chain(h[:, -1:], start + w, k)
 
         start = torch.full((state.tokens.shape[0],), first, dtype=torch.long, device=state.tokens.device)
         key = ("caught-up-chain", cache.k_all.data_ptr(), tuple(cache.k_all.shape), start.shape[0], k, w)

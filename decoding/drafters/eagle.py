@@ -174,14 +174,23 @@ class EagleDrafter(Drafter):
 
     def _catch_up(self, state: DecodeState) -> torch.Tensor:
         """Feed positions fed..n-2 with the target's features; returns o_{n-2} [B, 1, H]."""
-        tokens, n = state.tokens, state.tokens.shape[1]
-        features = {layer: torch.cat([q[layer] for q in self.queue], 1) for layer in self.feature_layers}
-        self.queue = []
-        z = self.net.inputs(self.net.fuse(features), tokens[:, self.fed + 1 : n])
-        out = self.adapter.forward(self.cache, self.fed, hidden=z)
-        self.fed = n - 1
-        self.cache.rollback(self.fed)
+        n = state.tokens.shape[1]
+        out = self.adapter.forward(self.cache, self.fed, hidden=self._catch_up_inputs(self._queued(), state.tokens[:, self.fed + 1 : n]))
+        self._caught_up(n)
         return out[:, -1:]
+
+    def _queued(self) -> list[torch.Tensor]:
+        """The target's features of the positions kept since the last catch-up, per feature layer [B, n-1-fed, H]."""
+        return [torch.cat([q[layer] for q in self.queue], 1) for layer in self.feature_layers]
+
+    def _catch_up_inputs(self, features: list[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+        """The head's inputs z [B, w, H] of the catch-up: the fused features and the tokens after their positions."""
+        return self.net.inputs(self.net.fuse(dict(zip(self.feature_layers, features, strict=True))), tokens)
+
+    def _caught_up(self, n: int) -> None:
+        """Positions 0..n-2 are fed: the queue is spent and the cache ends there."""
+        self.queue, self.fed = [], n - 1
+        self.cache.rollback(self.fed)
 
     def _trimmed(self) -> torch.Tensor | None:
         """The head's token ids [M] when it drafts over its own vocabulary (a trained VocabHead), else None."""
@@ -247,13 +256,17 @@ class EagleDrafter(Drafter):
 
         return feed
 
+    def _greedy_chain(self, root: torch.Tensor, slot: torch.Tensor, k: int, vocab) -> torch.Tensor:
+        """A loop's k greedy drafts [B, k] (token ids) from ``root``, the first fed at ``slot`` [B]."""
+        tokens = greedy_chain_loop(lambda h: self._logits(h, vocab)[:, -1], self._feed_one(vocab), root, slot, k)
+        return tokens if vocab is None else vocab[tokens]
+
     def _chain_loop(self, root: torch.Tensor, n: int, k: int, vocab) -> torch.Tensor | None:
         """Drafts [B, k] (token ids) of the greedy chain from ``root`` (o_{n-2}), replayed as one graph."""
-        feed, cache = self._feed_one(vocab), self.cache
+        cache = self.cache
 
         def loop(root, slot):
-            tokens = greedy_chain_loop(lambda h: self._logits(h, vocab)[:, -1], feed, root, slot, k)
-            return tokens if vocab is None else vocab[tokens]
+            return self._greedy_chain(root, slot, k, vocab)
 
         slot = torch.full((root.shape[0],), n - 1, dtype=torch.long, device=root.device)
         key = ("chain", cache.k_all.data_ptr(), tuple(cache.k_all.shape), root.shape[0], k, vocab is not None)
@@ -264,26 +277,21 @@ class EagleDrafter(Drafter):
         greedy chain from it, replayed as one graph: drafts [B, k]. Only when the catch-up is a step's usual width (at
         most k + 1 positions: the pending token and the accepted drafts), so the shapes stay few; None otherwise (after
         a prefill or steps without drafts) or where the capture failed, and the drafter's state is left untouched."""
-        n, cache, a, net, layers = state.tokens.shape[1], self.cache, self.adapter, self.net, self.feature_layers
+        n, cache, a = state.tokens.shape[1], self.cache, self.adapter
         w = n - 1 - self.fed
         if not 1 <= w <= k + 1:
             return None
-        feed = self._feed_one(vocab)
 
         def loop(fed, ids, *features):
-            z = net.inputs(net.fuse(dict(zip(layers, features, strict=True))), ids)
             place = block_place(fed, w, cache.max_len)
-            root = a.eager_forward(cache, None, z, 0, a.num_layers, place.slots, place, None)[:, -1:]
-            tokens = greedy_chain_loop(lambda h: self._logits(h, vocab)[:, -1], feed, root, fed + w, k)
-            return tokens if vocab is None else vocab[tokens]
+            root = a.eager_forward(cache, None, self._catch_up_inputs(features, ids), 0, a.num_layers, place.slots, place, None)
+            return self._greedy_chain(root[:, -1:], fed + w, k, vocab)
 
-        features = [torch.cat([q[layer] for q in self.queue], 1) for layer in layers]
         fed = torch.full((state.tokens.shape[0],), self.fed, dtype=torch.long, device=state.tokens.device)
         key = ("caught-up-chain", cache.k_all.data_ptr(), tuple(cache.k_all.shape), fed.shape[0], k, w, vocab is not None)
-        tokens = self.loops.run(key, loop, fed, state.tokens[:, self.fed + 1 : n], *features)
+        tokens = self.loops.run(key, loop, fed, state.tokens[:, self.fed + 1 : n], *self._queued())
         if tokens is not None:
-            self.queue, self.fed = [], n - 1
-            cache.rollback(self.fed)
+            self._caught_up(n)
         return tokens
 
     def _levels_loop(self, root: torch.Tensor, n: int, k: int):
