@@ -121,13 +121,32 @@ def draws(spec: TrainSpec, size: int, step: int) -> tuple[torch.Generator, list[
     return g, torch.randperm(size, generator=g)[: spec.batch].tolist()
 
 
-def lr_at(spec: TrainSpec, step: int) -> float:
-    """Linear warm-up over 5% of the steps, then cosine decay to 10%."""
+def lr_at(spec: TrainSpec, step: int, done: float | None = None) -> float:
+    """Linear warm-up over 5% of the steps, then cosine decay to 10%. ``done``: the share of the training done when a
+    time budget bounds it (:func:`train`'s ``deadline``), where the schedule runs over the budget, not the steps.
+
+    >>> spec = TrainSpec("eagle", steps=100, lr=1.0)
+    >>> round(lr_at(spec, 99), 3), lr_at(spec, 3, done=1.0), lr_at(spec, 0, done=0.0) == lr_at(spec, 0)
+    (0.1, 0.1, True)
+    """
     warm = max(1, spec.steps // 20)
-    if step < warm:
-        return spec.lr * (step + 1) / warm
-    frac = (step - warm) / max(1, spec.steps - warm)
-    return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    if done is None:
+        if step < warm:
+            return spec.lr * (step + 1) / warm
+        frac = (step - warm) / max(1, spec.steps - warm)
+    else:
+        if done < 0.05:
+            return spec.lr * max(done / 0.05, 1 / warm)
+        frac = (done - 0.05) / 0.95
+    return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def share_done(step: int, steps: int, began: float, deadline: float | None) -> float | None:
+    """The share of a training done at ``step``: of its steps or of its time budget (``began`` to ``deadline``,
+    ``time.time()``s), whichever is further; None without a deadline (the schedule goes by steps alone)."""
+    if deadline is None:
+        return None
+    return min(1.0, max(step / steps, (time.time() - began) / max(1e-9, deadline - began)))
 
 
 class _Progress:
@@ -207,7 +226,8 @@ def train(
     draws its batches from every world-th training sequence), ``wrap`` (DDP or
     a DeepSpeed engine: ``wrap(module, optimizer) -> (model, backward, step)``)
     and ``report``; only rank 0 writes checkpoints and the artifact.
-    ``deadline`` (a ``time.time()``) ends training early; the artifact records the steps done.
+    ``deadline`` (a ``time.time()``) ends training early; the artifact records the steps done. The learning rate's
+    schedule then runs over the time left when the steps begin, or over the steps if they end first (:func:`lr_at`).
     ``features`` (``training.features.TargetFeatures``): the examples hold token ids only and the target's hidden
     states are computed per window as training draws it (else they are stored in the examples). ``eval_examples``:
     the held-out set (default: the last ``eval_fraction`` of ``examples``). ``storage``: how the artifact stores its
@@ -230,13 +250,14 @@ def train(
         if s.chief:
             _save_checkpoint(ckpt_path, s.module, s.opt, step, history, spec, {"eval_before": before})
 
-    t0 = time.perf_counter()
+    t0, began = time.perf_counter(), time.time()
     try:
         while step < spec.steps:
-            total, agree, idx = _optimiser_step(s, step, model, backward, opt_step)
+            done = share_done(step, spec.steps, began, deadline)
+            total, agree, idx = _optimiser_step(s, step, model, backward, opt_step, done)
             step += 1
             seen.update(idx)
-            row = {"step": step, "loss": total, "agree": agree, "lr": lr_at(spec, step - 1), "sequences_seen": len(seen)}
+            row = {"step": step, "loss": total, "agree": agree, "lr": lr_at(spec, step - 1, done), "sequences_seen": len(seen)}
             s.learning_curve(row, step)
             history.append(row)
             bar.update(step, total, agree)
@@ -385,12 +406,13 @@ def _resume(s: _Session, ckpt_path: Path) -> tuple[int, list, list | None]:
     return 0, [], None
 
 
-def _optimiser_step(s: _Session, step: int, model, backward, opt_step) -> tuple[float, float, list[int]]:
+def _optimiser_step(s: _Session, step: int, model, backward, opt_step, done: float | None) -> tuple[float, float, list[int]]:
     """One optimiser step over the sequences ``step`` draws, as batches of ``micro_batch`` windows (auto: one batch on
-    a GPU, one window at a time on a CPU): (mean loss, mean head agreement, the sequences drawn)."""
+    a GPU, one window at a time on a CPU): (mean loss, mean head agreement, the sequences drawn). ``done``: the share of
+    a time-bounded training done (:func:`lr_at`)."""
     spec = s.spec
     for group in s.opt.param_groups:
-        group["lr"] = lr_at(spec, step)
+        group["lr"] = lr_at(spec, step, done)
     g, idx = draws(spec, len(s.train_set), step)
     s.opt.zero_grad(set_to_none=True)
     total, agree = 0.0, 0.0

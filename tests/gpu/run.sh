@@ -16,7 +16,8 @@
 #   7. train-speed (only when asked): a training step one sequence at a time against one batch, side by side
 #      (`specray bench-training`; train-speed.json).
 # Run from the project root on a machine with a CUDA GPU: `bash tests/gpu/run.sh`. Stage limits (seconds):
-# GPU_TESTS_S, GPU_DEVICE_S, GPU_BENCH_S; GPU_STAGES picks stages (default "tests device bench").
+# GPU_TESTS_S, GPU_DEVICE_S, GPU_BENCH_S; GPU_STAGES picks stages (default "tests device bench"); GPU_BENCH_VARIANTS
+# replaces the bench stage's variants ("name=method:knob=v,... ...").
 set -u
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -25,7 +26,8 @@ py=${PYTHON:-python3}
 stages=${GPU_STAGES:-tests device bench}
 dev=${GPU_DEVICE:-cuda}  # GPU_DEVICE=cpu dry-runs the commands here
 new=${GPU_NEW_TOKENS:-128}
-work=$(mktemp -d)
+work=${GPU_WORK:-$(mktemp -d)}  # GPU_WORK: a fixed folder, so that a later call finds what this one trained
+mkdir -p "$work"
 touch "$work/stamp"
 "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" 2>&1 | tee -a "$out/run.log"
 for stage in $stages; do
@@ -42,10 +44,9 @@ for stage in $stages; do
     bench)
       timeout -s INT -k 30 "${GPU_BENCH_S:-300}" "$py" -m jobs.bench_variants --set device="$dev" --dtype bfloat16 --limit "${GPU_LIMIT:-1}" \
         --max-new-tokens "$new" ${GPU_BENCH_ARGS:-} --out "$work/bench" \
-        --variant ngram=ngram:k=8 --variant suffix=suffix --variant recycling=recycling \
-        --variant eagle=eagle --variant eagle-levels=eagle:tree=levels,tree_budget=32,k=6 \
-        --variant eagle-dyspec=eagle:tree=dyspec,tree_budget=48,k=8 \
-        --variant distill-dyspec=trained:drafter=smollm2-135m/distill,tree=dyspec,tree_budget=32,k=6 \
+        $(for v in ${GPU_BENCH_VARIANTS:-ngram=ngram:k=8 suffix=suffix recycling=recycling eagle=eagle \
+            eagle-levels=eagle:tree=levels,tree_budget=32,k=6 eagle-dyspec=eagle:tree=dyspec,tree_budget=48,k=8 \
+            distill-dyspec=trained:drafter=smollm2-135m/distill,tree=dyspec,tree_budget=32,k=6}; do echo --variant "$v"; done) \
         2>&1 | tee -a "$out/run.log"
       rc=${PIPESTATUS[0]}
       cp "$work/bench/summary.json" "$out/bench-summary.json" 2>/dev/null ;;
@@ -70,7 +71,28 @@ for stage in $stages; do
           --shipped "$work/shipped" --docs "$work/curves" --no-progress 2>&1 | tee -a "$out/run.log"
         [ "${PIPESTATUS[0]}" = 0 ] || rc=1
       done
-      tar -cf "$out/shipped.tar" -C "$work" $(cd "$work" && ls -d shipped curves 2>/dev/null) ;;
+      tar -cf "$out/shipped.tar" -C "$work" $(cd "$work" && ls -d shipped curves 2>/dev/null)
+      # each drafter's weights as trained (bfloat16, from its last checkpoint), for warm starts and repacks at home;
+      # in pieces of 15 MiB (float.tar.aa, ...): `cat float.tar.* | tar -x`
+      "$py" - "$work/float" ${GPU_TRAIN:-eagle:3 distill:2 kangaroo-l6:1 kangaroo-l12:1} <<'PY' 2>&1 | tee -a "$out/run.log"
+import sys
+from pathlib import Path
+
+import torch
+
+from decoding.paths import specray_home
+
+out = Path(sys.argv[1])
+for job in sys.argv[2:]:
+    name = job.split(":")[0]
+    ckpt = specray_home() / "ship" / "smollm2-135m" / name / "checkpoint.pt"
+    if ckpt.is_file():
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        (out / name).mkdir(parents=True, exist_ok=True)
+        torch.save({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state["module"].items()}, out / name / "module.pt")
+        print(f"float weights of {name}: step {state['step']}")
+PY
+      [ -d "$work/float" ] && tar -cf - -C "$work" float | split -b 15m - "$out/float.tar." ;;
     train-speed)  # the trainer's step: one sequence at a time against the step's sequences as one batch (train-speed.json)
       timeout -s INT -k 30 "${GPU_TRAIN_SPEED_S:-240}" "$py" -m jobs.bench_training --device "$dev" --only "${GPU_TRAIN_SPEED_DRAFTER:-eagle}" \
         --batch "${GPU_TRAIN_BATCH:-32}" --steps 4 --json > "$out/train-speed.json" 2>>"$out/train-speed.err"

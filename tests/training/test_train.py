@@ -70,6 +70,19 @@ def test_a_step_as_one_batch_trains_too(target, examples, recipe, tmp_path):
     assert sum(h["loss"] for h in history[-4:]) < 0.8 * sum(h["loss"] for h in history[:4])
 
 
+def test_a_time_budget_runs_the_whole_schedule(target, examples, tmp_path):
+    """With a deadline the learning rate warms up and decays to its floor over the time budget, not over steps the
+    budget will never reach: the last step runs near 10% of the peak."""
+    import time
+
+    spec = TrainSpec("eagle", KNOBS["eagle"], steps=10**6, batch=2, lr=1e-2, checkpoint_every=10**6)
+    train(spec, target, examples, tmp_path, "tiny", progress=False, deadline=time.time() + 4)
+    lrs = [h["lr"] for h in json.loads((tmp_path / "history.json").read_text())]
+    assert 10 < len(lrs) < spec.steps
+    assert max(lrs) > 0.9 * spec.lr and lrs[-1] < 0.15 * spec.lr
+    assert lrs.index(max(lrs)) < len(lrs) // 2
+
+
 def test_tvdpp_loss_lowers_total_variation(target, examples, tmp_path):
     from decoding.drafters.trained import Shared, get_recipe
     from training.objectives import objectives, tvd
