@@ -53,6 +53,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         metavar="DEVICE_JSON",
         help="measure nothing: render a device.json written earlier (on a GPU machine) into --readme's block",
     )
+    p.add_argument(
+        "--categories",
+        metavar="SUMMARY_JSON",
+        help="with --from-json: add the per-category tables of a bench summary.json from the same machine (the GPU "
+        "script's bench-summary.json) under the device's tables",
+    )
     return p
 
 
@@ -89,10 +95,28 @@ def render_saved(path: Path, args) -> int:
         text = markdown(summary, summary.get("command", ""))
     except (OSError, ValueError, KeyError, TypeError) as e:
         fail(f"--from-json: {path} is not a bench-device summary ({type(e).__name__}: {e})")
+    if args.categories:
+        text += "\n\n" + categories_markdown(Path(args.categories))
     if args.readme:
         write_block(Path(args.readme), args.block or summary["device_type"], text)
     print(json.dumps(summary) if args.json else text)
     return 0
+
+
+def categories_markdown(path: Path) -> str:
+    """The per-category and per-method tables of a bench summary (``jobs.bench_variants``' summary.json), under a line
+    naming its run: what the GPU script's bench stage measured on the same machine as device.json."""
+    from evaluation.bench_report import results_markdown
+
+    try:
+        bench = json.loads(path.read_text())
+        tables = results_markdown(bench)
+        ar = bench["methods"][bench["baseline"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        fail(f"--categories: {path} is not a bench summary.json ({type(e).__name__}: {e})")
+    base = f"{bench['baseline']} {ar['tokens_per_s']:.0f} tokens/s"
+    head = f"Spec-Bench categories, one stream ({ar['prompts']} prompts, {base}; speedup over it):"
+    return head + "\n\n" + tables
 
 
 def measure(base, methods: list[str], rows: list[int], spec_rows: int, n_prompts: int, peer_modes: list[str]) -> dict:

@@ -23,6 +23,7 @@ from decoding.loop.output import Generation, Output, StepCallback
 from decoding.loop.prefill import PREFILL_CHUNK, Prefill, check_context, chunk_of, first_token
 from decoding.loop.step import Workspace, propose, truncate, verify_step
 from decoding.model.adapter import KVCache, ModelAdapter
+from decoding.model.graphs import capture_seconds
 from decoding.sampling import GREEDY, SamplingParams
 
 PROBE_ALPHA = 0.8  # the acceptance a probe hopes for: it probes only where drafts at that rate would pay
@@ -69,6 +70,7 @@ class Sequence(Output):
         self.state: DecodeState | None = None
         self.acceptance = Acceptance()
         self.draft_cost = DraftCost()  # what its drafter's proposals cost, by length
+        self.captured_s = 0.0  # seconds its drafter's last proposal spent capturing CUDA graphs (once per shape)
         self.tree_steps = self.tree_accepted = 0  # steps that drafted a tree, and drafts they had accepted
         self.fill: Prefill | None = None  # its prompt's prefill while it joins a batch
         self.error: Exception | None = None  # why it could not start (its drafter failed to), if so
@@ -296,7 +298,8 @@ class Batch:
         for seq, res, budget in zip(list(rows), results, budgets, strict=True):
             res.record.k = budget
             seq.acceptance.observe(res.record.drafted, res.num_accepted)
-            seq.draft_cost.observe(res.record.drafted, res.record.draft_s)
+            # a proposal's CUDA graph captures happen once per shape: what a draft costs from now on leaves them out
+            seq.draft_cost.observe(res.record.drafted, max(0.0, res.record.draft_s - seq.captured_s))
             if res.proposal.tree is not None and res.record.drafted:
                 seq.tree_steps, seq.tree_accepted = seq.tree_steps + 1, seq.tree_accepted + res.num_accepted
             seq.steps.append(res.record)
@@ -311,7 +314,7 @@ class Batch:
         fixed k, or what the goodput choice of width leaves it."""
         caps = [s.step_k() for s in rows]
         if self.cost is None or not any(s.adaptive for s in rows):
-            pairs = [propose(s.state, s.drafter, k, self.workspace.clock) for s, k in zip(rows, caps, strict=True)]
+            pairs = [self._propose(s, k) for s, k in zip(rows, caps, strict=True)]
             return [p for p, _ in pairs], [t for _, t in pairs], caps
         return self._adaptive_proposals(rows, caps)
 
@@ -323,7 +326,7 @@ class Batch:
         for s, cap in zip(rows, caps, strict=True):
             model_free = s.drafter.model_free
             if model_free and cap > 0:
-                early[id(s)] = propose(s.state, s.drafter, cap, self.workspace.clock)
+                early[id(s)] = self._propose(s, cap)
                 p = early[id(s)][0]
                 avail = p.size
                 tree_gain = _tree_gain(s) if p.tree is not None else None
@@ -354,10 +357,18 @@ class Batch:
                 pairs.append((p, t))
             elif plan.tree_gain is not None and s.adaptive:
                 whole = plan.avail <= width - 1 or (budget > 0 and s.acceptance.due)
-                pairs.append(propose(s.state, s.drafter, cap if whole else 0, self.workspace.clock))
+                pairs.append(self._propose(s, cap if whole else 0))
             else:
-                pairs.append(propose(s.state, s.drafter, budget, self.workspace.clock))
+                pairs.append(self._propose(s, budget))
         return [p for p, _ in pairs], [t for _, t in pairs], budgets
+
+    def _propose(self, seq: Sequence, k: int) -> tuple[Proposal, object]:
+        """``seq``'s drafter's proposal of up to ``k`` drafts and when it ran (``step.propose``), noting the seconds
+        it spent capturing CUDA graphs (``seq.captured_s``)."""
+        before = capture_seconds()
+        pair = propose(seq.state, seq.drafter, k, self.workspace.clock)
+        seq.captured_s = capture_seconds() - before
+        return pair
 
     def run(self) -> None:
         while len(self):

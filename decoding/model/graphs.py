@@ -260,9 +260,27 @@ class GraphRunner:
         return made
 
 
+_CAPTURE_S = [0.0]  # seconds this process has spent capturing graphs, every runner together
+
+
+def capture_seconds() -> float:
+    """Seconds this process has spent capturing CUDA graphs so far (every :func:`capture`, failed ones included): the
+    decoding loop takes a proposal's captures out of what its drafter learns a draft costs, since they happen once
+    per shape, not per step (``decoding.loop.batch``)."""
+    return _CAPTURE_S[0]
+
+
 def capture(body, device, pool):
     """``body()`` captured as one CUDA graph (after two warm-up runs on a side stream: lazy initialisations, the
     allocator's first blocks): (graph, the outputs its replays overwrite)."""
+    begin = time.perf_counter()
+    try:
+        return _capture_graph(body, device, pool)
+    finally:
+        _CAPTURE_S[0] += time.perf_counter() - begin
+
+
+def _capture_graph(body, device, pool):
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):

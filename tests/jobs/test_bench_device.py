@@ -28,6 +28,29 @@ def test_bench_device_measures_writes_and_renders_again(tiny_model_dir, tmp_path
     assert "<!-- device-results:gpu -->" in again and again.count("| one stream, tokens/s |") == 1
 
 
+def test_rendering_adds_a_bench_runs_categories(tmp_path, capsys):
+    """--categories: the bench's per-category tables join the device's in the block (the GPU script's two figures)."""
+    device = {"device": "X", "device_type": "cuda", "dtype": "bfloat16", "implementation": "layers-graphs", "threads": 1,
+              "max_new_tokens": 8, "one_stream": {"specray-ar": 10.0}, "batched_ar": {"1": 10.0}, "spec_rows": 2,
+              "under_load": {"ar": 10.0}, "command": "c"}  # fmt: skip
+    (tmp_path / "device.json").write_text(json.dumps(device))
+    method = {"kind": "specray", "prompts": 1, "tokens_per_s": 20.0, "speedup": 2.0, "mean_accepted_tokens": 2.0, "steps_drafted": 1.0,
+              "draft_ms_per_step": 1.0, "verify_ms_per_step": 1.0, "identity": None, "lossy": False}  # fmt: skip
+    bench = {"baseline": "ar", "methods_order": ["ar", "ngram"], "methods": {"ar": {**method, "speedup": 1.0}, "ngram": method},
+             "categories": {"writing": {"ar": {"prompts": 1, "speedup": 1.0}, "ngram": {"prompts": 1, "speedup": 2.0}}}}  # fmt: skip
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n")
+    argv = ["--from-json", str(tmp_path / "device.json"), "--categories", str(tmp_path / "bench.json")]
+    argv += ["--readme", str(readme), "--block", "gpu"]
+    assert main(argv) == 0
+    text = readme.read_text()
+    assert "| writing | 1 | 2.00x |" in text and "| one stream, tokens/s |" in text and "ar 20 tokens/s" in text
+    capsys.readouterr()
+    (tmp_path / "bad.json").write_text("{}")
+    assert_one_line_error(main(argv[:3] + [str(tmp_path / "bad.json")] + argv[4:]), capsys.readouterr().err, "--categories")
+
+
 def test_bad_input_fails_in_one_line(tmp_path, capsys):
     bad = tmp_path / "device.json"
     bad.write_text("{}")

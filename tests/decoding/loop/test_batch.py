@@ -1,6 +1,8 @@
 """Continuous batching on a tiny random model: every row equals its own AR run, rows join and leave,
 sampling is per row and lossless in batches, k=auto drafts at low load and stops at high load."""
 
+import time
+
 import pytest
 import torch
 from tests_support import generate
@@ -8,12 +10,14 @@ from tests_support import generate
 from decoding.drafters.draft_model import DraftModelDrafter
 from decoding.drafters.early_exit import EarlyExitDrafter
 from decoding.drafters.ngram import NgramDrafter
+from decoding.loop import batch as batch_module
 from decoding.loop import prefill as prefill_module
 from decoding.loop import step as step_module
 from decoding.loop.batch import Batch, NotBatchable, Sequence, generate_many
 from decoding.loop.goodput import CostModel
 from decoding.loop.metrics import chi_square_pvalue
 from decoding.loop.verify import verify_speculative
+from decoding.model import graphs as graphs_module
 from decoding.model.adapter import ModelAdapter
 from decoding.sampling import SamplingParams, sample_from
 from decoding.trees.shapes import Dynamic, Tree
@@ -385,3 +389,36 @@ def test_a_seeded_sampled_chain_draws_the_same_tokens_beside_a_tree(tiny_model, 
         outs = generate_many(target, [seeded(), other], max_rows=2)
         assert outs[0].token_ids == alone, company
         assert any(s.drafted for s in outs[0].steps) and max(r.rows for r in outs[0].steps) == 2
+
+
+class _CapturingOnce(DraftModelDrafter):
+    """A draft model whose first proposal also captures a CUDA graph (a slow one: 0.3 s), as a drafter's first draft of
+    a shape does on a GPU; here the capture itself is a sleep (no CUDA), accounted as ``graphs.capture`` accounts."""
+
+    captured = False
+
+    def propose(self, state, k):
+        if not self.captured:
+            self.captured = True
+            graphs_module.capture(lambda: None, state.tokens.device, None)
+        return super().propose(state, k)
+
+
+@pytest.mark.parametrize("leave_out_captures", [True, False])
+def test_a_drafts_one_off_graph_capture_is_not_learned_as_its_cost(tiny_model, target, monkeypatch, leave_out_captures, one_thread):
+    """k=auto learns what a draft costs from the drafter's measured proposals. A capture happens once per shape: it
+    counts in the step's time (the bench sees it) but not in what drafting costs from then on, else one slow capture
+    would stop a drafter that pays. The control, with captures counted as cost, drafts far less."""
+    monkeypatch.setattr(graphs_module, "_capture_graph", lambda body, device, pool: (time.sleep(0.3), None))
+    if not leave_out_captures:
+        monkeypatch.setattr(batch_module, "capture_seconds", lambda: 0.0)
+    seq = Sequence(ids(PROMPTS[4]), drafter=_CapturingOnce(ModelAdapter(tiny_model, num_layers=1)), k=4, adaptive=True, max_new_tokens=40)
+    out = generate_many(target, [seq], max_rows=1, cost=knee())[0]
+    assert out.token_ids == generate(target, ids(PROMPTS[4]), max_new_tokens=40).token_ids
+    drafting = [r for r in out.steps if r.drafted]
+    assert drafting[0].draft_s >= 0.3  # the capture is in the step's time
+    later = sum(1 for r in out.steps[out.steps.index(drafting[0]) + 1 :] if r.drafted)
+    if leave_out_captures:
+        assert later >= 10, later
+    else:
+        assert later <= 4, later
