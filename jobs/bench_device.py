@@ -104,19 +104,30 @@ def render_saved(path: Path, args) -> int:
 
 
 def categories_markdown(path: Path) -> str:
-    """The per-category and per-method tables of a bench summary (``jobs.bench_variants``' summary.json), under a line
-    naming its run: what the GPU script's bench stage measured on the same machine as device.json."""
-    from evaluation.bench_report import results_markdown
+    """A bench summary's (``jobs.bench_variants``' summary.json) speedups over its baseline as one row per method and
+    one column per category, with the mean of categories, the run over all tokens, tau and the share of steps that
+    drafted, under a line naming the run: what the GPU script's bench stage measured on the machine of device.json."""
+    from evaluation.bench_report import category_mean
+    from evaluation.markdown import markdown_table
 
     try:
         bench = json.loads(path.read_text())
-        tables = results_markdown(bench)
-        ar = bench["methods"][bench["baseline"]]
+        base, methods, cats = bench["baseline"], bench["methods"], bench["categories"]
+        rows = []
+        for m in bench["methods_order"]:
+            if m == base:
+                continue
+            v = methods[m]
+            speedups = [f"{cats[c][m]['speedup']:.2f}" for c in cats]
+            mean = category_mean(bench, m)
+            figures = [f"**{mean:.2f}**", f"{v['speedup']:.2f}", f"{v['mean_accepted_tokens']:.2f}", f"{v['steps_drafted']:.0%}"]
+            rows.append([m, *speedups, *figures])
+        ar = methods[base]
+        head = ["method", *cats, "mean", "all tokens", "tau", "steps drafted"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         fail(f"--categories: {path} is not a bench summary.json ({type(e).__name__}: {e})")
-    base = f"{bench['baseline']} {ar['tokens_per_s']:.0f} tokens/s"
-    head = f"Spec-Bench categories, one stream ({ar['prompts']} prompts, {base}; speedup over it):"
-    return head + "\n\n" + tables
+    line = f"Spec-Bench categories, one stream, speedup over {base} ({ar['prompts']} prompts, {ar['tokens_per_s']:.0f} tokens/s):"
+    return line + "\n\n" + markdown_table(head, rows)
 
 
 def measure(base, methods: list[str], rows: list[int], spec_rows: int, n_prompts: int, peer_modes: list[str]) -> dict:

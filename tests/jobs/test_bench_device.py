@@ -45,7 +45,7 @@ def test_rendering_adds_a_bench_runs_categories(tmp_path, capsys):
     argv += ["--readme", str(readme), "--block", "gpu"]
     assert main(argv) == 0
     text = readme.read_text()
-    assert "| writing | 1 | 2.00x |" in text and "| one stream, tokens/s |" in text and "ar 20 tokens/s" in text
+    assert "| ngram | 2.00 | **2.00** | 2.00 | 2.00 | 100% |" in text and "| one stream, tokens/s |" in text and "20 tokens/s" in text
     capsys.readouterr()
     (tmp_path / "bad.json").write_text("{}")
     assert_one_line_error(main(argv[:3] + [str(tmp_path / "bad.json")] + argv[4:]), capsys.readouterr().err, "--categories")
