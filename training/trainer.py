@@ -253,8 +253,7 @@ def train(
     t0, began = time.perf_counter(), time.time()
     try:
         while step < spec.steps:
-            done = share_done(step, spec.steps, began, deadline)
-            total, agree, idx = _optimiser_step(s, step, model, backward, opt_step, done)
+            total, agree, idx = _optimiser_step(s, step, model, backward, opt_step, done := share_done(step, spec.steps, began, deadline))
             step += 1
             seen.update(idx)
             row = {"step": step, "loss": total, "agree": agree, "lr": lr_at(spec, step - 1, done), "sequences_seen": len(seen)}
