@@ -30,7 +30,7 @@ from decoding.config import SpecConfig
 from decoding.decoder import DecoderBase, GenerationLost, context_error, decode, encode
 from decoding.errors import ConfigError
 from decoding.loop.prefill import ContextTooLong
-from decoding.methods import ACTOR_TRANSPORTS, WORKER_ROLES, OnActors, on_actors
+from decoding.methods import ACTOR_TRANSPORTS, WORKER_ROLES, OnActors, method_of, on_actors
 from decoding.sampling import SamplingParams
 from decoding.schedules.two_sided import DraftRequest, TwoSidedGeneration, VerifyRequest, generate_two_sided, round_summary
 
@@ -130,8 +130,9 @@ class TwoSidedSequence:
 
     batchable = False
 
-    def __init__(self, prompt_ids, max_new_tokens: int, seed: int, on_step=None, tag=None):
+    def __init__(self, prompt_ids, max_new_tokens: int, seed: int, on_step=None, tag=None, adaptive: bool = False):
         self.prompt_ids, self.max_new_tokens, self.seed, self.on_step, self.tag = prompt_ids, max_new_tokens, seed, on_step, tag
+        self.adaptive = adaptive  # k=auto: the schedule's RoundGate stops drafting where it does not pay
         self.generation: TwoSidedGeneration | None = None
         self._cancelled: str | None = None
         self.delivered = 0  # tokens handed to on_step: none, and a lost generation can run again unseen
@@ -204,8 +205,11 @@ class ActorDecoder(DecoderBase):
 
     # ---- generation --------------------------------------------------------------------------------
     def sequence(self, prompt_ids, max_new_tokens: int | None = None, seed: int | None = None, on_step=None, tag=None):
+        """k=auto as in one process (``SpecDecoder.adaptive``): not for a sampled request with its own seed, whose text
+        must not follow the measured timings."""
+        adaptive = self.cfg.adaptive_k and method_of(self.cfg.method).serves_auto_k and (seed is None or self.cfg.temperature == 0)
         seed = self.cfg.seed if seed is None else seed
-        return TwoSidedSequence(prompt_ids, max_new_tokens or self.cfg.max_new_tokens, seed, on_step, tag)
+        return TwoSidedSequence(prompt_ids, max_new_tokens or self.cfg.max_new_tokens, seed, on_step, tag, adaptive)
 
     def batches(self, seq) -> bool:
         return False
@@ -224,6 +228,7 @@ class ActorDecoder(DecoderBase):
                 max_context=self.max_context,
                 on_step=seq.step,
                 ship_kv=self.plan.ship_kv,  # TriForce: the middle level reads the target's exact KV
+                adaptive=seq.adaptive,
             )
         except ContextTooLong as e:
             raise context_error(e) from None
@@ -236,8 +241,9 @@ class ActorDecoder(DecoderBase):
         stats = out.stats.to_dict()
         stats["placement"] = dict(self.placement)
         stats["rpc"] = round_summary(out.rounds)
-        if out.schedule_counts:
+        if out.schedule_counts.get("pre_verify_rounds") is not None:
             stats["pearl"] = dict(out.schedule_counts, gamma=self.cfg.k)
+        stats["rounds_without_drafts"] = out.schedule_counts.get("plain_rounds", 0)
         rss = self.executor.wait([self.target.peak_rss_mb.remote(), self.draft.peak_rss_mb.remote()], "workers")
         stats["peak_rss_mb"] = dict(zip(WORKER_ROLES, rss, strict=True))
         if self.plan.level_stats:

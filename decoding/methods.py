@@ -304,7 +304,6 @@ METHOD_TABLE: dict[str, Method] = {
             layer_knob="draft_layers",
             draft_model_replaces_layers=True,
             chains_only=True,
-            serves_auto_k=False,
             local_note="pearl ran in one process: drafting and verifying took turns (the sps schedule)",
             options=("draft", "draft_model", "confidence"),
         ),

@@ -409,7 +409,7 @@ class ModelWorker(Worker):
 
     def _config(self, entry: SpecConfig, req: dict) -> SpecConfig:
         """Served entries draft k=auto (the goodput choice, capped at the entry's k) unless the settings say otherwise;
-        trees and methods that keep a fixed schedule (pearl, triforce) keep their k. A sampled request with a seed
+        trees and methods that keep a fixed schedule (triforce) keep their k. A sampled request with a seed
         runs with the fixed k whatever the entry says (``SpecDecoder.adaptive``): the same seed gives the same text."""
         if self.adaptive_k and not entry.adaptive_k and METHOD_TABLE[entry.method].serves_auto_k and entry.tree == "chain":
             return entry.replace(adaptive_k=True)

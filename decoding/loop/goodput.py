@@ -97,6 +97,68 @@ class Acceptance:
         self.misses = self.misses * self.decay + (1 if accepted < drafted else 0)
 
 
+class RoundGate:
+    """Whether a two-sided schedule (``decoding.schedules.two_sided``) drafts in its next round, from what its rounds
+    measured: committed tokens per second over the rounds that drafted, against the seconds of a round that drafts
+    nothing (it commits one token). A round's wall time holds everything it paid: both sides' compute, the transport
+    between workers, a drafter's catch-up. Two sides working at once (PEARL) make the per-step goodput model of
+    :func:`choose_width` moot: the rate itself is what is compared.
+
+    The first round drafts nothing, to measure that cost; drafting then starts and stops after ``judge`` rounds where
+    its rate is below one token per plain round. Stopped, the gate probes: after ``probe_every`` plain rounds it drafts
+    ``judge`` rounds again; a probe that does not pay doubles the wait (up to ``PROBE_MAX``), one that pays resets it.
+
+    >>> g = RoundGate()
+    >>> g.drafts, g.observe(False, 1, 0.010), g.drafts        # the first round measures a plain one
+    (False, None, True)
+    >>> for _ in range(4):
+    ...     g.observe(True, 2, 0.030)                         # 2 tokens in 30 ms: 67 tokens/s against 100
+    >>> g.drafts
+    False
+    >>> for _ in range(PROBE_EVERY):
+    ...     g.observe(False, 1, 0.010)
+    >>> g.drafts                                              # a probe
+    True
+    >>> for _ in range(4):
+    ...     g.observe(True, 4, 0.030)                         # now 133 tokens/s: it pays, drafting stays on
+    >>> g.drafts, g.probe_every == PROBE_EVERY
+    (True, True)
+    """
+
+    def __init__(self, judge: int = 4, decay: float = 0.8):
+        self.judge, self.decay = judge, decay
+        self.plain_s: float | None = None  # seconds of a round that drafts nothing (decayed mean)
+        self.tokens = self.seconds = 0.0  # decayed sums over the drafting rounds of the current run
+        self.on, self.rounds_on, self.idle, self.probe_every, self.probing = True, 0, 0, PROBE_EVERY, False
+
+    @property
+    def drafts(self) -> bool:
+        return self.plain_s is not None and self.on
+
+    @property
+    def rate(self) -> float:
+        """Committed tokens per second over the current run of drafting rounds (0 before any)."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def observe(self, drafted: bool, tokens: int, seconds: float) -> None:
+        """One round: whether it verified or drafted anything, the tokens it committed, its wall seconds."""
+        if not drafted:
+            self.plain_s = seconds if self.plain_s is None else self.decay * self.plain_s + (1 - self.decay) * seconds
+            self.idle += not self.on
+            if not self.on and self.idle >= self.probe_every:
+                self.on, self.probing, self.rounds_on, self.tokens, self.seconds = True, True, 0, 0.0, 0.0
+            return
+        self.tokens, self.seconds = self.decay * self.tokens + tokens, self.decay * self.seconds + seconds
+        self.rounds_on += 1
+        if self.rounds_on < self.judge or self.plain_s is None:
+            return
+        if self.rate * self.plain_s >= 1.0:  # drafting commits at least a plain round's token per plain round's time
+            self.probe_every, self.probing = PROBE_EVERY if self.probing else self.probe_every, False
+            return
+        self.probe_every = min(PROBE_MAX, 2 * self.probe_every) if self.probing else self.probe_every
+        self.on, self.probing, self.idle = False, False, 0
+
+
 class DraftCost:
     """Seconds a drafter spends on a proposal of j drafts: ``a + b * j`` for j > 0 (nothing when it does not draft),
     fitted by least squares on its recent proposals (older ones decayed). ``a`` is what a proposal costs whatever its

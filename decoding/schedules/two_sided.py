@@ -69,6 +69,7 @@ import torch
 
 from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.drafters.draft_model import DraftModelDrafter
+from decoding.loop.goodput import RoundGate
 from decoding.loop.metrics import StepRecord
 from decoding.loop.output import Generation, Output, StepCallback
 from decoding.loop.prefill import check_context, fill, prefill
@@ -284,10 +285,12 @@ class Schedule:
 
     parallel = False
 
-    def __init__(self, out: Output, prompt_len: int, k: int, sampling=GREEDY, generator=None, ship_kv=False):
-        """``out`` holds the prefill's first token, already committed."""
+    def __init__(self, out: Output, prompt_len: int, k: int, sampling=GREEDY, generator=None, ship_kv=False, gate=None):
+        """``out`` holds the prefill's first token, already committed. ``gate``: a :class:`RoundGate` that says, round
+        by round, whether drafting pays (k=auto); None drafts ``k`` every round."""
         self.out = out
         self.k = k
+        self.gate: RoundGate | None = gate
         self.ship_kv = ship_kv  # pass the target's KV of each verdict's tokens on to the draft side (TriForce over actors)
         self.kv: KVBlock | None = None  # the latest verdict's KV, for the next draft request
         self.sampling = sampling
@@ -300,6 +303,11 @@ class Schedule:
     @property
     def finished(self) -> bool:
         return self.out.finished
+
+    def _gamma(self, most: int) -> int:
+        """Drafts to ask for this round: ``k``, within ``most`` (what can still be committed), none while the gate
+        says drafting does not pay."""
+        return 0 if self.gate is not None and not self.gate.drafts else max(0, min(self.k, most))
 
     def _requests(self, ids: list[int], k: int, probs=None, want_p=False) -> tuple[VerifyRequest, DraftRequest]:
         treq = VerifyRequest(start=self.n - 1, ids=ids, probs=probs, want_p=want_p, want_kv=self.ship_kv)
@@ -322,8 +330,7 @@ class SequentialSchedule(Schedule):
     mode = "sequential"
 
     def requests(self) -> tuple[VerifyRequest, DraftRequest]:
-        kk = max(0, min(self.k, self.out.remaining - 1))  # never draft more than can be committed
-        return self._requests([self.pending], kk)
+        return self._requests([self.pending], self._gamma(self.out.remaining - 1))  # never more than can be committed
 
     def join(self, t: VerifyResult, d: DraftResult | None = None) -> list[int]:
         m, n_before, self.kv = t.num_accepted, self.n, t.kv
@@ -351,7 +358,7 @@ class PearlSchedule(Schedule):
     def requests(self) -> tuple[VerifyRequest, DraftRequest]:
         j = len(self.unverified)
         # this round commits at most j + 1 tokens; drafts past what can ever be committed are wasted work
-        gamma = max(0, min(self.k, self.out.remaining - j - 1))
+        gamma = self._gamma(self.out.remaining - j - 1)
         return self._requests([self.pending, *self.unverified], gamma, self.unverified_q, not self.sampling.greedy and gamma > 0)
 
     def join(self, t: VerifyResult, d: DraftResult) -> list[int]:
@@ -400,7 +407,7 @@ class PearlSchedule(Schedule):
 @dataclass
 class TwoSidedGeneration(Generation):
     rounds: list[RoundRecord] = field(default_factory=list)
-    schedule_counts: dict = field(default_factory=dict)  # PEARL: rounds per mode, first-draft checks
+    schedule_counts: dict = field(default_factory=dict)  # rounds without drafts; PEARL: rounds per mode, first-draft checks
 
 
 class LocalExecutor:
@@ -440,12 +447,14 @@ def generate_two_sided(
     max_context: int | None = None,
     on_step: StepCallback | None = None,
     ship_kv: bool = False,
+    adaptive: bool = False,
 ) -> TwoSidedGeneration:
     """Generate with a two-sided schedule; ``executor`` runs the requests (``LocalExecutor`` or an actor executor).
 
     ``on_step`` receives each round's committed tokens, as in the loop: returning a string stops the generation
     with that finish reason. ``ship_kv``: the draft side reads the target's cache (TriForce's middle level): each
-    verdict's KV goes to it.
+    verdict's KV goes to it. ``adaptive``: k=auto, a :class:`RoundGate` turns drafting off in the rounds where it does
+    not pay and probes now and then whether it pays again (``k`` stays the draft length while it drafts).
 
     Seeds: target side ``seed``, draft side ``seed + 1``, the schedule's own
     draws (PEARL's first-draft check) ``seed + 2``.
@@ -465,19 +474,24 @@ def generate_two_sided(
     out.prefill_s = time.perf_counter() - out.t_start
     out.commit([first])
     gen = torch.Generator().manual_seed(seed + 2)
-    sched = make_schedule(schedule, out, len(prompt), k, sampling, gen, ship_kv)
+    sched = make_schedule(schedule, out, len(prompt), k, sampling, gen, ship_kv, RoundGate() if adaptive else None)
+    plain = 0  # rounds that neither drafted nor verified a draft (k=auto found drafting did not pay)
     while not out.finished:
         mode = sched.mode
         treq, dreq = sched.requests()
         t0 = time.perf_counter()
         t, d = executor.step(treq, dreq, sched.parallel)
         wall = time.perf_counter() - t0
-        sched.join(t, d)
+        committed = sched.join(t, d)
+        drafted = len(treq.ids) > 1 or dreq.k > 0
+        plain += not drafted
+        if sched.gate is not None:
+            sched.gate.observe(drafted, len(committed), wall)
         draft_s = d.compute_s if d is not None else t.draft_compute_s
         sched.rounds.append(RoundRecord(mode, wall, t.compute_s, draft_s, sched.parallel))
     out.wall_s = time.perf_counter() - out.t_start
     g = out.result()
-    counts = dict(getattr(sched, "counts", {}))
+    counts = dict(getattr(sched, "counts", {}), plain_rounds=plain)
     return TwoSidedGeneration(g.token_ids, g.finish_reason, g.stats, g.steps, rounds=sched.rounds, schedule_counts=counts)
 
 

@@ -3,7 +3,7 @@
     python tests/actors/bench_pearl.py --prompts 5 --max-new-tokens 64 [--synthetic-alpha 0.8] [--transport calls]
     python tests/actors/bench_pearl.py --method triforce --context-tokens 4096 --prompts 2 --max-new-tokens 128
 
-``--method pearl`` (default): PEARL and SpS over two actors vs in-process SpS vs AR.
+``--method pearl`` (default): PEARL (k=auto, and a fixed k) and SpS over two actors vs in-process SpS vs AR.
 ``--method triforce``: TriForce with its middle and bottom levels in the draft
 actor, under the sequential and the PEARL schedule, vs in-process TriForce vs
 AR, on long-context prompts of ``--context-tokens`` tokens.
@@ -54,7 +54,11 @@ def main():
     connect(num_cpus=2)
     if args.method == "pearl":
         actor_cfg = base.replace(method="pearl", placement="actors", actor_transport=args.transport)
-        variants = {"pearl[actors]": actor_cfg, "sps[actors]": actor_cfg.replace(method="sps")}
+        variants = {
+            "pearl[actors]": actor_cfg,  # k=auto (the default): drafting stops in the rounds where it does not pay
+            "pearl[actors,fixed-k]": actor_cfg.replace(adaptive_k=False),
+            "sps[actors]": actor_cfg.replace(method="sps"),
+        }
         local_cfgs = {"ar": base, "sps": base.replace(method="sps")}
     else:
         tri = dict(method="triforce", triforce_budget=args.triforce_budget)

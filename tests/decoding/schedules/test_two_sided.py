@@ -1,5 +1,7 @@
 """PEARL and two-sided SpS as pure schedules: scripted sides, then the tiny model (greedy identity, exact distributions)."""
 
+import time
+
 import pytest
 import torch
 from tests_support import generate
@@ -208,3 +210,84 @@ def test_wrong_first_draft_rule_is_caught(tiny_model, monkeypatch):
     monkeypatch.setattr(PearlSchedule, "_check_first", always_accept)
     counts, _ = sample_counts(tiny_model, "pearl", SAMPLING, draws=400)
     assert chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING)) < 1e-6
+
+
+# ---- k=auto: the round gate stops drafting where it does not pay, and the output stays the target's ----------------
+
+
+class _Slow:
+    """A scripted side that also takes ``seconds`` per call (a draft side: per call that drafts)."""
+
+    def __init__(self, side, seconds):
+        self.side, self.seconds = side, seconds
+
+    def prefill(self, *args, **kwargs):
+        return self.side.prefill(*args, **kwargs)
+
+    def verify(self, req, chained=None):
+        time.sleep(self.seconds)
+        return self.side.verify(req, chained)
+
+    def draft(self, req):
+        time.sleep(self.seconds if req.k > 0 else 0.0)
+        return self.side.draft(req)
+
+
+@pytest.mark.parametrize("schedule", ["pearl", "sps"])
+def test_the_gate_stops_a_draft_that_does_not_pay_and_keeps_one_that_does(schedule):
+    # a wrong, slow draft (20 ms a call against 2 ms a verification): drafting turns off, probes now and then
+    t, d = _ScriptedTarget(TEXT), _ScriptedDraft(["zzz"] * 100)
+    ex = LocalExecutor(_Slow(t, 0.002), _Slow(d, 0.020))
+    out = generate_two_sided(ex, [[0]], schedule=schedule, k=3, max_new_tokens=25, adaptive=True)
+    assert as_text(out.token_ids) == TEXT[:25]
+    drafted = sum(r.k > 0 for r in d.calls)
+    assert drafted <= 8, f"{drafted} of {len(out.rounds)} rounds drafted"  # the first judge + one probe at most
+    assert out.schedule_counts["plain_rounds"] == len(out.rounds) - drafted
+    # the control: a fixed k drafts every round but the last
+    t, d = _ScriptedTarget(TEXT), _ScriptedDraft(["zzz"] * 100)
+    generate_two_sided(LocalExecutor(t, d), [[0]], schedule=schedule, k=3, max_new_tokens=25)
+    assert sum(r.k > 0 for r in d.calls) >= 20
+    # a right, cheap draft pays: after the first (plain) round every round drafts
+    t = _ScriptedTarget(TEXT)
+    d = _ScriptedDraft([])  # it drafts the target's next tokens after whatever sequence the request leaves it
+    d.draft = lambda req: two_sided.DraftResult(tokens=[ord(c) for c in TEXT[req.keep + len(req.append) - 1 :][: req.k]])
+    out = generate_two_sided(LocalExecutor(_Slow(t, 0.010), _Slow(d, 0.001)), [[0]], schedule=schedule, k=3, max_new_tokens=25, adaptive=True)
+    assert as_text(out.token_ids) == TEXT[:25]
+    assert len(out.rounds) <= 10, f"{len(out.rounds)} rounds for 25 tokens: the gate stopped a draft that pays"
+
+
+class _Alternating(two_sided.RoundGate):
+    """A gate that drafts two rounds in three, whatever it measures: the sides must resync after every pause."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    @property
+    def drafts(self):
+        return self.n % 3 != 0
+
+    def observe(self, drafted, tokens, seconds):
+        self.n += 1
+
+
+@pytest.mark.parametrize("schedule", ["pearl", "sps"])
+def test_drafting_paused_and_resumed_keeps_greedy_output(tiny_model, schedule, monkeypatch):
+    monkeypatch.setattr(two_sided, "RoundGate", _Alternating)
+    ref = generate(ModelAdapter(tiny_model), PROMPT, max_new_tokens=30).token_ids
+    out = generate_two_sided(sides(tiny_model), PROMPT, schedule=schedule, k=3, max_new_tokens=30, adaptive=True)
+    assert out.token_ids == ref
+    drafted = [s.drafted > 0 for s in out.steps]
+    assert any(drafted) and not all(drafted)
+
+
+def test_drafting_paused_and_resumed_keeps_the_sampled_distribution(tiny_model, monkeypatch):
+    monkeypatch.setattr(two_sided, "RoundGate", _Alternating)
+    ex = sides(tiny_model, SAMPLING)
+    v = tiny_model.config.vocab_size
+    counts = torch.zeros([v] * N_TOKENS, dtype=torch.long)
+    for i in range(DRAWS):
+        out = generate_two_sided(ex, PROMPT, schedule="pearl", k=2, sampling=SAMPLING, max_new_tokens=N_TOKENS + 1, seed=i, adaptive=True)
+        counts[tuple(out.token_ids[:N_TOKENS])] += 1
+    p = chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING))
+    assert p > 1e-4, f"pearl with pauses: sampled tokens do not follow the target (p={p:.2e})"
