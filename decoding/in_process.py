@@ -159,7 +159,7 @@ class SpecDecoder(DecoderBase):
 
     # ---- generation -------------------------------------------------------
     def _sequence(self, prompt_ids, max_new_tokens, seed, on_step, tag, drafter, generator) -> Sequence:
-        return Sequence(
+        seq = Sequence(
             prompt_ids,
             drafter=drafter,
             k=draft_depth(self.cfg),
@@ -171,6 +171,15 @@ class SpecDecoder(DecoderBase):
             on_step=on_step,
             tag=tag,
         )
+        if seq.adaptive and self.cfg.draft_memory == "warm":
+            # its acceptance and draft-cost estimates start where the latest request of this method left off (not
+            # at the prior, and not assuming drafts free): a drafter that does not pay does not relearn it each time
+            latest = self.memory.get(("acceptance", self.cfg.method), dict)
+            if "row" in latest:
+                seq.acceptance = latest["row"].acceptance.carried(wait=not seq.drafter.model_free)
+                seq.draft_cost = latest["row"].draft_cost.carried()
+            latest["row"] = seq
+        return seq
 
     def adaptive(self, seed: int | None) -> bool:
         """Whether a generation drafts k=auto. A sampled one given its own seed keeps the fixed k: under k=auto its

@@ -68,7 +68,7 @@ class Sequence(Output):
         self.sampling, self.generator = sampling, generator
         self.tag = tag
         self.state: DecodeState | None = None
-        self.acceptance = Acceptance()
+        self.acceptance = Acceptance()  # SpecDecoder may start it from an earlier request's (Acceptance.carried)
         self.draft_cost = DraftCost()  # what its drafter's proposals cost, by length
         self.captured_s = 0.0  # seconds its drafter's last proposal spent capturing CUDA graphs (once per shape)
         self.tree_steps = self.tree_accepted = 0  # steps that drafted a tree, and drafts they had accepted

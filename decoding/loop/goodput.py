@@ -58,7 +58,11 @@ class Acceptance:
 
     Starts at ``prior`` (worth ``weight`` observations) and decays old evidence by ``decay`` per step. A row that stopped
     drafting (it did not pay) learns nothing more, so it probes: once it has been idle ``probe_every`` steps it is
-    :attr:`due` a short draft; a probe that finds nothing doubles the wait (up to ``PROBE_MAX``), one that pays resets it.
+    :attr:`due` a short draft. A probe costs what a drafting step costs (a model drafter's catch-up over every token
+    since it last drafted, a wider verification), so a probe with a rejected draft doubles the wait (up to
+    ``PROBE_MAX``): one accepted draft of two is about what a drafter that does not pay gets (the early-exit adapter's
+    probes on this CPU accepted something in 1 of 6, yet reset the wait each time under the old rule). A step whose
+    drafts were all accepted, probe or not, resets it.
 
     >>> a = Acceptance()
     >>> for _ in range(20):
@@ -69,13 +73,32 @@ class Acceptance:
     ...     a.observe(drafted=0, accepted=0)            # nothing proposed: no evidence, but idle
     >>> a.due, round(a.alpha, 3) > 0.9
     (True, True)
-    >>> a.observe(drafted=2, accepted=0); a.probe_every == 2 * PROBE_EVERY   # the probe found nothing: wait longer
+    >>> a.observe(drafted=2, accepted=1); a.probe_every == 2 * PROBE_EVERY   # the probe lost a draft: wait longer
+    True
+    >>> a.observe(drafted=3, accepted=3); a.probe_every == PROBE_EVERY       # all accepted: probe soon again if it stops
     True
     """
 
     def __init__(self, prior: float = 0.5, weight: float = 2.0, decay: float = 0.9):
         self.hits, self.misses, self.decay = prior * weight, (1 - prior) * weight, decay
         self.idle, self.probe_every = 0, PROBE_EVERY
+
+    def carried(self, weight: float = 4.0, wait: bool = False) -> Acceptance:
+        """A new row's estimate that starts from this one's (a later request of the same decoder and drafter): its
+        acceptance worth ``weight`` observations, instead of the prior. Without it every request starts at 0.5 and a
+        drafter that does not pay relearns so in each, drafting its first steps at a loss. ``wait``: its probe wait
+        too (a model drafter's probe costs about a step; a model-free drafter's is nearly free and its acceptance
+        depends more on the prompt, so it starts probing soon).
+
+        >>> old = Acceptance()
+        >>> for _ in range(10):
+        ...     old.observe(drafted=2, accepted=0)
+        >>> round(old.carried().alpha, 2) == round(old.alpha, 2) < 0.1
+        True
+        """
+        new = Acceptance(prior=self.alpha, weight=weight, decay=self.decay)
+        new.probe_every = self.probe_every if wait else PROBE_EVERY
+        return new
 
     @property
     def alpha(self) -> float:
@@ -90,8 +113,10 @@ class Acceptance:
         if drafted <= 0:
             self.idle += 1
             return
-        if self.due:  # this draft was a probe
-            self.probe_every = PROBE_EVERY if accepted else min(PROBE_MAX, 2 * self.probe_every)
+        if accepted >= drafted:
+            self.probe_every = PROBE_EVERY
+        elif self.due:  # a probe that lost a draft
+            self.probe_every = min(PROBE_MAX, 2 * self.probe_every)
         self.idle = 0
         self.hits = self.hits * self.decay + accepted
         self.misses = self.misses * self.decay + (1 if accepted < drafted else 0)
@@ -183,6 +208,13 @@ class DraftCost:
         d = self.decay
         self.n, self.sj, self.sjj = self.n * d + 1, self.sj * d + j, self.sjj * d + j * j
         self.ss, self.sjs = self.ss * d + seconds, self.sjs * d + j * seconds
+
+    def carried(self) -> DraftCost:
+        """A new row's cost model that starts with this one's evidence (a later request of the same drafter: a probe
+        then knows what drafting cost before, catch-up included, instead of assuming it free)."""
+        new = DraftCost(self.decay)
+        new.n, new.sj, new.sjj, new.ss, new.sjs = self.n, self.sj, self.sjj, self.ss, self.sjs
+        return new
 
     def __call__(self, j: int) -> float:
         if j <= 0 or self.n == 0:

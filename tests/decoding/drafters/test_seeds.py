@@ -8,7 +8,7 @@ from conftest import tiny_llama
 from tests_support import always_drafting_del, confidence_head, generate
 
 from decoding.drafters.draft_model import DraftModelDrafter
-from decoding.drafters.dynamic_exit import DynamicExitDrafter, candidate_exits, choose_exit
+from decoding.drafters.dynamic_exit import DECAY, TRACK_EVERY, DynamicExitDrafter, candidate_exits, choose_exit
 from decoding.drafters.ead import EadDrafter, EntropySwitch
 from decoding.drafters.early_exit import EarlyExitDrafter
 from decoding.drafters.stop_head import AcceptanceStop, StopHead, stop_features
@@ -110,6 +110,19 @@ def test_del_where_no_exit_agrees_falls_back_to_plain_steps():
     out = generate(target, PROMPT, drafter=drafter, k=4, max_new_tokens=40)
     assert out.token_ids == generate(target, PROMPT, max_new_tokens=40).token_ids
     assert drafter.alphas()[0] < 0.2 and all(j == 0 for _, j in drafter.choices)
+
+    # plain steps track one in TRACK_EVERY: the others' verifications capture no candidate exit and score nothing
+    assert drafter.plain_steps == len(out.steps)
+    assert drafter.seen[0] < sum(DECAY**i for i in range(len(out.steps) // TRACK_EVERY + 2))  # every step would give ~20
+    seen_layers, plain_step = [], drafter._plain_step
+
+    def noting():
+        plain_step()
+        seen_layers.append(drafter.feature_layers)  # what the next step's verification captures
+
+    drafter._plain_step = noting
+    generate(target, PROMPT, drafter=drafter, k=4, max_new_tokens=2 * TRACK_EVERY + 1)
+    assert [bool(f) for f in seen_layers[: 2 * TRACK_EVERY]] == ([True] + [False] * (TRACK_EVERY - 1)) * 2
 
 
 # ---- the stop head ------------------------------------------------------------------------------------------------

@@ -251,7 +251,9 @@ def test_the_gate_stops_a_draft_that_does_not_pay_and_keeps_one_that_does(schedu
     t = _ScriptedTarget(TEXT)
     d = _ScriptedDraft([])  # it drafts the target's next tokens after whatever sequence the request leaves it
     d.draft = lambda req: two_sided.DraftResult(tokens=[ord(c) for c in TEXT[req.keep + len(req.append) - 1 :][: req.k]])
-    out = generate_two_sided(LocalExecutor(_Slow(t, 0.010), _Slow(d, 0.001)), [[0]], schedule=schedule, k=3, max_new_tokens=25, adaptive=True)
+    out = generate_two_sided(
+        LocalExecutor(_Slow(t, 0.010), _Slow(d, 0.001)), [[0]], schedule=schedule, k=3, max_new_tokens=25, adaptive=True
+    )
     assert as_text(out.token_ids) == TEXT[:25]
     assert len(out.rounds) <= 10, f"{len(out.rounds)} rounds for 25 tokens: the gate stopped a draft that pays"
 
