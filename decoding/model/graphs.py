@@ -4,7 +4,8 @@ On a GPU a small model's decoding step is launch-bound: SmolLM2-135M's eager ste
 about 23 us each on an H200 (a one-token step 50 ms inside generation), while the same step replayed as one CUDA
 graph costs about 3 ms. :class:`GraphRunner` replays ``ModelAdapter.forward`` from captured graphs, one per
 
-    (cache storage, rows, width bucket of ``WIDTHS``, layer range, ids or hidden states in, captured layers, tree block)
+    (cache storage, row bucket of ``ROW_BUCKETS``, width bucket of ``WIDTHS``, layer range, ids or hidden states in,
+     captured layers, tree block)
 
 so the target's verification of every width up to 64 tokens, a batch of rows, and each drafter's forwards (an eagle
 head's one-layer steps, a distilled draft's steps, early exit's shallow layers, which all go through their own
@@ -12,6 +13,10 @@ adapter's ``forward``) replay instead of launching kernel by kernel. The graph b
 
 * the block's tokens are written by index at ``slots`` (padding to the bucket at the cache's scratch slot, see
   ``KVCache``), never by a slice that starts at a host int;
+* a batch's rows pad up to a row bucket where the cache's storage holds that many rows (the batch cache's rows
+  0..R-1 are the start of a storage of more): a continuous batch's row count changes as sequences join and leave,
+  and a graph per exact count captured anew at almost every change (on the H200, 16 rows decoded slower than 4, and
+  128 rows 1.2x 4). The padded rows write the scratch slot of rows no sequence holds and their outputs are dropped;
 * attention reads every slot of the cache under the mask ``Placement.allowed`` builds from the committed
   ``prefix`` and the tree ``block``: no shape depends on a length;
 * inputs, positions, slots, prefix and block are static buffers the runner copies into before each replay; outputs
@@ -42,6 +47,7 @@ from decoding.model.fast_layers import Placement
 log = logging.getLogger("specray")
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # tokens per row a graph is captured for (a block pads to the next)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # batch rows a graph is captured for (then by 64)
 MAX_GRAPHS = 256  # graphs kept per adapter (least recently used dropped beyond it)
 
 
@@ -52,6 +58,17 @@ def bucket(t: int) -> int | None:
     [1, 4, 8, 64, 64, None]
     """
     return next((w for w in WIDTHS if w >= t), None)
+
+
+def row_bucket(rows: int, capacity: int) -> int:
+    """The rows a batch's graph runs at: the next of ``ROW_BUCKETS`` (past them, the next multiple of 64), within the
+    ``capacity`` of the cache's storage.
+
+    >>> [row_bucket(r, 128) for r in (1, 3, 5, 17, 33, 100, 128)], row_bucket(100, 100), row_bucket(300, 512)
+    ([1, 4, 8, 24, 48, 128, 128], 100, 320)
+    """
+    padded = next((b for b in ROW_BUCKETS if b >= rows), -(-rows // 64) * 64)
+    return max(rows, min(padded, capacity))
 
 
 def round_len(n: int) -> int:
@@ -140,12 +157,15 @@ class GraphRunner:
         rows, t = x.shape[:2]
         if not self.applies(cache, t, place):
             return None
-        key = self.key(cache, rows, t, first, last, x.dtype == torch.long, captured, place.block is not None)
+        padded = row_bucket(rows, cache.row_capacity)
+        if padded > rows:
+            cache = cache.first_rows(padded)
+        key = self.key(cache, padded, t, first, last, x.dtype == torch.long, captured, place.block is not None)
         if key in self.failed:
             return None
         g = self.graphs.get(key)
         if g is None:
-            g = self._make(key, cache, x, positions, place, first, last, captured)
+            g = self._make(key, cache, x, positions, place, first, last, captured, padded)
             if g is None:
                 return None
         else:
@@ -158,30 +178,35 @@ class GraphRunner:
         self.replays += 1
         if captured is not None:
             for layer in captured:
-                captured[layer] = g.features[layer][:, :t].clone()
-        return g.output[:, :t].clone()
+                captured[layer] = g.features[layer][:rows, :t].clone()
+        return g.output[:rows, :t].clone()
 
     def _fill(self, g: _Graph, cache, x, positions, place: Placement, t: int) -> None:
-        """Copy one call's inputs into the graph's static buffers; the padding past ``t`` writes the scratch slot and
-        is seen by no real query."""
+        """Copy one call's inputs into the graph's static buffers; the padding past ``t`` (and the rows past the
+        call's) writes the scratch slot and is seen by no real query."""
         inp = g.inputs
-        inp["x"][:, :t].copy_(x)
-        inp["positions"][:, :t].copy_(positions)
-        inp["slots"][:, :t].copy_(place.slots)
+        r = x.shape[0]
+        inp["x"][:r, :t].copy_(x)
+        inp["positions"][:r, :t].copy_(positions)
+        inp["slots"][:r, :t].copy_(place.slots)
         width = inp["slots"].shape[1]
         if t < width:
-            inp["slots"][:, t:].fill_(cache.scratch)
-            inp["positions"][:, t:].copy_(positions[:, -1:].expand(-1, width - t))
-        inp["prefix"].copy_(place.prefix)
+            inp["slots"][:r, t:].fill_(cache.scratch)
+            inp["positions"][:r, t:].copy_(positions[:, -1:].expand(-1, width - t))
+        inp["prefix"][:r].copy_(place.prefix)
+        if r < inp["slots"].shape[0]:  # rows padded to the bucket: rows no sequence holds, their scratch slot only
+            inp["slots"][r:].fill_(cache.scratch)
+            inp["prefix"][r:].zero_()
         if "block" in inp:
             inp["block"].copy_(inp["eye"])  # padding queries see themselves; no real query sees the padding
-            inp["block"][:, :t, :t].copy_(place.block)
+            inp["block"][:r, :t, :t].copy_(place.block)
 
     # ---- capture ---------------------------------------------------------------------------------------------------
-    def _make(self, key, cache, x, positions, place: Placement, first: int, last: int, captured) -> _Graph | None:
+    def _make(self, key, cache, x, positions, place: Placement, first: int, last: int, captured, rows: int) -> _Graph | None:
+        """Capture the graph of ``key`` for ``rows`` rows (the call's, or its row bucket)."""
         if len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
-        rows, t = x.shape[:2]
+        t = x.shape[1]
         width = bucket(t)
         device = x.device
         inputs = {

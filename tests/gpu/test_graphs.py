@@ -104,6 +104,22 @@ def test_batched_rows_replay_and_match_eager(model, prompt):
     assert [g.token_ids for g in generate_many(graphed, rows(), max_rows=6)] == want
 
 
+def test_a_continuous_batch_captures_its_row_buckets_only(model, prompt):
+    """Eleven sequences of different lengths through up to 8 rows: the row count takes most values from 1 to 8, the
+    captured graphs only the buckets 1, 2, 4, 8; the output is the eager batch's."""
+
+    def rows():
+        return [
+            Sequence(prompt[:, : 6 + i], drafter=NgramDrafter(3, 1) if i % 3 == 0 else None, k=3, max_new_tokens=5 + 3 * i)
+            for i in range(11)
+        ]
+
+    eager, graphed = ModelAdapter(model, graphs=False), ModelAdapter(model)
+    want = [g.token_ids for g in generate_many(eager, rows(), max_rows=8)]
+    assert [g.token_ids for g in generate_many(graphed, rows(), max_rows=8)] == want
+    assert {key[2] for key in graphed.graphs.graphs} <= {1, 2, 4, 8} and graphed.graphs.captures > 0
+
+
 def test_a_step_synchronises_once(model, prompt):
     """CUDA's sync debug mode warns at every synchronising call: one a step (the verdicts' read), after warm-up."""
     graphed = ModelAdapter(model)

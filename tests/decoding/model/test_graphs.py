@@ -25,7 +25,7 @@ from decoding.drafters.ngram import NgramDrafter
 from decoding.loop.batch import Sequence, generate_many
 from decoding.model.adapter import ModelAdapter
 from decoding.model.fast_layers import Placement
-from decoding.model.graphs import CachePool, GraphRunner
+from decoding.model.graphs import CachePool, GraphRunner, row_bucket
 from decoding.trees.shapes import Tree
 
 VOCAB = 48
@@ -74,6 +74,33 @@ def test_graph_body_in_a_batch_of_rows(model, prompt):
     want = [g.token_ids for g in generate_many(eager, rows(), max_rows=4)]
     assert [g.token_ids for g in generate_many(graphed, rows(), max_rows=4)] == want
     assert 4 in {key[2] for key in graphed.graphs.graphs}  # the steps of four rows ran from their graphs
+
+
+def test_a_continuous_batch_pads_its_rows_to_a_few_buckets(model, prompt):
+    """Rows join and leave (eleven sequences of different lengths through a batch of up to 8 rows, some drafting):
+    the row count takes most values from 1 to 8, the graphs only the row buckets that hold them; the padded rows
+    never change a real row's tokens (equal to the eager batch's), and a real row never reads a padded row's."""
+
+    def rows():
+        return [
+            Sequence(prompt[:, : 6 + i], drafter=NgramDrafter(3, 1) if i % 3 == 0 else None, k=3, max_new_tokens=5 + 3 * i)
+            for i in range(11)
+        ]
+
+    eager, graphed = ModelAdapter(model), ModelAdapter(model, graphs=True)
+    want = [g.token_ids for g in generate_many(eager, rows(), max_rows=8)]
+    counts = []
+    run = graphed.graphs.run
+
+    def noting(cache, x, *args):
+        counts.append(x.shape[0])
+        return run(cache, x, *args)
+
+    graphed.graphs.run = noting
+    assert [g.token_ids for g in generate_many(graphed, rows(), max_rows=8)] == want
+    row_keys = {key[2] for key in graphed.graphs.graphs}
+    assert len(set(counts)) >= 6 and row_keys <= {1, 2, 4, 8}, (sorted(set(counts)), row_keys)
+    assert row_bucket(3, 8) == 4 and row_bucket(3, 3) == 3  # a storage of 3 rows runs them as they are
 
 
 def test_padding_to_the_bucket_never_reaches_a_position(model):
