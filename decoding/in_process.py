@@ -178,6 +178,7 @@ class SpecDecoder(DecoderBase):
             if "row" in latest:
                 seq.acceptance = latest["row"].acceptance.carried(wait=not seq.drafter.model_free)
                 seq.draft_cost = latest["row"].draft_cost.carried()
+                seq.tree_gain = latest["row"].tree_gain.carried()
             latest["row"] = seq
         return seq
 

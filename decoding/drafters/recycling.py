@@ -184,7 +184,7 @@ class RecyclingDrafter(Drafter):
             elif self.chooser is not None:
                 self.template = self.chooser.choose(acc, k)
             else:
-                self.template = sequoia_tree(tuple(round(a, 2) for a in acc), self.budget, k)
+                self.template = sequoia_tree(tuple(acc), self.budget, k)
             self._depth = k
         return self.template
 

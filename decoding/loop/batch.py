@@ -18,7 +18,7 @@ import time
 import torch
 
 from decoding.drafters.base import DecodeState, Drafter, Proposal
-from decoding.loop.goodput import Acceptance, CostModel, DraftCost, RowPlan, choose_width
+from decoding.loop.goodput import Acceptance, CostModel, DraftCost, RowPlan, TreeGain, choose_width
 from decoding.loop.output import Generation, Output, StepCallback
 from decoding.loop.prefill import PREFILL_CHUNK, Prefill, check_context, chunk_of, first_token
 from decoding.loop.step import Workspace, propose, truncate, verify_step
@@ -71,7 +71,7 @@ class Sequence(Output):
         self.acceptance = Acceptance()  # SpecDecoder may start it from an earlier request's (Acceptance.carried)
         self.draft_cost = DraftCost()  # what its drafter's proposals cost, by length
         self.captured_s = 0.0  # seconds its drafter's last proposal spent capturing CUDA graphs (once per shape)
-        self.tree_steps = self.tree_accepted = 0  # steps that drafted a tree, and drafts they had accepted
+        self.tree_gain = TreeGain()  # accepted drafts of its whole trees, by tree size
         self.fill: Prefill | None = None  # its prompt's prefill while it joins a batch
         self.error: Exception | None = None  # why it could not start (its drafter failed to), if so
 
@@ -301,7 +301,7 @@ class Batch:
             # a proposal's CUDA graph captures happen once per shape: what a draft costs from now on leaves them out
             seq.draft_cost.observe(res.record.drafted, max(0.0, res.record.draft_s - seq.captured_s))
             if res.proposal.tree is not None and res.record.drafted:
-                seq.tree_steps, seq.tree_accepted = seq.tree_steps + 1, seq.tree_accepted + res.num_accepted
+                seq.tree_gain.observe(res.proposal.size, res.num_accepted)
             seq.steps.append(res.record)
             seq.commit(res.committed)
             if seq.finished:
@@ -329,11 +329,12 @@ class Batch:
                 early[id(s)] = self._propose(s, cap)
                 p = early[id(s)][0]
                 avail = p.size
-                tree_gain = _tree_gain(s) if p.tree is not None else None
+                tree_gain = s.tree_gain(p.size) if p.tree is not None else None
             else:
-                avail, tree_gain = cap, (_tree_gain(s) if s.drafter.tree is not None and cap > 0 else None)
-                if tree_gain is not None:
+                avail, tree_gain = cap, None
+                if s.drafter.tree is not None and cap > 0:
                     avail = s.drafter.max_nodes(cap)
+                    tree_gain = s.tree_gain(avail)
             draft_cost = 0.0 if model_free else s.draft_cost
             plans.append(RowPlan(avail=avail, alpha=s.acceptance.alpha, fixed=not s.adaptive, draft_cost=draft_cost, tree_gain=tree_gain))
         width = choose_width(plans, self.cost, self.max_step_tokens)
@@ -373,11 +374,6 @@ class Batch:
     def run(self) -> None:
         while len(self):
             self.step()
-
-
-def _tree_gain(seq: Sequence) -> float:
-    """Expected accepted drafts of a whole tree: the mean over this sequence's tree steps so far (prior 1)."""
-    return (seq.tree_accepted + 1.0) / (seq.tree_steps + 1.0)
 
 
 def run_alone(target: ModelAdapter, seq: Sequence, cost: CostModel | None = None) -> Generation:

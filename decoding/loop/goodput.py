@@ -184,6 +184,48 @@ class RoundGate:
         self.on, self.probing, self.idle = False, False, 0
 
 
+class TreeGain:
+    """Expected accepted drafts of a whole tree, by its size (1, 2-3, 4-7, 8-15, 16-31, 32+ nodes): the mean over a
+    row's tree steps of that size, from a prior of one accepted draft (worth ``weight`` steps), so a size not seen yet
+    is tried.
+
+    A model-free drafter's trees differ in worth by size: a suffix tree grows with its match length. On this CPU over
+    coding, translation, summarization and stem, suffix's one-node trees had 0.08-0.26 of their draft accepted while
+    each cost a third of a step more to verify, and its trees of 3-4 nodes 2.6 accepted; one mean over all of them
+    made k=auto draft the losing ones too.
+
+    >>> g = TreeGain()
+    >>> for _ in range(20):
+    ...     g.observe(1, 0); g.observe(4, 3)
+    >>> round(g(1), 2), round(g(4), 2), g(16)    # each size by its own record; an unseen size by the prior
+    (0.09, 2.82, 1.0)
+    """
+
+    def __init__(self, weight: float = 2.0):
+        self.weight = weight
+        self.by_size: dict[int, list[float]] = {}  # bucket -> [steps, accepted drafts]
+
+    @staticmethod
+    def bucket(size: int) -> int:
+        return min(max(size, 1).bit_length(), 6)
+
+    def __call__(self, size: int) -> float:
+        n, acc = self.by_size.get(self.bucket(size), (0.0, 0.0))
+        return (acc + self.weight) / (n + self.weight)
+
+    def observe(self, size: int, accepted: int) -> None:
+        entry = self.by_size.setdefault(self.bucket(size), [0.0, 0.0])
+        entry[0], entry[1] = entry[0] + 1, entry[1] + accepted
+
+    def carried(self, most: float = 8.0) -> TreeGain:
+        """A new row's record that starts from this one's, each size worth at most ``most`` steps."""
+        new = TreeGain(self.weight)
+        for b, (n, acc) in self.by_size.items():
+            s = min(1.0, most / n)
+            new.by_size[b] = [n * s, acc * s]
+        return new
+
+
 class DraftCost:
     """Seconds a drafter spends on a proposal of j drafts: ``a + b * j`` for j > 0 (nothing when it does not draft),
     fitted by least squares on its recent proposals (older ones decayed). ``a`` is what a proposal costs whatever its

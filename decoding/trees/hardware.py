@@ -127,7 +127,7 @@ class TreeChooser:
         return self.costs[hi] + (nodes - hi) * (self.costs[hi] - self.costs[lo]) / (hi - lo)
 
     def rate(self, acceptance, budget: int, depth: int) -> tuple[float, Tree]:
-        tree = sequoia_tree(tuple(round(a, 2) for a in acceptance), budget, depth)
+        tree = sequoia_tree(tuple(acceptance), budget, depth)
         return expected_accepted(acceptance, tree.paths()) / self.cost(tree.size), tree
 
     def prefix(self, probs) -> int:

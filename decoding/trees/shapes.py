@@ -256,11 +256,24 @@ def sequoia_paths(acceptance: Sequence[float], budget: int, max_depth: int) -> l
 
 
 _SEQUOIA: dict = {}
+ACCEPTANCE_GRAIN = 0.05  # the acceptance profile a template is chosen for, rounded to this
+
+
+def rounded(acceptance) -> tuple:
+    """An acceptance profile rounded to :data:`ACCEPTANCE_GRAIN`: the templates' cache key.
+
+    >>> rounded([0.812, 0.33, 0.0])
+    (0.8, 0.35, 0.0)
+    """
+    return tuple(round(round(a / ACCEPTANCE_GRAIN) * ACCEPTANCE_GRAIN, 4) for a in acceptance)
 
 
 def sequoia_tree(acceptance: tuple, budget: int, depth: int) -> Tree:
-    """:func:`sequoia_paths` as a ``Tree``, kept for the last few hundred (acceptance, budget, depth) asked for (the
-    drafters that choose a template per request ask again and again for the same rounded acceptance)."""
+    """:func:`sequoia_paths` as a ``Tree`` for a :func:`rounded` profile, kept for the last few hundred (acceptance,
+    budget, depth) asked for. The drafters that choose a template per request ask again and again for nearly the same
+    acceptance: rounded to 0.01 it missed, and the hybrid's choice among 10 budgets at each of 4 depths cost 70 ms of
+    a 1.4 s request on this CPU (5%)."""
+    acceptance = rounded(acceptance)
     key = (acceptance, budget, depth)
     if key not in _SEQUOIA:
         if len(_SEQUOIA) > 512:

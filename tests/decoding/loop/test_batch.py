@@ -7,6 +7,7 @@ import pytest
 import torch
 from tests_support import generate
 
+from decoding.drafters.base import Proposal
 from decoding.drafters.draft_model import DraftModelDrafter
 from decoding.drafters.early_exit import EarlyExitDrafter
 from decoding.drafters.ngram import NgramDrafter
@@ -422,3 +423,40 @@ def test_a_drafts_one_off_graph_capture_is_not_learned_as_its_cost(tiny_model, t
         assert later >= 10, later
     else:
         assert later <= 4, later
+
+
+class _OracleTrees(NgramDrafter):
+    """A model-free tree drafter that knows the target's continuation: on even steps a one-node tree with a wrong
+    token, on odd steps a four-node chain of the right ones (as a suffix tree's small trees from short matches and big
+    trees from long ones)."""
+
+    def __init__(self, future: list[int], prompt_len: int):
+        super().__init__(3, 1)
+        self.future, self.prompt_len, self.calls = future, prompt_len, 0
+
+    def propose(self, state, k):
+        self.calls += 1
+        done = state.tokens.shape[1] - self.prompt_len  # generated tokens so far (the pending one included)
+        if self.calls % 2:
+            toks = [(self.future[done] + 1) % 48] if done < len(self.future) else []
+        else:
+            toks = self.future[done : done + min(k, 4)]
+        if not toks:
+            return Proposal.empty(1, state.tokens.device)
+        return Proposal(host=toks, device=state.tokens.device, tree=Tree.from_parents(list(range(-1, len(toks)))))
+
+
+def test_k_auto_judges_a_tree_by_its_size(tiny_model, target, ar_alone, one_thread):
+    """One mean over all of a drafter's trees lets its losing small trees ride on its winning big ones; by size, k=auto
+    drops the one-node trees (never accepted, each widening the forward) and keeps the four-node ones."""
+    cost = CostModel({(1, t): 1.0 + 0.4 * (t > 1) + 0.05 * t for t in (1, 2, 3, 5, 9)})  # any draft costs 0.4 steps more
+    future = ar_alone[4][1:] + [0] * 8
+    drafter = _OracleTrees(future, ids(PROMPTS[4]).shape[1])
+    seq = Sequence(ids(PROMPTS[4]), drafter=drafter, k=4, adaptive=True, max_new_tokens=24)
+    out = generate_many(target, [seq], max_rows=1, cost=cost)[0]
+    assert out.token_ids == ar_alone[4]
+    by_size = {}
+    for r in out.steps:
+        if r.drafted:
+            by_size[r.drafted] = by_size.get(r.drafted, 0) + 1
+    assert by_size.get(1, 0) <= 3 and sum(n for size, n in by_size.items() if size > 1) >= 3, by_size
