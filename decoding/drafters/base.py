@@ -108,10 +108,19 @@ class Proposal:
     them only for code that asks).
     """
 
-    __slots__ = ("_tokens", "probs", "hidden", "layer", "tree", "host", "device", "unverified")
+    __slots__ = ("_tokens", "probs", "hidden", "layer", "tree", "host", "device", "unverified", "kind")
 
     def __init__(
-        self, tokens=None, probs=None, hidden=None, layer: int = 0, tree: Tree | None = None, host=None, device=None, unverified=False
+        self,
+        tokens=None,
+        probs=None,
+        hidden=None,
+        layer: int = 0,
+        tree: Tree | None = None,
+        host=None,
+        device=None,
+        unverified=False,
+        kind: int | None = None,
     ):
         if tokens is None and host is None:
             raise ValueError("a proposal needs its tokens, on the device or the host")
@@ -125,6 +134,9 @@ class Proposal:
         # the drafts are committed without verification (EAD, lossy): the target's forward over them only catches its
         # cache up and adds its own token after them (``decoding.loop.verify.commit_unverified``)
         self.unverified = unverified
+        # the drafter's own class of confidence in these drafts (prompt lookup: the size of the n-gram it matched):
+        # k=auto keeps a row's acceptance apart per kind, where one mean would let weak drafts ride on strong ones
+        self.kind = kind
 
     @property
     def tokens(self) -> torch.Tensor:

@@ -85,7 +85,8 @@ class NgramDrafter(Drafter):
         if index is None or index.length > len(seq):
             index = self._index = SuffixIndex(self.ngram_min, self.ngram_max)
         index.extend(seq)
-        return Proposal(host=index.continuation(seq, k) if k > 0 else [], device=state.tokens.device)
+        drafts = index.continuation(seq, k) if k > 0 else []
+        return Proposal(host=drafts, device=state.tokens.device, kind=index.matched if drafts else None)
 
 
 class SuffixIndex:
@@ -102,6 +103,7 @@ class SuffixIndex:
     def __init__(self, lo: int, hi: int):
         self.maps: dict[int, dict[tuple, int]] = {size: {} for size in range(hi, lo - 1, -1)}
         self.length = 0  # windows of seq[:length] are indexed
+        self.matched = 0  # the n-gram size the latest continuation matched (0: none)
 
     def extend(self, seq: list[int]) -> None:
         n = len(seq)
@@ -117,7 +119,9 @@ class SuffixIndex:
                 continue
             i = latest.get(tuple(seq[n - size :]))
             if i is not None:
+                self.matched = size
                 return seq[i + size : i + size + k]
+        self.matched = 0
         return []
 
 

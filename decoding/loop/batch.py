@@ -69,6 +69,7 @@ class Sequence(Output):
         self.tag = tag
         self.state: DecodeState | None = None
         self.acceptance = Acceptance()  # SpecDecoder may start it from an earlier request's (Acceptance.carried)
+        self.acceptance_of: dict[int, Acceptance] = {}  # per kind of proposal (Proposal.kind), where its drafter says
         self.draft_cost = DraftCost()  # what its drafter's proposals cost, by length
         self.captured_s = 0.0  # seconds its drafter's last proposal spent capturing CUDA graphs (once per shape)
         self.tree_gain = TreeGain()  # accepted drafts of its whole trees, by tree size
@@ -83,6 +84,13 @@ class Sequence(Output):
     def max_len(self) -> int:
         """Cache slots this sequence may need: prompt, new tokens and one step's drafts."""
         return self.prompt_len + self.max_new_tokens + self.drafter.max_nodes(self.k) + 1
+
+    def kind_acceptance(self, kind: int) -> Acceptance:
+        """The acceptance of this row's proposals of one kind (``Proposal.kind``), from the usual prior: a kind not
+        seen yet is tried, whatever the others did."""
+        if kind not in self.acceptance_of:
+            self.acceptance_of[kind] = Acceptance()
+        return self.acceptance_of[kind]
 
     def step_k(self) -> int:
         """Never draft more than can be committed: m + 1 <= remaining."""
@@ -298,6 +306,8 @@ class Batch:
         for seq, res, budget in zip(list(rows), results, budgets, strict=True):
             res.record.k = budget
             seq.acceptance.observe(res.record.drafted, res.num_accepted)
+            if res.proposal.kind is not None and res.record.drafted:
+                seq.kind_acceptance(res.proposal.kind).observe(res.record.drafted, res.num_accepted)
             # a proposal's CUDA graph captures happen once per shape: what a draft costs from now on leaves them out
             seq.draft_cost.observe(res.record.drafted, max(0.0, res.record.draft_s - seq.captured_s))
             if res.proposal.tree is not None and res.record.drafted:
@@ -328,15 +338,15 @@ class Batch:
             if model_free and cap > 0:
                 early[id(s)] = self._propose(s, cap)
                 p = early[id(s)][0]
-                avail = p.size
+                avail, alpha = p.size, (s.acceptance.alpha if p.kind is None else s.kind_acceptance(p.kind).alpha)
                 tree_gain = s.tree_gain(p.size) if p.tree is not None else None
             else:
-                avail, tree_gain = cap, None
+                avail, alpha, tree_gain = cap, s.acceptance.alpha, None
                 if s.drafter.tree is not None and cap > 0:
                     avail = s.drafter.max_nodes(cap)
                     tree_gain = s.tree_gain(avail)
             draft_cost = 0.0 if model_free else s.draft_cost
-            plans.append(RowPlan(avail=avail, alpha=s.acceptance.alpha, fixed=not s.adaptive, draft_cost=draft_cost, tree_gain=tree_gain))
+            plans.append(RowPlan(avail=avail, alpha=alpha, fixed=not s.adaptive, draft_cost=draft_cost, tree_gain=tree_gain))
         width = choose_width(plans, self.cost, self.max_step_tokens)
         due = [s.adaptive and s.acceptance.due and plan.avail > 0 for s, plan in zip(rows, plans, strict=True)]
         if any(due) and width == 1:  # probe only where drafts would pay if they were accepted again, not under load

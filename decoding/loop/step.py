@@ -442,12 +442,13 @@ def truncate(proposal: Proposal, j: int) -> Proposal:
     if proposal.size <= j:
         return proposal
     if proposal.host is not None:
-        return Proposal(host=proposal.host[:j], device=proposal.device)
+        return Proposal(host=proposal.host[:j], device=proposal.device, kind=proposal.kind)
     return Proposal(
         tokens=proposal.tokens[:, :j],
         probs=None if proposal.probs is None else proposal.probs[:, :j],
         hidden=None if proposal.hidden is None else proposal.hidden[:, : j + 1],
         layer=proposal.layer,
+        kind=proposal.kind,
     )
 
 

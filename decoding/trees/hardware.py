@@ -35,7 +35,9 @@ from decoding.paths import specray_home
 from decoding.timing import device_name, synchronize
 from decoding.trees.shapes import Tree, expected_accepted, sequoia_tree
 
-SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # verification widths timed (nodes, the root included)
+# verification widths timed (nodes, the root included); 5 and 9 too: on this kind of CPU the int4 kernel's cost rises
+# in steps of 4 rows (see decoding.loop.goodput.CALIBRATION_WIDTHS), and a 5-node tree costs what an 8-node one does
+SIZES = (1, 2, 4, 5, 8, 9, 12, 16, 24, 32, 48, 64)
 BUDGETS = (2, 4, 6, 8, 12, 16, 24, 32, 48, 63)  # draft-node budgets the chooser considers
 
 
@@ -79,7 +81,8 @@ def monotone(costs: dict[int, float]) -> dict[int, float]:
 def calibration_path(model: str, dtype: str, threads: int, device: str = "cpu", implementation: str = "layers") -> Path:
     """Where a verification-cost curve is kept: per model, dtype, device name (``decoding.timing.device_name``: the
     GPU's model), threads and forward implementation."""
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{model}-{dtype}-{device}-t{threads}-{implementation}").strip("_")
+    grid = "s" + ".".join(map(str, SIZES))  # a new set of sizes is measured anew
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{model}-{dtype}-{device}-t{threads}-{implementation}-{grid}").strip("_")
     return specray_home() / "calibration" / f"verify-cost-{name}.json"
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tests_support import generate
 
-from decoding.drafters.base import Proposal
+from decoding.drafters.base import DecodeState, Proposal
 from decoding.drafters.draft_model import DraftModelDrafter
 from decoding.drafters.early_exit import EarlyExitDrafter
 from decoding.drafters.ngram import NgramDrafter
@@ -20,7 +20,7 @@ from decoding.loop.metrics import chi_square_pvalue
 from decoding.loop.verify import verify_speculative
 from decoding.model import graphs as graphs_module
 from decoding.model.adapter import ModelAdapter
-from decoding.sampling import SamplingParams, sample_from
+from decoding.sampling import GREEDY, SamplingParams, sample_from
 from decoding.trees.shapes import Dynamic, Tree
 from tests.decoding.loop.test_loop import exact_joint
 
@@ -430,15 +430,15 @@ class _OracleTrees(NgramDrafter):
     token, on odd steps a four-node chain of the right ones (as a suffix tree's small trees from short matches and big
     trees from long ones)."""
 
-    def __init__(self, future: list[int], prompt_len: int):
+    def __init__(self, future: list[int], prompt_len: int, vocab: int):
         super().__init__(3, 1)
-        self.future, self.prompt_len, self.calls = future, prompt_len, 0
+        self.future, self.prompt_len, self.vocab, self.calls = future, prompt_len, vocab, 0
 
     def propose(self, state, k):
         self.calls += 1
         done = state.tokens.shape[1] - self.prompt_len  # generated tokens so far (the pending one included)
         if self.calls % 2:
-            toks = [(self.future[done] + 1) % 48] if done < len(self.future) else []
+            toks = [(self.future[done] + 1) % self.vocab] if done < len(self.future) else []
         else:
             toks = self.future[done : done + min(k, 4)]
         if not toks:
@@ -450,8 +450,8 @@ def test_k_auto_judges_a_tree_by_its_size(tiny_model, target, ar_alone, one_thre
     """One mean over all of a drafter's trees lets its losing small trees ride on its winning big ones; by size, k=auto
     drops the one-node trees (never accepted, each widening the forward) and keeps the four-node ones."""
     cost = CostModel({(1, t): 1.0 + 0.4 * (t > 1) + 0.05 * t for t in (1, 2, 3, 5, 9)})  # any draft costs 0.4 steps more
-    future = ar_alone[4][1:] + [0] * 8
-    drafter = _OracleTrees(future, ids(PROMPTS[4]).shape[1])
+    future = ar_alone[4] + [0] * 8
+    drafter = _OracleTrees(future, ids(PROMPTS[4]).shape[1], tiny_model.config.vocab_size)
     seq = Sequence(ids(PROMPTS[4]), drafter=drafter, k=4, adaptive=True, max_new_tokens=24)
     out = generate_many(target, [seq], max_rows=1, cost=cost)[0]
     assert out.token_ids == ar_alone[4]
@@ -460,3 +460,35 @@ def test_k_auto_judges_a_tree_by_its_size(tiny_model, target, ar_alone, one_thre
         if r.drafted:
             by_size[r.drafted] = by_size.get(r.drafted, 0) + 1
     assert by_size.get(1, 0) <= 3 and sum(n for size, n in by_size.items() if size > 1) >= 3, by_size
+
+
+class _OracleKinds(NgramDrafter):
+    """A model-free chain drafter that knows the target's continuation: on even steps wrong drafts of kind 1 (as
+    prompt lookup's one-token matches), on odd steps right ones of kind 3 (its three-token matches)."""
+
+    def __init__(self, future: list[int], prompt_len: int, vocab: int):
+        super().__init__(3, 1)
+        self.future, self.prompt_len, self.vocab, self.calls = future, prompt_len, vocab, 0
+
+    def propose(self, state, k):
+        self.calls += 1
+        done = state.tokens.shape[1] - self.prompt_len
+        right = self.future[done : done + k]
+        if self.calls % 2:
+            return Proposal(host=[(t + 1) % self.vocab for t in right], device=state.tokens.device, kind=1)
+        return Proposal(host=right, device=state.tokens.device, kind=3)
+
+
+def test_k_auto_keeps_a_rows_acceptance_apart_by_the_kind_of_proposal(tiny_model, target, ar_alone, one_thread):
+    """Prompt lookup's one-token matches were accepted 0.45 drafts of 4 on this CPU, its three-token ones 2.76: one
+    acceptance per row drafts both or neither, one per kind (``Proposal.kind``) drafts the strong ones only."""
+    cost = CostModel({(1, t): 1.0 + 0.3 * (t > 1) + 0.05 * t for t in (1, 2, 3, 5, 9)})
+    drafter = _OracleKinds(ar_alone[4] + [0] * 8, ids(PROMPTS[4]).shape[1], tiny_model.config.vocab_size)
+    seq = Sequence(ids(PROMPTS[4]), drafter=drafter, k=4, adaptive=True, max_new_tokens=24)
+    out = generate_many(target, [seq], max_rows=1, cost=cost)[0]
+    assert out.token_ids == ar_alone[4]
+    assert seq.acceptance_of[1].alpha < 0.3 < 0.7 < seq.acceptance_of[3].alpha
+    drafted = [r for r in out.steps if r.drafted]
+    assert sum(r.accepted for r in drafted) >= 2 * len(drafted) - 4  # nearly only the right kind was drafted
+    state = DecodeState(ids([5, 6, 7, 5, 6]), None, None, GREEDY, None, 16)
+    assert NgramDrafter(3, 1).propose(state, 2).kind == 2  # [5, 6] matched
