@@ -177,11 +177,17 @@ def measure(base, methods: list[str], rows: list[int], spec_rows: int, n_prompts
                 one[name].append(timed(lambda ids=ids, name=name: len(peer.generate(name, ids.cpu(), base.max_new_tokens)[0])))
     summary["one_stream"] = {name: sum(v) / len(v) for name, v in one.items()}
     # 2. batched AR, and speculation under load
-    sweep = {}
+    from decoding.model.graphs import capture_seconds
+
+    sweep, captured = {}, {}
     for r in rows:
         ar.generate_batch(prompts[:r], max_new_tokens=4, max_rows=r)  # warm-up at this batch size
+        before = capture_seconds()
         sweep[r] = timed(lambda r=r: sum(len(g.token_ids) for g in ar.generate_batch(prompts[:r], max_rows=r)))
+        captured[r] = round(capture_seconds() - before, 3)
     summary["batched_ar"] = sweep
+    # seconds of CUDA graph capture inside each timed batch (rows join and leave: new row buckets; 0 on a CPU)
+    summary["batched_capture_s"] = captured
 
     def batch_of(dec):
         return sum(len(g.token_ids) for g in dec.generate_batch(prompts[:spec_rows], max_rows=spec_rows))

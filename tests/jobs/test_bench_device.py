@@ -18,6 +18,7 @@ def test_bench_device_measures_writes_and_renders_again(tiny_model_dir, tmp_path
     summary = json.loads((tmp_path / "out" / "device.json").read_text())
     assert summary["device_type"] == "cpu" and set(summary["one_stream"]) == {"specray-ar", "hf-plain"}
     assert set(summary["batched_ar"]) == {"1", "2"} and set(summary["under_load"]) == {"ar", "ngram"}
+    assert summary["batched_capture_s"] == {"1": 0.0, "2": 0.0}  # graph capture inside the timed batches: none on a CPU
     assert all(v > 0 for part in ("one_stream", "batched_ar", "under_load") for v in summary[part].values())
     written = readme.read_text()
     assert "old" not in written and written.endswith("after\n") and "| batched AR, rows | 1 | 2 |" in written
