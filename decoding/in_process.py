@@ -175,13 +175,14 @@ class SpecDecoder(DecoderBase):
         if seq.adaptive and self.cfg.draft_memory == "warm":
             # its acceptance and draft-cost estimates start where the latest request of this method left off (not
             # at the prior, and not assuming drafts free): a drafter that does not pay does not relearn it each time
+            # (the estimators themselves are kept, live, not the sequence: its state would hold its cache's storage)
             latest = self.memory.get(("acceptance", self.cfg.method), dict)
             if "row" in latest:
-                seq.acceptance = latest["row"].acceptance.carried(wait=not seq.drafter.model_free)
-                seq.draft_cost = latest["row"].draft_cost.carried()
-                seq.tree_gain = latest["row"].tree_gain.carried()
-                seq.acceptance_of = {kind: a.carried() for kind, a in latest["row"].acceptance_of.items()}
-            latest["row"] = seq
+                acceptance, draft_cost, tree_gain, acceptance_of = latest["row"]
+                seq.acceptance = acceptance.carried(wait=not seq.drafter.model_free)
+                seq.draft_cost, seq.tree_gain = draft_cost.carried(), tree_gain.carried()
+                seq.acceptance_of = {kind: a.carried() for kind, a in acceptance_of.items()}
+            latest["row"] = (seq.acceptance, seq.draft_cost, seq.tree_gain, seq.acceptance_of)
         return seq
 
     def adaptive(self, seed: int | None) -> bool:

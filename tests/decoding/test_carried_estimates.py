@@ -7,6 +7,9 @@ over the hard Spec-Bench categories so).
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -38,6 +41,12 @@ def test_a_later_request_starts_from_the_earlier_ones_estimates(tiny_model_dir):
     assert second.acceptance.probe_every == 4 * PROBE_EVERY  # a model drafter's probes cost a step: the wait carries
     # greedy: what was carried changes when it drafts, never what it says
     assert dec.run(second).token_ids == dec.run(decoder(tiny_model_dir, method="ar").sequence(PROMPT)).token_ids
+    # the decoder keeps the estimators, not the sequence (whose state holds its cache's storage, which a GPU pool
+    # recycles, graphs and all, once it is gone)
+    gone = weakref.ref(second)
+    del first, second
+    gc.collect()
+    assert gone() is None
 
 
 def test_model_free_rows_carry_acceptance_but_probe_soon(tiny_model_dir):
