@@ -72,23 +72,28 @@ class KVCache:
         view = KVCache.__new__(KVCache)
         view.k_all, view.v_all = self.k_all[:, begin:end], self.v_all[:, begin:end]
         view.max_len, view.length, view.place = self.max_len, 0, None
-        whole = getattr(self, "whole", False)
-        view.whole = (whole or self) if begin == 0 and whole is not False else False  # the storage of rows 0..
+        whole = self._whole() if begin == 0 else None
+        view.whole = False if whole is None else whole  # the storage of rows 0.., or none
         view._views()
         return view
+
+    def _whole(self) -> KVCache | None:
+        """The cache whose storage this cache's rows 0.. are the start of (itself when it is a whole storage); None
+        for a view of other rows, or a cache of another kind."""
+        whole = getattr(self, "whole", False)
+        return self if whole is None else (None if whole is False else whole)
 
     @property
     def row_capacity(self) -> int:
         """Rows of the storage this cache's rows 0.. are the start of (its own rows for any other view)."""
-        whole = getattr(self, "whole", False)
-        return self.batch if whole is None or whole is False else whole.batch
+        whole = self._whole()
+        return self.batch if whole is None else whole.batch
 
     def first_rows(self, rows: int) -> KVCache | None:
         """The first ``rows`` rows of the storage this cache's rows 0.. are the start of, when it holds that many (a
         batch's CUDA graphs pad its rows up to a bucket: ``decoding.model.graphs.row_bucket``); else None."""
-        whole = getattr(self, "whole", False)
-        whole = self if whole is None else whole
-        return whole.rows(0, rows) if whole is not False and whole.batch >= rows else None
+        whole = self._whole()
+        return whole.rows(0, rows) if whole is not None and whole.batch >= rows else None
 
     def _views(self) -> None:
         """``k[l]`` / ``v[l]``: layer l's positions (the scratch slot left out) as views of the storage."""
