@@ -151,7 +151,7 @@ class RecyclingDrafter(Drafter):
             self.chooser, self.budget = None, fixed.size - 1
         self.memory = memory if memory is not None else DraftMemory()
         self.template: Tree | None = None
-        self._depth = 0
+        self._templates: dict[int, Tree] = {}  # draft depth -> this request's template
         self._nodes: list[int] = []
         self._parents: list[int] = []
         self._ranks: list[int] = []
@@ -174,19 +174,23 @@ class RecyclingDrafter(Drafter):
             self.adjacency.reset()
             self.stats.reset()
         self.template = None
+        self._templates = {}
 
     def template_for(self, k: int) -> Tree:
-        """The tree template for draft depth k: chosen once per request (the acceptance it uses moves slowly)."""
-        if self.template is None or self._depth != k:
+        """The tree template for draft depth k: chosen once per request and depth (the acceptance it uses moves
+        slowly; k=auto changes the depth from step to step, and choosing costs a Sequoia programme per budget)."""
+        template = self._templates.get(k)
+        if template is None:
             acc = self.stats.acceptance()
             if self.fixed is not None:
-                self.template = self.fixed.prune(k)
+                template = self.fixed.prune(k)
             elif self.chooser is not None:
-                self.template = self.chooser.choose(acc, k)
+                template = self.chooser.choose(acc, k)
             else:
-                self.template = sequoia_tree(tuple(acc), self.budget, k)
-            self._depth = k
-        return self.template
+                template = sequoia_tree(tuple(acc), self.budget, k)
+            self._templates[k] = template
+        self.template = template
+        return template
 
     def draft(self, root: int, k: int) -> tuple[list[int], list[int], list[int]]:
         """(tokens, parents, ranks) of a tree of depth <= k from ``root``."""

@@ -1,6 +1,8 @@
 """Token trees: construction, tree attention over a cached prefix, compaction, the tree rules (greedy and
 lossless sampling, pure and end to end on a tiny model), Sequoia's programme and the tree drafters."""
 
+import random
+
 import pytest
 import torch
 from tests_support import generate
@@ -119,6 +121,46 @@ def test_sequoia_is_optimal_by_brute_force(acceptance):
     assert len(paths) <= budget and max(len(p) for p in paths) <= depth
     validate_paths(paths)
     assert expected_accepted(acceptance, paths) == pytest.approx(best)
+
+
+def sequoia_reference(acc, budget, max_depth):
+    """Sequoia's programme written loop by loop (what ``sequoia_paths`` vectorises), for the comparison below."""
+    acc = list(acc)[:budget]
+    K, N = len(acc), budget + 1
+    c = [[1.0] * (N + 1) for _ in range(max_depth + 1)]
+    choice = {}
+    for d in range(1, max_depth + 1):
+        g = [[0.0] * (N + 1) for _ in range(K + 1)]
+        for r in range(K - 1, -1, -1):
+            for n in range(1, N + 1):
+                best, arg = 0.0, 0
+                for m in range(1, n + 1):
+                    v = acc[r] * c[d - 1][m] + g[r + 1][n - m]
+                    if v > best + 1e-12:
+                        best, arg = v, m
+                g[r][n], choice[(d, r, n)] = best, arg
+        for n in range(1, N + 1):
+            c[d][n] = 1.0 + g[0][n - 1]
+
+    def build(d, n, prefix, out):
+        r, left = 0, n - 1
+        while d > 0 and r < K and left > 0 and choice[(d, r, left)]:
+            m = choice[(d, r, left)]
+            out.append(prefix + [r])
+            build(d - 1, m, prefix + [r], out)
+            r, left = r + 1, left - m
+        return out
+
+    return sorted(build(max_depth, N, [], []), key=lambda p: (len(p), p))
+
+
+def test_sequoia_equals_the_loop_by_loop_programme():
+    rng = random.Random(7)
+    profiles = [[0.4, 0.1, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01], [0.5, 0.5], [0.0, 0.0], [1.0, 0.0, 0.0]]
+    profiles += [sorted((round(rng.random(), 2) for _ in range(rng.randint(1, 8))), reverse=True) for _ in range(40)]
+    for i, acc in enumerate(profiles):
+        budget, depth = (1, 2, 3, 5, 8, 16, 33)[i % 7], 1 + i % 6
+        assert sequoia_paths(acc, budget, depth) == sequoia_reference(acc, budget, depth), (acc, budget, depth)
 
 
 # ---- tree attention over a cached prefix, compaction ---------------------------------------------------------
