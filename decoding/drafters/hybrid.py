@@ -8,8 +8,15 @@ Each source proposes a tree with an estimate of each node's chance to be accepte
 * a trained feature head (``eagle``, optional), run only where the copying sources expect little
   (``HEAD_WHEN``): its draft path probabilities.
 
-Every source's estimates are rescaled by how well they predicted so far (accepted nodes + 2 over predicted
-mass + 2, counted over the nodes it contributed), so a source that over-promises loses its place. The trees
+Every source's estimates are calibrated by how well they predicted so far, node by node given the parent: a
+node's conditional estimate (its path estimate over its parent's) is multiplied by the source's accepted nodes + 2
+over its predicted conditional mass + 2, counted over the nodes whose parent the target accepted (a node under a
+rejected parent says nothing about its own estimate), and the calibrated path estimate is the product along the
+path. Prompt lookup and suffix decoding are calibrated per length of the match their tree grew from
+(:func:`match_label`): a copy after one matching token is a guess, after eight nearly certain. One scale per source
+let the guesses, the many, set it (on a QA prompt: suffix's estimates scaled by 0.09, prompt lookup's by 0.16), so
+long matches ranked below recycling's candidates and the hybrid ran at 0.86x AR where prompt lookup alone ran at
+1.31x; and a whole-path scale could not fit prompt lookup's depth profile (``NGRAM_PRIOR ** depth``). The trees
 are merged into one trie (a node proposed by several sources keeps the best estimate); the nodes are ranked by
 estimate (a child never outranks its parent, so every prefix of the ranking is a tree) and the step keeps the
 prefix of b nodes that maximises expected tokens per second, (1 + sum of the b estimates) / cost(b + 1), with
@@ -37,6 +44,21 @@ SOURCES = ("ngram", "suffix", "recycling", "eagle")
 # model-free source expects this many accepted tokens from its whole tree (scaled estimates summed; a 3-token prompt
 # lookup match expects 0.6 + 0.36 + 0.22 before calibration). Copying costs nothing; the head costs small forwards.
 HEAD_WHEN = 1.0
+
+
+def match_label(source: str, length: int) -> str:
+    """The calibration key of a copying source's tree grown from a match of ``length`` tokens: lengths 1, 2-3, 4-7
+    and 8+ are calibrated apart.
+
+    >>> match_label("suffix", 1), match_label("suffix", 5), match_label("ngram", 30)
+    ('suffix:1', 'suffix:4', 'ngram:8')
+    """
+    return f"{source}:{1 << (min(max(length, 1), 8).bit_length() - 1)}"
+
+
+def source_of(label: str) -> str:
+    """The source a calibration key belongs to: ``source_of("suffix:4") == "suffix"``."""
+    return label.split(":", 1)[0]
 
 
 def merge_trees(trees) -> list[tuple[int, int, float, set]]:
@@ -93,11 +115,12 @@ class HybridDrafter(Drafter):
 
     @property
     def calibration(self) -> dict:
-        """Per source: [accepted nodes, predicted mass], shared with the decoder's memory (warm across requests)."""
-        return self.recycling.memory.get("hybrid-calibration", lambda: {s: [0.0, 0.0] for s in SOURCES})
+        """Per source (a copying source per match length, :func:`match_label`): [accepted nodes, predicted mass],
+        shared with the decoder's memory (warm across requests)."""
+        return self.recycling.memory.get("hybrid-calibration", dict)
 
-    def scale(self, source: str) -> float:
-        accepted, predicted = self.calibration[source]
+    def scale(self, label: str) -> float:
+        accepted, predicted = self.calibration.get(label, (0.0, 0.0))
         return (accepted + 2.0) / (predicted + 2.0)
 
     def max_nodes(self, k: int) -> int:
@@ -109,30 +132,21 @@ class HybridDrafter(Drafter):
         if self.head is not None:
             self.head.start(state)
         if self.recycling.cold:
-            self.calibration.update({s: [0.0, 0.0] for s in SOURCES})
+            self.calibration.clear()
 
     def candidates(self, state: DecodeState, k: int) -> list[tuple[list[int], list[int], list[float], str]]:
         seq = state.tokens[0]
         root = int(seq[-1])
         cap = self.max_nodes(k)
         out = []
-        toks, pars = self.ngram.lookup_tree(seq, k, cap)
-        if toks:
-            probs, depth, rank, kids = [], [0], [], {}
-            for p in pars:
-                rank.append(kids.get(p, 0))
-                kids[p] = rank[-1] + 1
-                depth.append(depth[p] + 1)
-            probs = [(NGRAM_PRIOR ** depth[i + 1]) * 0.5 ** rank[i] for i in range(len(toks))]
-            # a child's estimate must not exceed its parent's
-            for i, p in enumerate(pars):
-                if p:
-                    probs[i] = min(probs[i], probs[p - 1])
-            out.append((toks, pars, probs, "ngram"))
+        for size in range(self.ngram.ngram_max, self.ngram.ngram_min - 1, -1):  # each match length its own tree
+            toks, pars = self.ngram.lookup_tree(seq, k, cap, sizes=(size,))
+            if toks:
+                out.append((toks, pars, _lookup_estimates(pars), match_label("ngram", size)))
         self.suffix.catch_up(state)
-        toks, pars, probs, _ = self.suffix.draft(seq[-self.suffix.max_match :].tolist(), k, cap)
+        toks, pars, probs, matched = self.suffix.draft(seq[-self.suffix.max_match :].tolist(), k, cap)
         if toks:
-            out.append((toks, pars, probs, "suffix"))
+            out.append((toks, pars, probs, match_label("suffix", matched)))
         toks, pars, ranks = self.recycling.draft(root, k)
         self._rank_of = {}
         if toks:
@@ -150,21 +164,19 @@ class HybridDrafter(Drafter):
         self._nodes, self._parents, self._sources, self._raw, self._ranks = [root], [], [], [], []
         if k <= 0:
             return Proposal.empty(1, state.tokens.device)
-        raw = self.candidates(state, k)
-        scaled = []
-        for toks, pars, probs, src in raw:
-            c = self.scale(src)
-            scaled.append((toks, pars, [min(1.0, c * p) for p in probs], src))
+        raw = [(toks, pars, conditionals(pars, probs), src) for toks, pars, probs, src in self.candidates(state, k)]
+        scaled = [(toks, pars, self.estimates(pars, cond, src), src) for toks, pars, cond, src in raw]
         if self.head is not None and max((sum(probs) for *_, probs, _ in scaled), default=0.0) < HEAD_WHEN:
             toks, pars, probs = self.head.draft_tree(state, k)
             if toks:
-                raw.append((toks, pars, probs, "eagle"))
-                scaled.append((toks, pars, [min(1.0, self.scale("eagle") * p) for p in probs], "eagle"))
+                cond = conditionals(pars, probs)
+                raw.append((toks, pars, cond, "eagle"))
+                scaled.append((toks, pars, self.estimates(pars, cond, "eagle"), "eagle"))
         merged = merge_trees(scaled)
         raw_of = {}
-        for toks, pars, probs, src in raw:  # the unscaled estimate of every (path, source), for calibration
+        for toks, pars, cond, src in raw:  # the unscaled conditional estimate of every (path, source), for calibration
             paths = [()]
-            for tok, par, p in zip(toks, pars, probs, strict=True):
+            for tok, par, p in zip(toks, pars, cond, strict=True):
                 paths.append(paths[par] + (tok,))
                 raw_of[(paths[-1], src)] = p
         b = self.pick_size([p for _, _, p, _ in merged])
@@ -177,11 +189,19 @@ class HybridDrafter(Drafter):
             self._sources.append(src)
             self._raw.append({s: raw_of.get((paths[-1], s), 0.0) for s in src})
             self._ranks.append(self._rank_of.get(paths[-1]))
-        self.last_choice = {"nodes": b, "sources": sorted({s for src in self._sources for s in src})}
+        self.last_choice = {"nodes": b, "sources": sorted({source_of(s) for src in self._sources for s in src})}
         if not merged:
             return Proposal.empty(1, state.tokens.device)
         ids = torch.tensor([self._nodes[1:]], dtype=torch.long, device=state.tokens.device)
         return Proposal(tokens=ids, tree=Tree.from_parents([-1] + self._parents))
+
+    def estimates(self, parents: list[int], cond: list[float], label: str) -> list[float]:
+        """Calibrated path estimates of one source's tree: the product along each node's path of its conditional
+        estimates, each rescaled by the label's record (capped at 1)."""
+        scale, out = self.scale(label), []
+        for par, c in zip(parents, cond, strict=True):
+            out.append((out[par - 1] if par else 1.0) * min(1.0, scale * c))
+        return out
 
     def pick_size(self, probs: list[float]) -> int:
         """How many of the ranked nodes to verify: the most expected tokens per second (exactly the budget without a chooser)."""
@@ -201,11 +221,14 @@ class HybridDrafter(Drafter):
     def _record(self, state: DecodeState, num_accepted: int) -> None:
         path = state.accepted_path if state.accepted_path is not None else list(range(num_accepted + 1))
         accepted = set(path[1:])
-        cal = self.calibration
+        cal, on_path = self.calibration, set(path)
         for i, raw in enumerate(self._raw, 1):
+            if self._parents[i - 1] not in on_path:  # its parent was rejected: nothing said about this node's estimate
+                continue
             for src, p in raw.items():
-                cal[src][1] += p
-                cal[src][0] += i in accepted
+                entry = cal.setdefault(src, [0.0, 0.0])
+                entry[1] += p
+                entry[0] += i in accepted
         # recycling's per-rank acceptance, learnt at the accepted path's nodes where recycling proposed children
         stats, recycled_parents = self.recycling.stats, {p for p, r in zip(self._parents, self._ranks, strict=True) if r is not None}
         for j, node in enumerate(path):
@@ -215,3 +238,28 @@ class HybridDrafter(Drafter):
             r = self._ranks[path[j + 1] - 1] if j + 1 < len(path) else None
             if r is not None and r < stats.width:
                 stats.accepted[r] += 1
+
+
+def _lookup_estimates(parents: list[int]) -> list[float]:
+    """Prompt lookup's node estimates before calibration: ``NGRAM_PRIOR ** depth``, halved per earlier sibling, never
+    above the parent's.
+
+    >>> [round(p, 3) for p in _lookup_estimates([0, 1, 0])]   # a chain of two and a second first token
+    [0.6, 0.36, 0.3]
+    """
+    probs, depth, kids = [], [0], {}
+    for p in parents:
+        rank = kids.get(p, 0)
+        kids[p] = rank + 1
+        depth.append(depth[p] + 1)
+        probs.append(min(NGRAM_PRIOR ** depth[-1] * 0.5**rank, probs[p - 1] if p else 1.0))
+    return probs
+
+
+def conditionals(parents: list[int], probs: list[float]) -> list[float]:
+    """Each node's estimate given its parent accepted: its path estimate over its parent's (the root's is 1).
+
+    >>> conditionals([0, 1, 0], [0.5, 0.25, 0.2])
+    [0.5, 0.5, 0.2]
+    """
+    return [p / probs[par - 1] if par and probs[par - 1] > 0 else (p if not par else 0.0) for par, p in zip(parents, probs, strict=True)]

@@ -32,11 +32,12 @@ class NgramDrafter(Drafter):
     def max_nodes(self, k: int) -> int:
         return k if self.tree_budget is None else self.tree_budget
 
-    def lookup_tree(self, seq: torch.Tensor, k: int, budget: int) -> tuple[list[int], list[int]]:
+    def lookup_tree(self, seq: torch.Tensor, k: int, budget: int, sizes=None) -> tuple[list[int], list[int]]:
         """Several continuations (up to k tokens each) merged into a trie of at most ``budget`` nodes.
 
-        Continuations of longer suffix matches come first, then the more recent ones. Returns (tokens, parents)
-        of the nodes in insertion order; parents index [pending, nodes...] (0 = the pending token).
+        Continuations of longer suffix matches come first, then the more recent ones; ``sizes`` (default
+        ``ngram_max`` down to ``ngram_min``) names the suffix lengths tried. Returns (tokens, parents) of the nodes
+        in insertion order; parents index [pending, nodes...] (0 = the pending token).
 
         >>> d = NgramDrafter(ngram_max=1, ngram_min=1)
         >>> d.lookup_tree(torch.tensor([5, 6, 7, 5, 8, 9, 5]), k=2, budget=4)   # after 5: "8 9" (latest) and "6 7"
@@ -44,7 +45,9 @@ class NgramDrafter(Drafter):
         """
         n = seq.shape[0]
         tokens, parents, child = [], [], {}  # child[(node, token)] = node
-        for size in range(min(self.ngram_max, n - 1), self.ngram_min - 1, -1):
+        for size in range(min(self.ngram_max, n - 1), self.ngram_min - 1, -1) if sizes is None else sizes:
+            if size > n - 1:
+                continue
             windows = seq[: n - 1].unfold(0, size, 1)
             for hit in (windows == seq[n - size :]).all(-1).nonzero().flatten().flip(0).tolist():
                 node = 0

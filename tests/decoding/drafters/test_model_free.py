@@ -218,6 +218,22 @@ def test_builder_makes_each_method_with_its_knobs(tiny_model):
     assert e.value.field == "tree_paths"
 
 
+def test_hybrid_calibrates_per_match_length_and_given_the_parent():
+    """A copying source's estimates are calibrated per match length, each node given its parent accepted: a node
+    under a rejected parent says nothing about its own estimate."""
+    hyb = drafters()["hybrid"]
+    # a chain of three from a 2-token prompt-lookup match and, beside it, a one-node tree from a 1-token suffix match;
+    # the target accepts the chain's first node only
+    hyb._parents, hyb._ranks = [0, 1, 2, 0], [None] * 4
+    hyb._raw = [{"ngram:2": 0.6}, {"ngram:2": 0.6}, {"ngram:2": 0.6}, {"suffix:1": 1.0}]
+    hyb._record(SimpleNamespace(accepted_path=[0, 1]), 1)
+    assert hyb.calibration == {"ngram:2": [1.0, 1.2], "suffix:1": [0.0, 1.0]}  # the third node was not judged
+    assert hyb.scale("suffix:1") == 2 / 3 and hyb.scale("ngram:2") == 3 / 3.2 and hyb.scale("suffix:8") == 1.0  # (acc + 2) / (mass + 2)
+    # calibrated path estimates multiply the rescaled conditionals along the path, each at most 1
+    assert hyb.estimates([0, 1, 1], [0.5, 0.5, 0.25], "suffix:8") == [0.5, 0.25, 0.125]
+    assert hyb.estimates([0, 1], [1.0, 0.8], "ngram:2") == [0.9375, 0.9375 * 0.75]
+
+
 # ---- end to end on the tiny model ------------------------------------------------------------------------------------
 def drafters(memory=None, cold=False):
     memory = memory or DraftMemory()
