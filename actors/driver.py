@@ -30,7 +30,7 @@ from decoding.config import SpecConfig
 from decoding.decoder import DecoderBase, GenerationLost, context_error, decode, encode
 from decoding.errors import ConfigError
 from decoding.loop.prefill import ContextTooLong
-from decoding.methods import ACTOR_TRANSPORTS, WORKER_ROLES, OnActors, method_of, on_actors
+from decoding.methods import ACTOR_TRANSPORTS, WORKER_ROLES, OnActors, on_actors
 from decoding.sampling import SamplingParams
 from decoding.schedules.two_sided import DraftRequest, TwoSidedGeneration, VerifyRequest, generate_two_sided, round_summary
 
@@ -205,9 +205,8 @@ class ActorDecoder(DecoderBase):
 
     # ---- generation --------------------------------------------------------------------------------
     def sequence(self, prompt_ids, max_new_tokens: int | None = None, seed: int | None = None, on_step=None, tag=None):
-        """k=auto as in one process (``SpecDecoder.adaptive``): not for a sampled request with its own seed, whose text
-        must not follow the measured timings."""
-        adaptive = self.cfg.adaptive_k and method_of(self.cfg.method).serves_auto_k and (seed is None or self.cfg.temperature == 0)
+        """A two-sided sequence, k=auto where :meth:`DecoderBase.adaptive` says (the schedule's round gate)."""
+        adaptive = self.adaptive(seed)
         seed = self.cfg.seed if seed is None else seed
         return TwoSidedSequence(prompt_ids, max_new_tokens or self.cfg.max_new_tokens, seed, on_step, tag, adaptive)
 

@@ -96,6 +96,14 @@ class DecoderBase:
             "stats": self.stats(out),
         }
 
+    def adaptive(self, seed: int | None) -> bool:
+        """Whether a generation drafts k=auto. A sampled one given its own seed keeps the fixed k: under k=auto its
+        draft lengths follow the measured costs and the load, and so would its tokens (the same distribution, other
+        draws); with a fixed k the same seed gives the same text wherever and beside whatever it runs."""
+        if not (self.cfg.adaptive_k and method_of(self.cfg.method).serves_auto_k):
+            return False
+        return seed is None or self.cfg.temperature == 0
+
     def close(self) -> None:
         """Nothing to release (a runtime that holds workers or files says otherwise)."""
 

@@ -185,14 +185,6 @@ class SpecDecoder(DecoderBase):
             latest["row"] = (seq.acceptance, seq.draft_cost, seq.tree_gain, seq.acceptance_of)
         return seq
 
-    def adaptive(self, seed: int | None) -> bool:
-        """Whether a generation drafts k=auto. A sampled one given its own seed keeps the fixed k: under k=auto its
-        draft lengths follow the measured costs and the load, and so would its tokens (the same distribution, other
-        draws); with a fixed k the same seed gives the same text wherever and beside whatever it runs."""
-        if not (self.cfg.adaptive_k and method_of(self.cfg.method).serves_auto_k):
-            return False
-        return seed is None or self.cfg.temperature == 0
-
     def sequence(self, prompt_ids: torch.Tensor, max_new_tokens: int | None = None, seed: int | None = None, on_step=None, tag=None):
         """A :class:`decoding.loop.batch.Sequence` of this configuration (its own drafter, sampling and seeded generator),
         to run in a :class:`decoding.loop.batch.Batch` beside sequences of other configurations of the same target."""
