@@ -63,9 +63,9 @@ class AdjacencyMatrix:
             live = [s for s in level if tparents[s] in drafted]
             if not live:
                 break
-            src = torch.tensor([node_tok[drafted[tparents[s]]] for s in live], dtype=torch.long)
-            rk = torch.tensor([trank[s] for s in live], dtype=torch.long)
-            cand = self.table[src, rk].tolist()
+            # the table's rows read through numpy (a view of the same memory): a level costs microseconds, where
+            # torch's indexing cost ~50 us a level, a third of the hybrid's proposal
+            cand = self.table.numpy()[[node_tok[drafted[tparents[s]]] for s in live], [trank[s] for s in live]].tolist()
             for s, tok in zip(live, cand, strict=True):
                 if tok < 0:
                     continue
