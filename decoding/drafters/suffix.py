@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from array import array
 from collections import deque
 
 import torch
@@ -32,34 +33,71 @@ import torch
 from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.trees.shapes import Tree
 
-
-class _Node:
-    __slots__ = ("count", "kids", "depth")
-
-    def __init__(self, depth: int):
-        self.count = 0
-        self.kids: dict[int, _Node] = {}
-        self.depth = depth
+STRIDE = 1 << 32  # an edge's key: parent * STRIDE + token (token ids are below 2**32)
 
 
 class SuffixTrie:
     """Every substring of at most ``depth`` tokens of the text fed so far, with counts; ``open[i]`` is the node of
-    the text's current suffix of length i+1, so appending a token costs O(depth)."""
+    the text's current suffix of length i+1, so appending a token costs O(depth).
+
+    The nodes are integers: their edges one dict of ints, their counts, depths, tokens and children (first child,
+    next sibling, in insertion order) typed arrays. None of it is an object Python's garbage collector walks: a trie
+    of node objects (a global cache of 16K tokens is about 400K nodes) made every full collection of the process
+    walk all of them, a pause of 100-250 ms inside whatever request was running. :class:`Node` is a view for code
+    that reads the trie.
+    """
 
     def __init__(self, depth: int = 24):
         self.depth = depth
-        self.root = _Node(0)
-        self.open: list[_Node] = []
+        self.edges: dict[int, int] = {}
+        self.count, self.level, self.token = array("q", [0]), array("q", [0]), array("q", [-1])
+        self.first, self.last, self.sibling = array("q", [-1]), array("q", [-1]), array("q", [-1])
+        self.free: list[int] = []  # ids of removed nodes, reused
+        self.open: list[int] = []
         self.nodes = 1
+
+    @property
+    def root(self) -> Node:
+        return Node(self, 0)
+
+    def _new(self, parent: int, tok: int) -> int:
+        level = self.level[parent] + 1
+        if self.free:
+            node = self.free.pop()
+            self.count[node], self.level[node], self.token[node] = 0, level, tok
+            self.first[node] = self.last[node] = self.sibling[node] = -1
+        else:
+            node = len(self.count)
+            self.count.append(0)
+            self.level.append(level)
+            self.token.append(tok)
+            self.first.append(-1)
+            self.last.append(-1)
+            self.sibling.append(-1)
+        if self.last[parent] < 0:
+            self.first[parent] = node
+        else:
+            self.sibling[self.last[parent]] = node
+        self.last[parent] = node
+        self.edges[parent * STRIDE + tok] = node
+        self.nodes += 1
+        return node
+
+    def children(self, node: int):
+        """(token, child) of ``node``'s children, in the order they first occurred."""
+        child = self.first[node]
+        while child >= 0:
+            yield self.token[child], child
+            child = self.sibling[child]
 
     def append(self, tok: int) -> None:
         new = []
-        for node in [self.root] + self.open[: self.depth - 1]:
-            child = node.kids.get(tok)
+        edges, count = self.edges, self.count
+        for node in [0] + self.open[: self.depth - 1]:
+            child = edges.get(node * STRIDE + tok)
             if child is None:
-                child = node.kids[tok] = _Node(node.depth + 1)
-                self.nodes += 1
-            child.count += 1
+                child = self._new(node, tok)
+            count[child] += 1
             new.append(child)
         self.open = new
 
@@ -71,48 +109,112 @@ class SuffixTrie:
         """The next tokens start a new text (no substring spans the two)."""
         self.open = []
 
-    def match_open(self, max_match: int) -> tuple[_Node | None, int]:
+    def remove(self, text: list[int]) -> None:
+        """Take back one earlier text fed whole (between two ``end_text``): every substring of it loses one count, and a
+        node no text passes through any more goes with its subtree. The same work as feeding it, where rebuilding the
+        trie from the texts kept cost about a second at 16K tokens.
+
+        >>> trie = SuffixTrie(depth=3)
+        >>> for text in ([1, 2, 3], [1, 2, 4]):
+        ...     trie.extend(text); trie.end_text()
+        >>> trie.remove([1, 2, 3])
+        >>> sorted(trie.root.kids), trie.root.kids[1].count, sorted(trie.root.kids[1].kids[2].kids), trie.nodes
+        ([1, 2, 4], 1, [4], 7)
+        """
+        for start in range(len(text)):
+            node = 0
+            for tok in text[start : start + self.depth]:
+                child = self.edges[node * STRIDE + tok]
+                self.count[child] -= 1
+                if self.count[child] == 0:
+                    self._drop(node, child)
+                    break
+                node = child
+
+    def _drop(self, parent: int, node: int) -> None:
+        """Unlink ``node`` from ``parent``'s children and free its subtree."""
+        prev, cur = -1, self.first[parent]
+        while cur != node:
+            prev, cur = cur, self.sibling[cur]
+        if prev < 0:
+            self.first[parent] = self.sibling[node]
+        else:
+            self.sibling[prev] = self.sibling[node]
+        if self.last[parent] == node:
+            self.last[parent] = prev
+        stack = [(parent, node)]
+        while stack:
+            up, n = stack.pop()
+            del self.edges[up * STRIDE + self.token[n]]
+            stack.extend((n, c) for _, c in self.children(n))
+            self.free.append(n)
+            self.nodes -= 1
+
+    def match_open(self, max_match: int) -> tuple[Node | None, int]:
         """The longest current suffix (<= max_match tokens) that has a continuation: (node, length), or (None, 0)."""
         for m in range(min(max_match, len(self.open)), 0, -1):
             node = self.open[m - 1]
-            if node.kids:
-                return node, m
+            if self.first[node] >= 0:
+                return Node(self, node), m
         return None, 0
 
-    def match(self, context: list[int], max_match: int) -> tuple[_Node | None, int]:
+    def match(self, context: list[int], max_match: int) -> tuple[Node | None, int]:
         """The longest suffix of ``context`` (<= max_match tokens) present in the trie with a continuation."""
         for m in range(min(max_match, len(context), self.depth - 1), 0, -1):
-            node = self.root
+            node = 0
             for t in context[-m:]:
-                node = node.kids.get(t)
+                node = self.edges.get(node * STRIDE + t)
                 if node is None:
                     break
-            if node is not None and node.kids:
-                return node, m
+            if node is not None and self.first[node] >= 0:
+                return Node(self, node), m
         return None, 0
 
 
-def best_first(node: _Node, depth: int, budget: int, min_prob: float) -> tuple[list[int], list[int], list[float]]:
+class Node:
+    """A view of one trie node: ``count``, ``depth`` and ``kids`` (token -> Node, in the order they first occurred)."""
+
+    __slots__ = ("trie", "id")
+
+    def __init__(self, trie: SuffixTrie, node: int):
+        self.trie, self.id = trie, node
+
+    @property
+    def count(self) -> int:
+        return self.trie.count[self.id]
+
+    @property
+    def depth(self) -> int:
+        return self.trie.level[self.id]
+
+    @property
+    def kids(self) -> dict[int, Node]:
+        return {tok: Node(self.trie, child) for tok, child in self.trie.children(self.id)}
+
+
+def best_first(node: Node, depth: int, budget: int, min_prob: float) -> tuple[list[int], list[int], list[float]]:
     """The ``budget`` most probable continuations under ``node`` (depth <= ``depth``), as a tree.
 
     Returns (tokens, parents, probs); parents index [root, nodes...] (0 = the pending token).
     """
+    trie = node.trie
     tokens, parents, probs = [], [], []
     heap: list = []
     tie = 0
 
-    def offer(n: _Node, index: int, p: float, d: int):
+    def offer(n: int, index: int, p: float, d: int):
         nonlocal tie
-        if d >= depth or not n.kids:
+        kids = list(trie.children(n)) if d < depth else []
+        if not kids:
             return
-        total = sum(c.count for c in n.kids.values())
-        for tok, child in n.kids.items():
-            q = p * child.count / total
+        total = sum(trie.count[c] for _, c in kids)
+        for tok, child in kids:
+            q = p * trie.count[child] / total
             if q >= min_prob:
                 tie += 1
                 heapq.heappush(heap, (-q, tie, tok, child, index, d + 1))
 
-    offer(node, 0, 1.0, 0)
+    offer(node.id, 0, 1.0, 0)
     while heap and len(tokens) < budget:
         neg, _, tok, child, parent, d = heapq.heappop(heap)
         tokens.append(tok)
@@ -123,8 +225,8 @@ def best_first(node: _Node, depth: int, budget: int, min_prob: float) -> tuple[l
 
 
 class SuffixCache:
-    """The global trie over earlier requests' outputs, at most ``cache_tokens`` tokens (oldest outputs dropped; the
-    trie is rebuilt from the kept ones when a quarter of the budget must go)."""
+    """The global trie over earlier requests' outputs, at most ``cache_tokens`` tokens: the oldest outputs are taken
+    back out of the trie (``SuffixTrie.remove``) as new ones come in."""
 
     def __init__(self, depth: int = 24, cache_tokens: int = 16384):
         self.depth, self.cache_tokens = depth, cache_tokens
@@ -138,16 +240,12 @@ class SuffixCache:
         output = list(output[-self.cache_tokens :])
         self.outputs.append(output)
         self.tokens += len(output)
-        if self.tokens > self.cache_tokens:
-            while self.tokens > 0.75 * self.cache_tokens and len(self.outputs) > 1:
-                self.tokens -= len(self.outputs.popleft())
-            self.trie = SuffixTrie(self.depth)
-            for out in self.outputs:
-                self.trie.extend(out)
-                self.trie.end_text()
-        else:
-            self.trie.extend(output)
-            self.trie.end_text()
+        self.trie.extend(output)
+        self.trie.end_text()
+        while self.tokens > self.cache_tokens and len(self.outputs) > 1:
+            old = self.outputs.popleft()
+            self.tokens -= len(old)
+            self.trie.remove(old)
 
     def reset(self) -> None:
         self.outputs.clear()

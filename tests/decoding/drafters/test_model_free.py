@@ -136,6 +136,32 @@ def test_suffix_cache_is_bounded_and_forgets_the_oldest_outputs():
     assert cache.trie.root.kids.get(29) is not None
 
 
+def trie_contents(trie, node=None, prefix=()):
+    """{substring: count} of every node under ``node`` (the root by default), read through the node views."""
+    node = trie.root if node is None else node
+    out = {}
+    for tok, child in node.kids.items():
+        out[prefix + (tok,)] = child.count
+        out |= trie_contents(trie, child, prefix + (tok,))
+    return out
+
+
+def test_a_cache_that_takes_back_old_outputs_holds_what_a_trie_of_the_kept_ones_holds():
+    rnd = random.Random(3)
+    cache = SuffixCache(depth=5, cache_tokens=120)
+    for _ in range(60):
+        cache.add([rnd.randrange(6) for _ in range(rnd.randint(1, 40))])
+        fresh = SuffixTrie(depth=5)
+        for out in cache.outputs:
+            fresh.extend(out)
+            fresh.end_text()
+        assert trie_contents(cache.trie) == trie_contents(fresh)
+        assert cache.trie.nodes == fresh.nodes == 1 + len(trie_contents(fresh))
+        assert cache.tokens == sum(map(len, cache.outputs)) <= 120 or len(cache.outputs) == 1
+    # the freed nodes are reused: the arrays hold no more nodes than the most the trie ever held at once
+    assert len(cache.trie.count) - len(cache.trie.free) == cache.trie.nodes
+
+
 # ---- the hybrid's merge and the hardware fit ------------------------------------------------------------------------
 def test_merge_keeps_the_best_estimate_and_a_tree_in_every_prefix():
     merged = merge_trees(
