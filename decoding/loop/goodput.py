@@ -293,9 +293,10 @@ class CostModel:
         self.rows = sorted({r for r, _ in table})
         self.widths = sorted({t for _, t in table})
         self.scale = 1.0  # observed / measured level (see observe)
+        self.residual: dict[tuple[int, int], float] = {}  # (rows, width > 1) -> observed / predicted shape (see observe)
 
     def __call__(self, rows: int, width: int) -> float:
-        return self._interp(rows, width) * self.scale
+        return self._interp(rows, width) * self.scale * self.residual.get((rows, width), 1.0)
 
     def _interp(self, rows: int, width: int) -> float:
         def along(points, x, value):
@@ -323,18 +324,27 @@ class CostModel:
         return s * (rows * width) / (r * t)
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
-        """Fold in a real step: the measured shape (how cost grows with rows and tokens) is kept and its level
-        follows the machine (a moving average of observed / predicted), so sizes a batch has not tried yet are
-        never compared with a stale level.
+        """Fold in a real step. Plain steps (one token a row) set the level (a moving average of observed /
+        predicted), so sizes a batch has not tried yet are never compared with a stale level; a wider step corrects
+        the shape at its own size (how much more than a plain step it costs, as measured at start-up), which a
+        calibration over a short context can get wrong: on this CPU a 128-token calibration put 8 tokens at 1.78x a
+        plain step, where verifying them in generation cost 1.99x. A size whose cost was underestimated gets drafted,
+        observed and corrected; one whose cost was overestimated is not drafted: the model errs towards plain steps.
 
         >>> c = CostModel({(1, 1): 1.0, (1, 3): 2.0})
         >>> for _ in range(50):
-        ...     c.observe(1, 1, 0.5)
-        >>> round(c(1, 1), 3), round(c(1, 3), 3)
-        (0.5, 1.0)
+        ...     c.observe(1, 1, 0.5); c.observe(1, 3, 1.5)
+        >>> round(c(1, 1), 3), round(c(1, 3), 3), round(c(1, 2), 3)   # width 2 never seen: the calibrated shape
+        (0.5, 1.5, 0.75)
         """
-        ratio = seconds / max(self._interp(rows, width), 1e-12)
-        self.scale = self.scale * (1 - self.smoothing) + ratio * self.smoothing
+        base = self._interp(rows, width)
+        if width <= 1:
+            ratio = seconds / max(base, 1e-12)
+            self.scale = self.scale * (1 - self.smoothing) + ratio * self.smoothing
+            return
+        ratio = seconds / max(base * self.scale, 1e-12)
+        key = (rows, width)
+        self.residual[key] = self.residual.get(key, 1.0) * (1 - self.smoothing) + ratio * self.smoothing
 
     def to_dict(self) -> dict:
         return {"points": [[r, t, s] for (r, t), s in sorted(self.table.items())]}

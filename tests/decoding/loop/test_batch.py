@@ -449,7 +449,8 @@ class _OracleTrees(NgramDrafter):
 def test_k_auto_judges_a_tree_by_its_size(tiny_model, target, ar_alone, one_thread):
     """One mean over all of a drafter's trees lets its losing small trees ride on its winning big ones; by size, k=auto
     drops the one-node trees (never accepted, each widening the forward) and keeps the four-node ones."""
-    cost = CostModel({(1, t): 1.0 + 0.4 * (t > 1) + 0.05 * t for t in (1, 2, 3, 5, 9)})  # any draft costs 0.4 steps more
+    # any draft costs 0.4 steps more, whatever the tiny model's real steps cost (smoothing 0: nothing learnt online)
+    cost = CostModel({(1, t): 1.0 + 0.4 * (t > 1) + 0.05 * t for t in (1, 2, 3, 5, 9)}, smoothing=0.0)
     future = ar_alone[4] + [0] * 8
     drafter = _OracleTrees(future, ids(PROMPTS[4]).shape[1], tiny_model.config.vocab_size)
     seq = Sequence(ids(PROMPTS[4]), drafter=drafter, k=4, adaptive=True, max_new_tokens=24)
@@ -482,7 +483,7 @@ class _OracleKinds(NgramDrafter):
 def test_k_auto_keeps_a_rows_acceptance_apart_by_the_kind_of_proposal(tiny_model, target, ar_alone, one_thread):
     """Prompt lookup's one-token matches were accepted 0.45 drafts of 4 on this CPU, its three-token ones 2.76: one
     acceptance per row drafts both or neither, one per kind (``Proposal.kind``) drafts the strong ones only."""
-    cost = CostModel({(1, t): 1.0 + 0.3 * (t > 1) + 0.05 * t for t in (1, 2, 3, 5, 9)})
+    cost = CostModel({(1, t): 1.0 + 0.3 * (t > 1) + 0.05 * t for t in (1, 2, 3, 5, 9)}, smoothing=0.0)
     drafter = _OracleKinds(ar_alone[4] + [0] * 8, ids(PROMPTS[4]).shape[1], tiny_model.config.vocab_size)
     seq = Sequence(ids(PROMPTS[4]), drafter=drafter, k=4, adaptive=True, max_new_tokens=24)
     out = generate_many(target, [seq], max_rows=1, cost=cost)[0]
