@@ -39,7 +39,6 @@ from decoding.drafters.suffix import SuffixDrafter
 from decoding.trees.shapes import Tree
 
 NGRAM_PRIOR = 0.6  # prompt lookup's per-token acceptance before any is measured
-SOURCES = ("ngram", "suffix", "recycling", "eagle")
 # With a trained head (``decoding.drafters.eagle``) the hybrid drafts with it where copying offers little: when no
 # model-free source expects this many accepted tokens from its whole tree (scaled estimates summed; a 3-token prompt
 # lookup match expects 0.6 + 0.36 + 0.22 before calibration). Copying costs nothing; the head costs small forwards.

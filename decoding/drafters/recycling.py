@@ -150,7 +150,6 @@ class RecyclingDrafter(Drafter):
         if fixed is not None:
             self.chooser, self.budget = None, fixed.size - 1
         self.memory = memory if memory is not None else DraftMemory()
-        self.template: Tree | None = None
         self._templates: dict[int, Tree] = {}  # draft depth -> this request's template
         self._nodes: list[int] = []
         self._parents: list[int] = []
@@ -173,7 +172,6 @@ class RecyclingDrafter(Drafter):
         if self.cold:
             self.adjacency.reset()
             self.stats.reset()
-        self.template = None
         self._templates = {}
 
     def template_for(self, k: int) -> Tree:
@@ -189,7 +187,6 @@ class RecyclingDrafter(Drafter):
             else:
                 template = sequoia_tree(tuple(acc), self.budget, k)
             self._templates[k] = template
-        self.template = template
         return template
 
     def draft(self, root: int, k: int) -> tuple[list[int], list[int], list[int]]:
