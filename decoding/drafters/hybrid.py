@@ -219,15 +219,14 @@ class HybridDrafter(Drafter):
 
     def _record(self, state: DecodeState, num_accepted: int) -> None:
         path = state.accepted_path if state.accepted_path is not None else list(range(num_accepted + 1))
-        accepted = set(path[1:])
-        cal, on_path = self.calibration, set(path)
+        cal, on_path = self.calibration, set(path)  # node 0 (the root) is on it; a node i >= 1 on it was accepted
         for i, raw in enumerate(self._raw, 1):
             if self._parents[i - 1] not in on_path:  # its parent was rejected: nothing said about this node's estimate
                 continue
             for src, p in raw.items():
                 entry = cal.setdefault(src, [0.0, 0.0])
                 entry[1] += p
-                entry[0] += i in accepted
+                entry[0] += i in on_path
         # recycling's per-rank acceptance, learnt at the accepted path's nodes where recycling proposed children
         stats, recycled_parents = self.recycling.stats, {p for p, r in zip(self._parents, self._ranks, strict=True) if r is not None}
         for j, node in enumerate(path):
@@ -261,4 +260,8 @@ def conditionals(parents: list[int], probs: list[float]) -> list[float]:
     >>> conditionals([0, 1, 0], [0.5, 0.25, 0.2])
     [0.5, 0.5, 0.2]
     """
-    return [p / probs[par - 1] if par and probs[par - 1] > 0 else (p if not par else 0.0) for par, p in zip(parents, probs, strict=True)]
+    out = []
+    for par, p in zip(parents, probs, strict=True):
+        above = probs[par - 1] if par else 1.0
+        out.append(p / above if above > 0 else 0.0)
+    return out
