@@ -66,6 +66,7 @@ class VocabHead(nn.Module):
         object.__setattr__(self, "source", lm_head)  # the target's head (not a submodule): reset() starts from its rows
         self.register_buffer("vocab", vocab.long().clone())
         self.weight = nn.Parameter(lm_head.weight.detach()[self.vocab].clone())
+        self.packed = None  # its weight packed like the target's (decoding.drafters.artifacts.pack_like_target)
 
     @torch.no_grad()
     def reset(self, vocab: torch.Tensor) -> None:
@@ -86,7 +87,7 @@ class VocabHead(nn.Module):
         self.weight.copy_(self.source.weight.detach()[ids].to(self.weight.dtype))
 
     def trimmed(self, h: torch.Tensor) -> torch.Tensor:  # [.., H] -> [.., M]
-        return h @ self.weight.T
+        return h @ self.weight.T if self.packed is None else self.packed(h)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [.., H] -> [.., V]
         sub = self.trimmed(h)
@@ -126,14 +127,21 @@ class EagleNet(nn.Module):
             self.fc_in.weight.copy_(torch.cat([torch.eye(h), torch.eye(h)], 1))
             self.fc_in.bias.zero_()
         self.lm_head = VocabHead(hf_model.lm_head, vocab)
+        self.packed: dict = {}  # fc name -> its weight packed like the target's (artifacts.pack_like_target)
+
+    def _fc(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        fc, packed = getattr(self, name), self.packed.get(name)
+        if packed is None:
+            return fc(x)
+        return packed(x) if fc.bias is None else packed(x) + fc.bias
 
     def fuse(self, features: dict) -> torch.Tensor:
         """g [B, c, H] from the target's hidden states {layer: [B, c, H]} at ``feature_layers``."""
-        return self.fc_features(torch.cat([feature_norm(features[layer]) for layer in self.feature_layers], -1))
+        return self._fc("fc_features", torch.cat([feature_norm(features[layer]) for layer in self.feature_layers], -1))
 
     def inputs(self, g: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """z [B, c, H] = fc_in([e(tokens); g]); tokens [B, c] are the tokens after g's positions."""
-        return self.fc_in(torch.cat([self.model.embed_tokens(tokens), g.to(self.fc_in.weight.dtype)], -1))
+        return self._fc("fc_in", torch.cat([self.model.embed_tokens(tokens), g.to(self.fc_in.weight.dtype)], -1))
 
 
 class EagleDrafter(Drafter):

@@ -176,18 +176,29 @@ def pack_q8_as_q4(q: np.ndarray, d: np.ndarray, dense: torch.Tensor) -> PackedLi
     return PackedLinear("int4", packed, scale_zero, dense, repeat=2)
 
 
-def pack_int8(dense: torch.Tensor) -> PackedLinear:
+def pack_int8(dense: torch.Tensor, overwrite: bool = True) -> PackedLinear:
     """Symmetric per-output-channel int8 of a dense weight [N, K]: w ~ s[n] * q[n, k], |q| <= 127.
 
-    The dense weight becomes the int8 values times their scale (rounded to its dtype), so wide inputs compute
-    the same quantised model as narrow ones.
+    ``overwrite``: the dense weight becomes the int8 values times their scale (rounded to its dtype), so wide inputs
+    compute the same quantised model as narrow ones.
     """
     w = dense.detach().float()
     scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).to(dense.dtype)
     q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-    with torch.no_grad():
-        dense.copy_((q.float() * scale.float()[:, None]).to(dense.dtype))
+    if overwrite:
+        with torch.no_grad():
+            dense.copy_((q.float() * scale.float()[:, None]).to(dense.dtype))
     return PackedLinear("int8", q, scale, dense)
+
+
+def pack_dense(dense: torch.Tensor, mode: str, overwrite: bool = True) -> PackedLinear | None:
+    """A dense weight [N, K] quantised here in ``mode`` (``q4``: Q4_1-style groups, ``int8``: per channel); None where
+    the kernels cannot take its shape. ``overwrite``: the dense weight becomes the quantised one (see ``pack_q4``)."""
+    if not _kernel_shape_ok(*dense.shape):
+        return None
+    if mode == "int8":
+        return pack_int8(dense, overwrite)
+    return pack_q4(*q4_1_from_dense(dense), dense, overwrite=overwrite)
 
 
 def reference_weight(linear: PackedLinear) -> torch.Tensor:
@@ -297,12 +308,13 @@ def _check_values(name: str, q, d, m, dense: torch.Tensor) -> None:
         raise ConfigError("quant", f"the GGUF tensor {name} does not hold the weights the model was loaded with; use quant=none")
 
 
-def quantize_model(hf_model, mode: str, gguf_path=None, fused: dict | None = None) -> QuantWeights:
-    """Packed linears for every decoder layer and the LM head of ``hf_model`` (already loaded, dense).
+def quantize_model(hf_model, mode: str, gguf_path=None, overwrite: bool = True, head: bool = True) -> QuantWeights:
+    """Packed linears for every decoder layer and (``head``) the LM head of ``hf_model`` (already loaded, dense).
 
     ``mode`` ``q4`` reads the blocks from ``gguf_path`` when given (checked against the loaded weights), else
-    quantises the dense weights; ``int8`` quantises the dense weights. ``fused`` maps a layer to its fused
-    (qkv, gate_up) dense matrices (``decoding.model.fast_layers``), the dense side of the fused linears.
+    quantises the dense weights; ``int8`` quantises the dense weights. Weights quantised here overwrite their dense
+    copies (``overwrite``): wide inputs then compute the same model as narrow ones. A drafter keeps its weights as
+    trained (``overwrite=False``: it only proposes, so its wide inputs may compute the dense weights).
     """
     from decoding.model.fast_layers import fused_weights
 
@@ -313,9 +325,7 @@ def quantize_model(hf_model, mode: str, gguf_path=None, fused: dict | None = Non
     source = "gguf" if tensors is not None else "dense"
     out = QuantWeights(mode=mode, source=source)
 
-    def q4_parts(index: int, name: str, dense: torch.Tensor):
-        if tensors is None:
-            return q4_1_from_dense(dense)
+    def q4_parts(index: int, name: str, dense: torch.Tensor):  # the GGUF's blocks of one projection
         t = tensors[f"blk.{index}.{_GGUF_NAMES[name]}.weight"]
         q, d, m = q4_1_blocks(np.asarray(t.data), dense.shape[1])
         if name in ("q", "k"):
@@ -337,28 +347,26 @@ def quantize_model(hf_model, mode: str, gguf_path=None, fused: dict | None = Non
         for key, (names, matrix) in groups.items():
             if not _kernel_shape_ok(*matrix.shape):
                 continue
-            if mode == "int8":
-                packed[key] = pack_int8(matrix)
+            if tensors is None:
+                packed[key] = pack_dense(matrix, mode, overwrite)
                 continue
             parts = [q4_parts(index, name, dense[name]) for name in names]
             q, d, m = (np.concatenate([p[i] for p in parts], axis=0) for i in range(3))
-            packed[key] = pack_q4(q, d, m, matrix, overwrite=tensors is None)
+            packed[key] = pack_q4(q, d, m, matrix)
         out.layers.append(packed)
 
-    head = hf_model.lm_head.weight
-    if _kernel_shape_ok(*head.shape):
-        if mode == "int8":
-            out.head = pack_int8(head)
-        elif tensors is not None and "output.weight" not in tensors and "token_embd.weight" in tensors:
+    weight = hf_model.lm_head.weight
+    if head and _kernel_shape_ok(*weight.shape):
+        if tensors is None:
+            out.head = pack_dense(weight, mode, overwrite=True)
+        elif "output.weight" not in tensors and "token_embd.weight" in tensors:
             t = tensors["token_embd.weight"]  # tied: the LM head is the embedding
             from gguf import GGMLQuantizationType
 
             if t.tensor_type == GGMLQuantizationType.Q8_0:
-                q, d = q8_0_blocks(np.asarray(t.data), head.shape[1])
-                _check_values(t.name, q, d, None, head)
-                out.head = pack_q8_as_q4(q, d, head)
-        elif tensors is None:
-            out.head = pack_q4(*q4_1_from_dense(head), head, overwrite=True)
+                q, d = q8_0_blocks(np.asarray(t.data), weight.shape[1])
+                _check_values(t.name, q, d, None, weight)
+                out.head = pack_q8_as_q4(q, d, weight)
     return out
 
 

@@ -226,3 +226,45 @@ def test_a_broken_rule_is_caught_with_the_feature_head(tiny_model, monkeypatch):
     monkeypatch.setattr(loop_module, "verify_speculative", resample_from_p)
     counts = sample_counts(tiny_model, drafter(tiny_model, "eagle"), SAMPLING, k=2, draws=800)  # p ~ 5e-10 here; right rule 0.99
     assert chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING)) < 1e-6
+
+
+@pytest.mark.parametrize(("recipe", "knobs"), [("eagle", {"draft_vocab": 16}), ("kangaroo", {"exit_layer": 1, "draft_vocab": 16}), ("distill", {"draft_layers": 2, "draft_vocab": 16})])
+@pytest.mark.parametrize("mode", ["q4", "int8"])
+def test_a_trained_drafter_runs_packed_like_its_packed_target(tmp_path, recipe, knobs, mode):
+    """A target on packed kernels (quant) gets drafters whose own matrices run packed too: a one-layer drafter in the
+    target's mode, a deeper one in int8; the weights as trained stay (the artifact loaded for a dense twin of the
+    target holds the same tensors); and greedy output still follows AR."""
+    import copy
+
+    from decoding.drafters.eagle import EagleNet
+    from decoding.model.quant import PackedLinear, quantize_model
+    from evaluation.bench_figures import compare_to_reference, reference_margins
+
+    model = tiny_llama(vocab=32).to(torch.bfloat16)
+    model.specray_quant = quantize_model(model, mode)
+    dense_twin = copy.deepcopy(model)  # the same (quantised) weights, run dense: the same fingerprint
+    del dense_twin.specray_quant
+    module = get_recipe(recipe).build(model, knobs)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.3)
+    save_artifact(tmp_path, recipe, knobs, module, model, "tiny", training={})
+    packed, dense = load_artifact(str(tmp_path), model), load_artifact(str(tmp_path), dense_twin)
+
+    want = mode if len(packed.module.model.layers) == 1 else "int8"
+    assert packed.module.specray_quant.mode == want and getattr(dense.module, "specray_quant", None) is None
+    assert ModelAdapter(packed.module).implementation == f"layers-{want}-dense"
+    assert isinstance(packed.module.lm_head.packed, PackedLinear) and dense.module.lm_head.packed is None
+    if isinstance(packed.module, EagleNet):
+        assert set(packed.module.packed) == {"fc_features", "fc_in"}
+    for name, tensor in dense.module.state_dict().items():
+        assert torch.equal(packed.module.state_dict()[name], tensor), name
+
+    target = ModelAdapter(model)
+    prompt = torch.tensor([[3, 7, 1, 9, 4, 3, 7]])
+    ar = generate(target, prompt, max_new_tokens=20).token_ids
+    out = generate(target, prompt, drafter=packed.drafter(0.0), k=3, max_new_tokens=20)
+    verdict = compare_to_reference(out.token_ids, ar, reference_margins(target, prompt, ar), "bfloat16")
+    assert not verdict["suspicious"], verdict
+    assert sum(s.drafted for s in out.steps) > 0
