@@ -23,7 +23,7 @@ from decoding.drafters.artifacts import with_stop_head
 from decoding.drafters.base import Drafter
 from decoding.errors import ConfigError
 from decoding.loop.batch import Sequence, generate_many, run_alone
-from decoding.loop.goodput import CALIBRATION_ROWS, CALIBRATION_WIDTHS, CostModel
+from decoding.loop.goodput import CALIBRATION_FORMAT, CALIBRATION_ROWS, CALIBRATION_WIDTHS, CostModel
 from decoding.loop.output import Generation
 from decoding.loop.prefill import ContextTooLong
 from decoding.methods import method_of
@@ -55,7 +55,8 @@ def cost_model(target: ModelAdapter, model: str, dtype: str, max_rows: int = 1) 
         if key in _COSTS:
             return _COSTS[key]
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)[-80:]
-        grid = "w" + ".".join(map(str, CALIBRATION_WIDTHS))  # a new grid is measured anew, not read from an old file
+        # a new grid (or way of measuring it, CALIBRATION_FORMAT) is measured anew, not read from an old file
+        grid = f"w{'.'.join(map(str, CALIBRATION_WIDTHS))}-{CALIBRATION_FORMAT}"
         path = specray_home() / "calibration" / f"{safe}-{dtype}-t{key[2]}-{key[3]}-r{rows[-1]}-{key[5]}-{grid}.json"
         cost = None
         try:

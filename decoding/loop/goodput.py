@@ -41,6 +41,7 @@ CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32)
 # time: SmolLM2's forward costs 8.7 ms at 1 token, 11.4-12.4 at 2-4, 15.2-16.2 at 5-8, 21.7 at 9; the ends of those
 # steps are measured, so k=auto sees that a fourth or an eighth token costs little more than the one before it
 CALIBRATION_WIDTHS = (1, 2, 3, 4, 5, 8, 9)  # 42 points x 2 forwards at 32 rows: about 7 s for SmolLM2-135M on 2 cores
+CALIBRATION_FORMAT = "m3"  # how a grid is measured: the fastest of 3 timings a point, monotone in width (measure)
 GPU_WIDTHS = (17, 33, 65)  # also measured on a GPU, where verifying 64 tokens costs about what one does
 PROBE_EVERY, PROBE_MAX = 8, 128  # idle steps before a row that stopped drafting tries again (doubling while it finds nothing)
 
@@ -285,6 +286,8 @@ class CostModel:
     2.75
     """
 
+    FRESH = 4  # a wider step within this many steps of a plain one corrects its shape (observe)
+
     def __init__(self, table: dict[tuple[int, int], float], smoothing: float = 0.2):
         if not table:
             raise ValueError("a cost model needs at least one measured point")
@@ -294,6 +297,7 @@ class CostModel:
         self.widths = sorted({t for _, t in table})
         self.scale = 1.0  # observed / measured level (see observe)
         self.residual: dict[tuple[int, int], float] = {}  # (rows, width > 1) -> observed / predicted shape (see observe)
+        self.since_plain = self.FRESH + 1  # steps since the last plain one (none yet)
 
     def __call__(self, rows: int, width: int) -> float:
         return self._interp(rows, width) * self.scale * self.residual.get((rows, width), 1.0)
@@ -324,27 +328,33 @@ class CostModel:
         return s * (rows * width) / (r * t)
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
-        """Fold in a real step. Plain steps (one token a row) set the level (a moving average of observed /
-        predicted), so sizes a batch has not tried yet are never compared with a stale level; a wider step corrects
-        the shape at its own size (how much more than a plain step it costs, as measured at start-up), which a
-        calibration over a short context can get wrong: on this CPU a 128-token calibration put 8 tokens at 1.78x a
-        plain step, where verifying them in generation cost 1.99x. A size whose cost was underestimated gets drafted,
-        observed and corrected; one whose cost was overestimated is not drafted: the model errs towards plain steps.
+        """Fold in a real step. Every step moves the level (a moving average of observed / predicted): a longer
+        context makes every width dearer, and a row that drafts at every step must not leave it stale. A wider step
+        that comes within ``FRESH`` steps of a plain one (the level then is that of its context) also corrects the
+        shape at its own size: how much more than a plain step it costs, as measured at start-up, which a calibration
+        over a short context can get wrong (on this CPU a 128-token calibration put 8 tokens at 1.78x a plain step,
+        where verifying them in generation cost 1.99x). A size whose cost was underestimated gets drafted, observed
+        and corrected; one whose cost was overestimated is not drafted again, so one slow step (the collector,
+        another process) moves a shape by at most 2%.
 
         >>> c = CostModel({(1, 1): 1.0, (1, 3): 2.0})
-        >>> for _ in range(50):
+        >>> for _ in range(100):
         ...     c.observe(1, 1, 0.5); c.observe(1, 3, 1.5)
         >>> round(c(1, 1), 3), round(c(1, 3), 3), round(c(1, 2), 3)   # width 2 never seen: the calibrated shape
         (0.5, 1.5, 0.75)
+        >>> d = CostModel({(1, 1): 1.0, (1, 2): 1.1})
+        >>> for seconds in [1.1 * 1.01**i for i in range(40)]:      # drafting at every step while the context grows
+        ...     d.observe(1, 2, seconds)
+        >>> round(d(1, 2) / d(1, 1), 3), round(d(1, 2), 2)         # the growth went to the level, not to the shape
+        (1.1, 1.56)
         """
-        base = self._interp(rows, width)
-        if width <= 1:
-            ratio = seconds / max(base, 1e-12)
-            self.scale = self.scale * (1 - self.smoothing) + ratio * self.smoothing
-            return
-        ratio = seconds / max(base * self.scale, 1e-12)
         key = (rows, width)
-        self.residual[key] = self.residual.get(key, 1.0) * (1 - self.smoothing) + ratio * self.smoothing
+        base, shape = self._interp(rows, width), self.residual.get(key, 1.0)
+        self.scale += self.smoothing * (seconds / max(base * shape, 1e-12) - self.scale)
+        self.since_plain = 0 if width <= 1 else self.since_plain + 1
+        if width > 1 and self.since_plain <= self.FRESH:
+            ratio = min(max(seconds / max(base * self.scale, 1e-12), shape * 0.9), shape * 1.1)
+            self.residual[key] = shape + self.smoothing * (ratio - shape)
 
     def to_dict(self) -> dict:
         return {"points": [[r, t, s] for (r, t), s in sorted(self.table.items())]}
@@ -355,11 +365,14 @@ class CostModel:
 
     @classmethod
     def measure(
-        cls, target, rows=CALIBRATION_ROWS, widths=CALIBRATION_WIDTHS, context: int = 128, repeats: int = 1, max_rows: int | None = None
+        cls, target, rows=CALIBRATION_ROWS, widths=CALIBRATION_WIDTHS, context: int = 128, repeats: int = 3, max_rows: int | None = None
     ) -> CostModel:
         """Time ``target`` (a ``ModelAdapter``) on every (rows, width) of the grid over a ``context``-token cache.
 
-        Each point is the fastest of ``repeats`` timed forwards after one warm-up (the least disturbed by other work).
+        Each point is the fastest of ``repeats`` timed forwards after one warm-up (the least disturbed by other work),
+        and no point costs more than a wider one of its rows (:func:`monotone`). One timing a point put two tokens at
+        1.16x a plain step on this CPU, where they cost 1.08x over 30 timings; :meth:`observe` corrects an
+        underestimate as soon as the width is drafted, but never an overestimate (a width it does not try).
         """
         rows = [r for r in rows if max_rows is None or r <= max_rows] or [1]
         if widths is CALIBRATION_WIDTHS and torch.device(target.device).type == "cuda":
@@ -383,7 +396,20 @@ class CostModel:
                     if i:
                         best = min(best, time.perf_counter() - t0)
                 table[(r, t)] = best
-        return cls(table)
+        return cls(monotone(table))
+
+
+def monotone(table: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """Measured forward costs with no width dearer than a wider one of the same rows (each point the least of itself
+    and every wider point): a timing's noise only ever adds, so the lower reading is the truer one.
+
+    >>> monotone({(1, 1): 1.0, (1, 2): 1.6, (1, 3): 1.3, (1, 4): 1.5})
+    {(1, 1): 1.0, (1, 2): 1.3, (1, 3): 1.3, (1, 4): 1.5}
+    """
+    out = dict(table)
+    for (r, t), seconds in table.items():
+        out[(r, t)] = min([seconds] + [s for (r2, t2), s in table.items() if r2 == r and t2 > t])
+    return out
 
 
 @dataclass
