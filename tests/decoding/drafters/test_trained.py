@@ -228,7 +228,14 @@ def test_a_broken_rule_is_caught_with_the_feature_head(tiny_model, monkeypatch):
     assert chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING)) < 1e-6
 
 
-@pytest.mark.parametrize(("recipe", "knobs"), [("eagle", {"draft_vocab": 16}), ("kangaroo", {"exit_layer": 1, "draft_vocab": 16}), ("distill", {"draft_layers": 2, "draft_vocab": 16})])
+PACKED_DRAFTERS = [
+    ("eagle", {"draft_vocab": 16}),
+    ("kangaroo", {"exit_layer": 1, "draft_vocab": 16}),
+    ("distill", {"draft_layers": 2, "draft_vocab": 16}),
+]
+
+
+@pytest.mark.parametrize(("recipe", "knobs"), PACKED_DRAFTERS)
 @pytest.mark.parametrize("mode", ["q4", "int8"])
 def test_a_trained_drafter_runs_packed_like_its_packed_target(tmp_path, recipe, knobs, mode):
     """A target on packed kernels (quant) gets drafters whose own matrices run packed too: a one-layer drafter in the
