@@ -12,7 +12,9 @@ scored by how well the skipped model matches the full one on the context so far 
 search is simpler, and says so: a local (hill-climbing) random search. The first skipped set is a block of ``n``
 layers around the middle (n = ``swift_skip`` x the layers that may be skipped: every one but the first and the last);
 every trial changes it by one random move (swap a skipped layer for a kept one, skip one more, skip one fewer;
-``swift_trials`` trials, one per decoding step once :data:`WINDOW` tokens were generated, then the set stays). A
+``swift_trials`` trials, one per decoding step once :data:`WINDOW` tokens were generated, drafted or not (the trials
+run after each step's verdict, so the search ends in the first request even while k=auto drafts nothing: a search
+left to the steps that draft ran one 60 ms trial at each probe of later requests), then the set stays). A
 trial scores the incumbent and the candidate on the same window of the latest generated tokens (teacher-forced: each
 set predicts every next token of the window in one forward over its kept layers, the window's exact KV saved before
 and restored after), by the expected committed tokens per unit of drafting and verification cost
@@ -149,8 +151,9 @@ class SwiftDrafter(Drafter):
 
     name = "swift"
 
-    def __init__(self, search: LayerSearch, confidence_threshold: float = 0.0, cold: bool = False):
+    def __init__(self, search: LayerSearch, confidence_threshold: float = 0.0, cold: bool = False, k: int = 4):
         self.search = search
+        self.k = k  # the longest chain a trial scores a set for (the config's k)
         self.cold = cold  # every generation searches anew (draft_memory=cold)
         self.threshold = confidence_threshold
         self.prompt_len = 0
@@ -193,6 +196,10 @@ class SwiftDrafter(Drafter):
             cache.v_all[:, :, :, begin:end] = saved[1]
         return torch.stack(agree).tolist()
 
+    @torch.inference_mode()
+    def update(self, state: DecodeState, num_accepted: int) -> None:
+        self._trial(state, self.k)
+
     def _trial(self, state: DecodeState, k: int) -> None:
         s = self.search
         with s.lock:
@@ -217,7 +224,6 @@ class SwiftDrafter(Drafter):
     # ---- drafting ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, state: DecodeState, k: int) -> Proposal:
-        self._trial(state, k)
         if self.search.speed is not None:  # scored: draft the best length, or nothing where skipping does not pay
             k = min(k, self.search.length) if self.search.speed > 1.0 else 0
             if k == 0:
@@ -249,7 +255,7 @@ def build_swift(cfg, target, memory=None) -> SwiftDrafter:
     new = lambda: LayerSearch(depth, cfg.swift_skip, cfg.swift_trials, cfg.seed)  # noqa: E731
     warm = memory is not None and cfg.draft_memory == "warm"
     search = memory.get(("swift", depth, cfg.swift_skip, cfg.swift_trials, cfg.seed), new) if warm else new()
-    return SwiftDrafter(search, cfg.confidence_threshold, cold=not warm)
+    return SwiftDrafter(search, cfg.confidence_threshold, cold=not warm, k=cfg.k)
 
 
 @builds("swift")

@@ -63,6 +63,17 @@ def test_swift_is_greedy_lossless_and_its_search_finds_the_quiet_layers(deep):
     assert again.token_ids == ref[:60] and again.stats.mean_accepted_tokens > 2.0  # found set: most drafts accepted
 
 
+def test_swift_searches_in_the_steps_that_do_not_draft(deep):
+    """The trials run after each step's verdict, drafted or not: k=auto may give SWIFT no budget for a whole request,
+    and the search must not wait for its probes (one 60 ms trial each, spread over later requests)."""
+    target = ModelAdapter(deep)
+    search = LayerSearch(6, 0.5, trials=12, seed=0)
+    out = generate(target, PROMPT, drafter=SwiftDrafter(search), k=0, max_new_tokens=60)
+    assert out.token_ids == generate(target, PROMPT, max_new_tokens=60).token_ids
+    assert all(step.drafted == 0 for step in out.steps)
+    assert search.trials_left == 0 and search.history and search.speed is not None
+
+
 def test_swift_takes_plain_steps_where_no_skipped_set_pays():
     loud = quiet_layers(tiny_llama(layers=6, seed=4), range(1, 5), scale=6.0)  # every skippable layer matters
     target = ModelAdapter(loud)
