@@ -266,7 +266,7 @@ def _load(name: str, path: Path, desc: dict, target_hf) -> Artifact:
 def pack_like_target(module: torch.nn.Module, target_hf) -> None:
     """Run a trained drafter's own matrices on the packed kernels of a target that runs packed weights (``quant``, a
     CPU): its decoder layers, a trimmed head (``VocabHead``) and EAGLE's input layers. A draft step over a few tokens
-    is bound by the bytes of weights it reads, a quarter (4-bit) or half (int8) of bfloat16's packed.
+    is bound by the bytes of weights it reads; packed, it reads a quarter (4-bit) or half (int8) of bfloat16's.
 
     A one-layer drafter (EAGLE's head, a Kangaroo adapter) runs 4-bit groups like the target's layers; a deeper one
     (the distilled draft) int8 per channel, since 4-bit errors compound over its layers. Measured on the bundled

@@ -358,7 +358,7 @@ def quantize_model(hf_model, mode: str, gguf_path=None, overwrite: bool = True, 
     weight = hf_model.lm_head.weight
     if head and _kernel_shape_ok(*weight.shape):
         if tensors is None:
-            out.head = pack_dense(weight, mode, overwrite=True)
+            out.head = pack_dense(weight, mode, overwrite)
         elif "output.weight" not in tensors and "token_embd.weight" in tensors:
             t = tensors["token_embd.weight"]  # tied: the LM head is the embedding
             from gguf import GGMLQuantizationType
