@@ -198,9 +198,7 @@ class SwiftDrafter(Drafter):
 
     @torch.inference_mode()
     def update(self, state: DecodeState, num_accepted: int) -> None:
-        self._trial(state, self.k)
-
-    def _trial(self, state: DecodeState, k: int) -> None:
+        """One trial of the search after each step's verdict, drafted or not (see the module docstring)."""
         s = self.search
         with s.lock:
             if s.trials_left <= 0 or state.tokens.shape[1] - 1 - self.prompt_len < WINDOW + 1:
@@ -212,7 +210,8 @@ class SwiftDrafter(Drafter):
         alphas = self._score(state, [incumbent, cand])
         depth = state.target.num_layers
         layer, head = layer_costs(state.target)
-        scored = [best_length(a, depth - len(x), depth, layer, head, max(1, k)) for a, x in zip(alphas, (incumbent, cand), strict=True)]
+        k = max(1, self.k)
+        scored = [best_length(a, depth - len(x), depth, layer, head, k) for a, x in zip(alphas, (incumbent, cand), strict=True)]
         kept = scored[1][0] > scored[0][0]
         with s.lock:
             if s.best == incumbent:

@@ -312,7 +312,7 @@ class Batch:
             # and only a proposal that follows a drafting step tells what drafting step after step costs: the first
             # after plain steps (a probe, a request's first) also fed the drafter everything they committed (a model
             # drafter's lazy catch-up: 3-9 ms for EAGLE's head here, against 1 ms a step while it drafts)
-            if len(seq.steps) and seq.steps[-1].drafted:
+            if seq.steps and seq.steps[-1].drafted:
                 seq.draft_cost.observe(res.record.drafted, max(0.0, res.record.draft_s - seq.captured_s))
             if res.proposal.tree is not None and res.record.drafted:
                 seq.tree_gain.observe(res.proposal.size, res.num_accepted)
