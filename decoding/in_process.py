@@ -8,9 +8,7 @@
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import threading
 import time
 
 import torch
@@ -23,56 +21,19 @@ from decoding.drafters.artifacts import with_stop_head
 from decoding.drafters.base import Drafter
 from decoding.errors import ConfigError
 from decoding.loop.batch import Sequence, generate_many, run_alone
-from decoding.loop.goodput import CALIBRATION_FORMAT, CALIBRATION_ROWS, CALIBRATION_WIDTHS, CostModel
 from decoding.loop.output import Generation
 from decoding.loop.prefill import ContextTooLong
 from decoding.methods import method_of
 from decoding.model.adapter import ModelAdapter
+from decoding.model.costs import CostModel, forward_costs
 from decoding.model.loading import LoadedModel, load_model, set_threads
-from decoding.paths import specray_home
 from decoding.sampling import SamplingParams
 from decoding.schedules import triforce
-from decoding.timing import device_name
 from decoding.trees.shapes import tree_shape
 
 # the modules that define the methods' drafters: importing them registers their builders (decoding.builders)
 DRAFTER_MODULES = (base, ngram, model_free, artifacts, triforce, swift, dynamic_exit, ead)
 log = logging.getLogger(__name__)
-_COSTS: dict[tuple, CostModel] = {}
-_COSTS_LOCK = threading.Lock()
-
-
-def cost_model(target: ModelAdapter, model: str, dtype: str, max_rows: int = 1) -> CostModel:
-    """The measured cost of a target forward by rows and tokens (``decoding.loop.goodput``) for k=auto.
-
-    Measured once per model, dtype, threads, device and forward implementation (a few seconds on this kind of
-    CPU) and kept in the process and under ``$SPECRAY_HOME/calibration`` (delete the file to measure again); the
-    batch refreshes it online from the steps it runs.
-    """
-    rows = tuple(r for r in CALIBRATION_ROWS if r <= max(1, max_rows))
-    key = (model, dtype, torch.get_num_threads(), device_name(target.device), rows, target.implementation)
-    with _COSTS_LOCK:
-        if key in _COSTS:
-            return _COSTS[key]
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)[-80:]
-        # a new grid (or way of measuring it, CALIBRATION_FORMAT) is measured anew, not read from an old file
-        grid = f"w{'.'.join(map(str, CALIBRATION_WIDTHS))}-{CALIBRATION_FORMAT}"
-        path = specray_home() / "calibration" / f"{safe}-{dtype}-t{key[2]}-{key[3]}-r{rows[-1]}-{key[5]}-{grid}.json"
-        cost = None
-        try:
-            cost = CostModel.from_dict(json.loads(path.read_text()))
-        except (OSError, ValueError, KeyError, TypeError):
-            cost = None
-        if cost is None:
-            log.info("specray: measuring the target's forward cost by rows and tokens (once per model, dtype, threads)")
-            cost = CostModel.measure(target, rows=rows)
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(cost.to_dict()))
-            except OSError:
-                pass  # a read-only home: measure again next time
-        _COSTS[key] = cost
-        return cost
 
 
 def draft_depth(cfg: SpecConfig) -> int:
@@ -210,7 +171,8 @@ class SpecDecoder(DecoderBase):
         return self.run(self._sequence(prompt_ids.to(self.device), max_new_tokens, seed, on_step, None, self.drafter, gen))
 
     def cost_model(self, max_rows: int = 1) -> CostModel:
-        return cost_model(self.target, self.cfg.model, self.cfg.dtype, max_rows)
+        """The measured cost of the target's forward by rows and tokens (``decoding.model.costs``), for k=auto."""
+        return forward_costs(self.target, self.cfg.model, self.cfg.dtype, max_rows)
 
     def generate_batch(
         self, prompts: list[torch.Tensor], max_new_tokens: int | None = None, max_rows: int = 16, max_step_tokens: int | None = None

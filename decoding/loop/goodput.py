@@ -27,22 +27,10 @@ them, so one row's drafts never cost another row its place.
 
 from __future__ import annotations
 
-import bisect
-import time
 from dataclasses import dataclass, field
 
-import torch
+from decoding.model.costs import CostModel
 
-from decoding.timing import synchronize
-
-# the grid the start-up calibration measures (rows x tokens per row)
-CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32)
-# tokens per row the start-up calibration times. The int4 kernel of this kind of CPU works on 4 rows of a matrix at a
-# time: SmolLM2's forward costs 8.7 ms at 1 token, 11.4-12.4 at 2-4, 15.2-16.2 at 5-8, 21.7 at 9; the ends of those
-# steps are measured, so k=auto sees that a fourth or an eighth token costs little more than the one before it
-CALIBRATION_WIDTHS = (1, 2, 3, 4, 5, 8, 9)  # 42 points x 2 forwards at 32 rows: about 7 s for SmolLM2-135M on 2 cores
-CALIBRATION_FORMAT = "m3"  # how a grid is measured: the fastest of 3 timings a point, monotone in width (measure)
-GPU_WIDTHS = (17, 33, 65)  # also measured on a GPU, where verifying 64 tokens costs about what one does
 PROBE_EVERY, PROBE_MAX = 8, 128  # idle steps before a row that stopped drafting tries again (doubling while it finds nothing)
 
 
@@ -272,144 +260,6 @@ class DraftCost:
         b = max(0.0, (self.sjs / self.n - mean_j * mean_s) / var)
         a = max(0.0, mean_s - b * mean_j)
         return a + b * j
-
-
-class CostModel:
-    """Seconds of one target forward over R rows of T tokens each.
-
-    ``table`` holds measured points {(R, T): seconds}; other sizes are interpolated linearly in R and in T
-    between the nearest measured ones (and extrapolated in proportion beyond them). :meth:`observe` folds in
-    the time of real steps, so the model's level follows the machine (other load, longer contexts) as it runs.
-
-    >>> c = CostModel({(1, 1): 1.0, (1, 3): 2.0, (3, 1): 3.0, (3, 3): 5.0})
-    >>> c(2, 2)
-    2.75
-    """
-
-    FRESH = 4  # a wider step within this many steps of a plain one corrects its shape (observe)
-
-    def __init__(self, table: dict[tuple[int, int], float], smoothing: float = 0.2):
-        if not table:
-            raise ValueError("a cost model needs at least one measured point")
-        self.table = dict(table)
-        self.smoothing = smoothing
-        self.rows = sorted({r for r, _ in table})
-        self.widths = sorted({t for _, t in table})
-        self.scale = 1.0  # observed / measured level (see observe)
-        self.residual: dict[tuple[int, int], float] = {}  # (rows, width > 1) -> observed / predicted shape (see observe)
-        self.since_plain = self.FRESH + 1  # steps since the last plain one (none yet)
-
-    def __call__(self, rows: int, width: int) -> float:
-        return self._interp(rows, width) * self.scale * self.residual.get((rows, width), 1.0)
-
-    def _interp(self, rows: int, width: int) -> float:
-        def along(points, x, value):
-            i = bisect.bisect_left(points, x)
-            if i < len(points) and points[i] == x:
-                return value(points[i])
-            lo, hi = (points[i - 1], points[i]) if 0 < i < len(points) else ((points[-1], None) if i else (None, points[0]))
-            if hi is None:
-                return value(lo) * x / lo
-            if lo is None:
-                return value(hi) * x / hi if x > 0 else value(hi)
-            w = (x - lo) / (hi - lo)
-            return value(lo) * (1 - w) + value(hi) * w
-
-        def at_rows(r):
-            return along(self.widths, width, lambda t: self._point(r, t))
-
-        return along(self.rows, rows, at_rows)
-
-    def _point(self, rows: int, width: int) -> float:
-        if (rows, width) in self.table:
-            return self.table[(rows, width)]
-        # an incomplete grid: the nearest measured point, scaled by tokens
-        (r, t), s = min(self.table.items(), key=lambda kv: abs(kv[0][0] - rows) + abs(kv[0][1] - width))
-        return s * (rows * width) / (r * t)
-
-    def observe(self, rows: int, width: int, seconds: float) -> None:
-        """Fold in a real step. Every step moves the level (a moving average of observed / predicted): a longer
-        context makes every width dearer, and a row that drafts at every step must not leave it stale. A wider step
-        that comes within ``FRESH`` steps of a plain one (the level then is that of its context) also corrects the
-        shape at its own size: how much more than a plain step it costs, as measured at start-up, which a calibration
-        over a short context can get wrong (on this CPU a 128-token calibration put 8 tokens at 1.78x a plain step,
-        where verifying them in generation cost 1.99x). A size whose cost was underestimated gets drafted, observed
-        and corrected; one whose cost was overestimated is not drafted again, so one slow step (the collector,
-        another process) moves a shape by at most 2%.
-
-        >>> c = CostModel({(1, 1): 1.0, (1, 3): 2.0})
-        >>> for _ in range(100):
-        ...     c.observe(1, 1, 0.5); c.observe(1, 3, 1.5)
-        >>> round(c(1, 1), 3), round(c(1, 3), 3), round(c(1, 2), 3)   # width 2 never seen: the calibrated shape
-        (0.5, 1.5, 0.75)
-        >>> d = CostModel({(1, 1): 1.0, (1, 2): 1.1})
-        >>> for seconds in [1.1 * 1.01**i for i in range(40)]:      # drafting at every step while the context grows
-        ...     d.observe(1, 2, seconds)
-        >>> round(d(1, 2) / d(1, 1), 3), round(d(1, 2), 2)         # the growth went to the level, not to the shape
-        (1.1, 1.56)
-        """
-        key = (rows, width)
-        base, shape = self._interp(rows, width), self.residual.get(key, 1.0)
-        self.scale += self.smoothing * (seconds / max(base * shape, 1e-12) - self.scale)
-        self.since_plain = 0 if width <= 1 else self.since_plain + 1
-        if width > 1 and self.since_plain <= self.FRESH:
-            ratio = min(max(seconds / max(base * self.scale, 1e-12), shape * 0.9), shape * 1.1)
-            self.residual[key] = shape + self.smoothing * (ratio - shape)
-
-    def to_dict(self) -> dict:
-        return {"points": [[r, t, s] for (r, t), s in sorted(self.table.items())]}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> CostModel:
-        return cls({(int(r), int(t)): float(s) for r, t, s in data["points"]})
-
-    @classmethod
-    def measure(
-        cls, target, rows=CALIBRATION_ROWS, widths=CALIBRATION_WIDTHS, context: int = 128, repeats: int = 3, max_rows: int | None = None
-    ) -> CostModel:
-        """Time ``target`` (a ``ModelAdapter``) on every (rows, width) of the grid over a ``context``-token cache.
-
-        Each point is the fastest of ``repeats`` timed forwards after one warm-up (the least disturbed by other work),
-        and no point costs more than a wider one of its rows (:func:`monotone`). One timing a point put two tokens at
-        1.16x a plain step on this CPU, where they cost 1.08x over 30 timings; :meth:`observe` corrects an
-        underestimate as soon as the width is drafted, but never an overestimate (a width it does not try).
-        """
-        rows = [r for r in rows if max_rows is None or r <= max_rows] or [1]
-        if widths is CALIBRATION_WIDTHS and torch.device(target.device).type == "cuda":
-            widths = CALIBRATION_WIDTHS + GPU_WIDTHS  # where wide steps cost no more than narrow ones: measure them
-        table = {}
-        vocab = min(int(target.vocab_size), 1000)
-        gen = torch.Generator().manual_seed(0)
-        for r in rows:
-            cache = target.new_cache(r, context + max(widths))
-            ids = torch.randint(0, vocab, (r, context), generator=gen, device="cpu").to(target.device)
-            target.forward(cache, 0, input_ids=ids)
-            starts = [context] * r
-            for t in widths:
-                step = torch.randint(0, vocab, (r, t), generator=gen, device="cpu").to(target.device)
-                best = float("inf")
-                for i in range(repeats + 1):
-                    synchronize(target.device)  # nothing of the previous forward in this one's time
-                    t0 = time.perf_counter()
-                    target.logits(target.forward(cache, starts if r > 1 else context, input_ids=step))
-                    synchronize(target.device)  # the device's time, not the time to queue its work
-                    if i:
-                        best = min(best, time.perf_counter() - t0)
-                table[(r, t)] = best
-        return cls(monotone(table))
-
-
-def monotone(table: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
-    """Measured forward costs with no width dearer than a wider one of the same rows (each point the least of itself
-    and every wider point): a timing's noise only ever adds, so the lower reading is the truer one.
-
-    >>> monotone({(1, 1): 1.0, (1, 2): 1.6, (1, 3): 1.3, (1, 4): 1.5})
-    {(1, 1): 1.0, (1, 2): 1.3, (1, 3): 1.3, (1, 4): 1.5}
-    """
-    out = dict(table)
-    for (r, t), seconds in table.items():
-        out[(r, t)] = min([seconds] + [s for (r2, t2), s in table.items() if r2 == r and t2 > t])
-    return out
 
 
 @dataclass

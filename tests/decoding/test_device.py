@@ -149,14 +149,14 @@ def test_a_batch_creates_nothing_off_the_model_device(tiny_model_dir, one_thread
     prompts = ["the cat sat on the mat and the cat", "a b a b a b", "once upon a time there was a time"]
     ids = [dec.encode(p) for p in prompts]
     reference = [dec.generate_ids(x, max_new_tokens=10).token_ids for x in ids]
-    from decoding.in_process import cost_model
     from decoding.loop.batch import generate_many
+    from decoding.model.costs import forward_costs
 
     log = DeviceLog()
     torch.set_default_device("meta")
     try:
         with log:
-            cost = cost_model(dec.target, "tiny-device-test", "float32", max_rows=4)
+            cost = forward_costs(dec.target, "tiny-device-test", "float32", max_rows=4)
             seqs = [dec.sequence(ids[0], 10), trees.sequence(ids[1], 10), dec.sequence(ids[2], 10)]
             outs = generate_many(dec.target, seqs, max_rows=3, cost=cost)
     finally:

@@ -2,7 +2,6 @@
 chosen from a measured cost curve, greedy equality and the sampled distribution on a tiny model."""
 
 import itertools
-import json
 import random
 from types import SimpleNamespace
 
@@ -190,22 +189,37 @@ def test_tree_chooser_prefers_small_trees_when_nodes_are_expensive():
     assert flat.prefix([0.5] * 80) == flat.max_budget
 
 
-def test_verify_costs_are_measured_once_and_cached(tiny_model, tmp_path, monkeypatch, one_thread):
+def test_trees_and_k_auto_read_one_measured_cost_of_the_forward(tiny_model, tmp_path, monkeypatch, one_thread):
+    """The tree chooser reads the cost model k=auto reads: measured once (one row up to 64 tokens), cached per model,
+    dtype and forward implementation, and the same object the loop refreshes, so a step's observed cost moves both."""
+    from decoding.model import costs
+
     monkeypatch.setenv("SPECRAY_HOME", str(tmp_path))
+    monkeypatch.setattr(costs, "_COSTS", {})
     adapter = ModelAdapter(tiny_model)
-    costs = hardware.verify_costs(adapter, "tiny", "float32", 1)
-    assert set(costs) == set(hardware.SIZES) and all(c > 0 for c in costs.values())
-    path = hardware.calibration_path("tiny", "float32", 1)
-    assert json.loads(path.read_text())["seconds"]
+    cfg = SpecConfig(model="tiny", dtype="float32", method="suffix")
+    chooser = hardware.chooser_for(cfg, SimpleNamespace(model=tiny_model))
+    model = costs.forward_costs(adapter, "tiny", "float32")
+    assert chooser.model is model  # one measurement, one object
+    assert chooser.sizes[-1] == max(costs.TREE_WIDTHS) and chooser.max_budget == max(hardware.BUDGETS)
+    assert all(model.table[(1, t)] > 0 for t in costs.CALIBRATION_WIDTHS + costs.TREE_WIDTHS)
+    files = list((tmp_path / "calibration").glob(f"tiny-float32-*-{costs.CALIBRATION_FORMAT}.json"))
+    assert len(files) == 1
 
     def fail(*a, **k):
         raise AssertionError("measured again instead of reading the cache")
 
-    monkeypatch.setattr(hardware, "measure_verify_cost", fail)
-    assert hardware.verify_costs(adapter, "tiny", "float32", 1) == costs
-    others = {hardware.calibration_path("tiny", "bfloat16", 1), hardware.calibration_path("tiny", "float32", 1, implementation="modules")}
-    assert path not in others and len(others) == 2  # a cache per model, dtype, threads and forward implementation
-    assert hardware.calibration_path("tiny", "float32", 1, implementation=adapter.implementation) == path
+    monkeypatch.setattr(costs.CostModel, "measure", fail)
+    monkeypatch.setattr(costs, "_COSTS", {})  # a new process: read from the file
+    again = costs.forward_costs(adapter, "tiny", "float32")
+    assert again.table == model.table
+    before = chooser.cost(8) / chooser.cost(1)
+    for _ in range(costs.CostModel.FRESH):  # the loop observes 8-token steps costing twice the calibrated shape
+        model.observe(1, 1, model(1, 1))
+        model.observe(1, 8, 2 * model(1, 8))
+    assert chooser.cost(8) / chooser.cost(1) > before  # the chooser sees the correction
+    with pytest.raises(ValueError, match="no verification costs"):
+        hardware.TreeChooser({})
 
 
 # ---- configuration ------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ def ar_outputs(ar_greedy):
 
 @pytest.fixture(autouse=True, scope="module")
 def _home(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:  # the verification-cost calibration is cached here, measured once
+    with pytest.MonkeyPatch.context() as mp:  # the forward-cost calibration is cached here, measured once
         mp.setenv("SPECRAY_HOME", str(tmp_path_factory.mktemp("home")))
         yield
 

@@ -15,11 +15,11 @@ from decoding.loop import batch as batch_module
 from decoding.loop import prefill as prefill_module
 from decoding.loop import step as step_module
 from decoding.loop.batch import Batch, NotBatchable, Sequence, generate_many
-from decoding.loop.goodput import CostModel
 from decoding.loop.metrics import chi_square_pvalue
 from decoding.loop.verify import verify_speculative
 from decoding.model import graphs as graphs_module
 from decoding.model.adapter import ModelAdapter
+from decoding.model.costs import CostModel
 from decoding.sampling import GREEDY, SamplingParams, sample_from
 from decoding.trees.shapes import Dynamic, Tree
 from tests.decoding.loop.test_loop import exact_joint
