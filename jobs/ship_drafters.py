@@ -9,8 +9,9 @@ Kangaroo adapters ``kangaroo-l<exit layer>``) trains on the self-distillation da
 ``data/distill/<model>`` (``specray distill`` made it) with the settings recorded there. Checkpoints live in
 ``$SPECRAY_HOME/ship/<model>/<name>`` (rerunning resumes); the finished artifact is copied into
 ``decoding/drafters/shipped/<model>/<name>`` (the methods' defaults) and the learning curves into ``--docs``.
-``--repack`` trains nothing: it rewrites the shipped artifacts in the current storage (``decoding.drafters.storage``)
-and measures their held-out agreement before and after on the data. Bad input prints one line and exits 2.
+``--repack`` trains nothing: it rewrites the shipped artifacts in the current storage (``decoding.drafters.storage``),
+from the weights as trained where their run's checkpoint is still in ``$SPECRAY_HOME/ship`` (else from the weights as
+stored), and measures their held-out agreement before and after on the data. Bad input prints one line and exits 2.
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ def main_with_args(args) -> int:
 
 def repack_shipped(args, names: list[str], data: Path, shipped: Path) -> int:
     from decoding.drafters.storage import Storage
+    from decoding.paths import specray_home
     from training.runs import SHIPPED_RECIPES, repack
 
     missing = [n for n in names if not (shipped / n / "drafter.json").is_file()]
@@ -140,7 +142,8 @@ def repack_shipped(args, names: list[str], data: Path, shipped: Path) -> int:
     for name in names:
         print(f"{name}: repacking {shipped / name}", file=sys.stderr)
         storage = Storage(**SHIPPED_RECIPES[name].storage)  # each drafter's own encoding
-        results[name] = repack(shipped / name, args.model, data, args.device, storage, eval_sequences=args.eval_sequences)
+        run = specray_home() / "ship" / Path(args.model).name / name / "checkpoint.pt"  # the weights as trained, if kept
+        results[name] = repack(shipped / name, args.model, data, args.device, storage, args.eval_sequences, run)
     if args.json:
         print(json.dumps(results))
         return 0
@@ -149,6 +152,7 @@ def repack_shipped(args, names: list[str], data: Path, shipped: Path) -> int:
         print(
             f"{name}: {r['bytes_before'] / 1e6:.2f} MB -> {r['bytes_after'] / 1e6:.2f} MB; held-out top-1 agreement "
             f"[{fmt(r['agreement_before'])}] -> [{fmt(r['agreement_stored'])}]"
+            + (" (from the weights as trained)" if r["from_checkpoint"] else "")
         )
     return 0
 

@@ -49,7 +49,11 @@ SHIPPED_RECIPES: dict[str, DataRun] = {
         "eagle", {"draft_vocab": 8192, "ttt_steps": 3}, steps=3000, batch=4, lr=1e-3, eval_every=250, storage={"max_change": 0.35}
     ),
     # 3 layers and a 4,096-token head: the four shipped artifacts stay within 12 MB together (tests/test_tree_size.py)
-    "distill": DataRun("distill", {"draft_layers": 3, "draft_vocab": 4096}, steps=1500, batch=4, lr=5e-4, eval_every=250),
+    # the shipped one was trained on a GPU whose weights as trained were not kept: stored again on the normal grid (the
+    # default since) its 2-bit changes would be rounded twice, so its record keeps the grid it was stored on
+    "distill": DataRun(
+        "distill", {"draft_layers": 3, "draft_vocab": 4096}, steps=1500, batch=4, lr=5e-4, eval_every=250, storage={"grid": "uniform"}
+    ),
     "kangaroo-l6": DataRun("kangaroo", {"exit_layer": 6, "draft_vocab": 8192}, steps=800, batch=4, lr=1e-3, eval_every=200),
     "kangaroo-l12": DataRun("kangaroo", {"exit_layer": 12, "draft_vocab": 8192}, steps=800, batch=4, lr=1e-3, eval_every=200),
     # SpecDec++'s stop heads (decoding/drafters/stop_head.py), one per shipped drafter and one for the target's own head on
@@ -162,11 +166,19 @@ def _summary(run: DataRun, out: Path, knobs: dict, train_set: list, tokens: int,
 
 
 def repack(
-    artifact: Path, model: str = "smollm2-135m", data: Path | None = None, device: str = "auto", storage=None, eval_sequences: int = 64
+    artifact: Path,
+    model: str = "smollm2-135m",
+    data: Path | None = None,
+    device: str = "auto",
+    storage=None,
+    eval_sequences: int = 64,
+    checkpoint: Path | None = None,
 ) -> dict:
     """Rewrite a trained artifact (any readable format) in ``storage`` (default: the current one), its description and
-    training record kept. With ``data`` (a ``specray distill`` directory) the held-out top-1 agreement is measured as
-    training measures it, before (the weights as they were stored) and after (as they are stored now): the record's
+    training record kept. ``checkpoint``: its training run's ``checkpoint.pt``; when it holds the run the artifact
+    records (the same spec and steps), the weights as trained are stored, not the artifact's (a stored copy stored
+    again loses twice). With ``data`` (a ``specray distill`` directory) the held-out top-1 agreement is measured as
+    training measures it, before (the weights repacked) and after (as they are stored now): the record's
     ``eval_agreement_stored`` and ``repacked``; a record naming the data at another machine's place names ``data``.
     Returns a summary."""
     from decoding.drafters.artifacts import load_artifact, save_artifact, stored_copy
@@ -179,11 +191,13 @@ def repack(
     art = load_artifact(str(artifact), target)
     desc, knobs, recipe = art.description, art.knobs, art.recipe
     module = art.module.float()
-    kept = stored_copy(module, recipe.name, knobs, target, storage)
     training = dict(desc.get("training") or {})
+    from_checkpoint = checkpoint is not None and _load_run(module, Path(checkpoint), training)
+    kept = stored_copy(module, recipe.name, knobs, target, storage)
     if data is not None and Path(str(training.get("data", ""))).name == Path(data).name:  # the same data, elsewhere
         training["data"] = portable(data)
     repacked = {"from_format": desc["format"], "from_bytes": (Path(artifact) / "drafter.safetensors").stat().st_size}
+    repacked["from"] = "the weights as trained (its run's checkpoint)" if from_checkpoint else "the weights as stored"
     if data is not None:
         run = DataRun(recipe.name)
         layers = recipe.data_layers(knobs, target.config.num_hidden_layers)
@@ -211,7 +225,22 @@ def repack(
         "bytes_after": (Path(artifact) / "drafter.safetensors").stat().st_size,
         "agreement_before": repacked.get("eval_agreement_before"),
         "agreement_stored": training.get("eval_agreement_stored"),
+        "from_checkpoint": from_checkpoint,
     }
+
+
+def _load_run(module, checkpoint: Path, training: dict) -> bool:
+    """Load the weights of the training run ``training`` records from ``checkpoint`` into ``module``; False (and
+    nothing loaded) when there is none or it holds another run (another spec, or not the steps the artifact records)."""
+    import torch
+
+    if not checkpoint.is_file():
+        return False
+    ckpt = torch.load(checkpoint, weights_only=False, map_location="cpu")
+    if ckpt.get("spec") != training.get("spec") or ckpt.get("step") != training.get("steps"):
+        return False
+    module.load_state_dict(ckpt["module"])
+    return True
 
 
 def publish(work: Path, shipped: Path) -> Path:

@@ -88,18 +88,23 @@ def test_init_shipped_trains_the_shipped_drafter_further(tiny_data, tmp_path, ca
     assert_one_line_error(code, capsys.readouterr().err, "no artifact to start")
 
 
-def test_repack_rewrites_the_shipped_artifacts_and_measures_them(tiny_data, tmp_path, capsys):
+def test_repack_rewrites_the_shipped_artifacts_and_measures_them(tiny_data, tmp_path, capsys, monkeypatch):
     """``--repack`` trains nothing: an artifact in the old dense format (1) is rewritten in the current one, its
-    training record kept, its held-out agreement measured before and after."""
+    training record kept, its held-out agreement measured before and after; from the weights as trained while its
+    run's checkpoint holds them, else from the weights as stored."""
+    import copy
     import shutil
 
     import torch
     from safetensors.torch import save_file
 
-    from decoding.drafters.artifacts import FORMAT, load_artifact
+    from decoding.drafters.artifacts import FORMAT, load_artifact, stored_copy
+    from decoding.drafters.storage import Storage
     from decoding.model.loading import load_model
     from jobs.ship_drafters import main
+    from training.runs import SHIPPED_RECIPES
 
+    monkeypatch.setenv("SPECRAY_HOME", str(tmp_path / "home"))  # the run's checkpoint lands here
     model, data, root = tiny_data
     shipped = tmp_path / "shipped"
     argv = ["--model", str(model), "--data", str(data), "--only", "distill", "--steps-scale", "0.004", "--shipped", str(shipped)]
@@ -122,7 +127,20 @@ def test_repack_rewrites_the_shipped_artifacts_and_measures_them(tiny_data, tmp_
     assert result["agreement_before"] == after["training"]["repacked"]["eval_agreement_before"] and len(result["agreement_before"]) == 1
     assert result["agreement_stored"] == after["training"]["eval_agreement_stored"] and 0 <= result["agreement_stored"][0] <= 1
     assert not (tmp_path / "docs").exists()  # no training: no curves, no record
-    load_artifact(str(shipped / "distill"), target)
+    assert result["from_checkpoint"] and after["training"]["repacked"]["from"].startswith("the weights as trained")
+    ckpt_path = tmp_path / "home" / "ship" / model.name / "distill" / "checkpoint.pt"
+    ckpt = torch.load(ckpt_path, weights_only=False)
+    art = load_artifact(str(shipped / "distill"), target)
+    loaded = {k: v.clone() for k, v in art.module.state_dict().items()}
+    module = copy.deepcopy(art.module).float()
+    module.load_state_dict(ckpt["module"])
+    storage = Storage(**SHIPPED_RECIPES["distill"].storage)  # the drafter's own encoding, as --repack uses
+    expected = stored_copy(module, "distill", art.knobs, target, storage).state_dict()
+    assert all(torch.equal(loaded[k], v.to(loaded[k].dtype)) for k, v in expected.items())  # the weights as trained, stored once
+    assert not all(torch.equal(loaded[k], v.to(loaded[k].dtype)) for k, v in ckpt["module"].items())  # and stored: rounded
+    torch.save({**ckpt, "step": ckpt["step"] + 1}, ckpt_path)  # another run's checkpoint: the stored weights are used
+    assert main(["--model", str(model), "--data", str(data), "--only", "distill", "--shipped", str(shipped), "--repack", "--json"]) == 0
+    assert not json.loads(capsys.readouterr().out)["distill"]["from_checkpoint"]
     code = main(["--model", str(model), "--data", str(data), "--only", "eagle", "--shipped", str(shipped), "--repack"])
     assert_one_line_error(code, capsys.readouterr().err, "no artifact to repack")
 

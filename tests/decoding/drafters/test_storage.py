@@ -17,7 +17,7 @@ from decoding.drafters.artifacts import (
     save_artifact,
     stored_copy,
 )
-from decoding.drafters.storage import BITS, Storage, dequantize, pack, quantize, unpack
+from decoding.drafters.storage import BITS, Storage, StorageError, dequantize, pack, quantize, unpack
 from decoding.drafters.trained import get_recipe
 from decoding.errors import ConfigError
 
@@ -46,11 +46,53 @@ def test_quantisation_error_falls_with_bits():
 
 
 def test_storage_validates_its_fields():
-    bad = {"bits": 3, "large_bits": 5, "own_bits": 16, "group": 12, "max_change": 2}
+    bad = {"bits": 3, "large_bits": 5, "own_bits": 16, "group": 12, "max_change": 2, "grid": "log"}
     for field, value in bad.items():
         kw = {field: value}
         with pytest.raises(ValueError, match=f"^{field}: "):
             Storage(**kw)
+    with pytest.raises(ValueError, match="^grid: "):
+        Storage(bits=8)  # the normal grid has levels for 1, 2 and 4 bits
+    assert Storage(bits=8, grid="uniform").bits == 8
+    assert Storage.from_dict({"bits": 2, "group": 64}).grid == "uniform"  # a record written before grids
+    assert Storage.from_dict(Storage().to_dict()) == Storage()
+
+
+@pytest.mark.parametrize("bits,gain", [(1, 0.9), (2, 0.9), (4, 1.0)])  # at 4 bits the uniform grid is nearly as good
+def test_the_normal_grid_fits_bell_shaped_values_better_in_the_same_bytes(bits, gain):
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(256, 96, generator=g) * torch.rand(256, 1, generator=g)  # groups of different spreads
+    errors = {}
+    for grid in ("uniform", "normal"):
+        codes, scale = quantize(x, bits, 64, grid)
+        assert codes.numel() == x.numel() * bits // 8 and scale.numel() == x.numel() // 64
+        errors[grid] = float((dequantize(codes, scale, bits, 64, x.shape, grid) - x).square().mean().sqrt())
+    assert errors["normal"] < gain * errors["uniform"], errors
+    zeros = quantize(torch.zeros(8, 8), bits, 64, "normal")
+    assert torch.equal(dequantize(*zeros, bits, 64, (8, 8), "normal"), torch.zeros(8, 8))
+
+
+def test_a_layout_written_before_grids_reads_as_uniform():
+    from decoding.drafters.storage import LAYOUT_KEY, decode, encode, layout_of
+
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(64, 64, generator=g)
+    state, bases = {"w": base + 0.02 * torch.randn(64, 64, generator=g)}, {"w": base}
+    tensors, metadata = encode(state, bases, Storage())
+    assert layout_of(metadata)["w"]["grid"] == "normal"
+    old_t, old_m = encode(state, bases, Storage(grid="uniform"))
+    assert "grid" not in layout_of(old_m)["w"]  # what an artifact written before grids holds
+    change = state["w"] - base.bfloat16().float()
+    codes, scale = quantize(change, 2, 64)
+    assert torch.equal(decode(old_t, old_m, bases)["w"], dequantize(codes, scale, 2, 64, (64, 64)) + base.bfloat16().float())
+    normal = decode(tensors, metadata, bases)["w"]
+    assert (normal - state["w"]).norm() < (decode(old_t, old_m, bases)["w"] - state["w"]).norm()
+    broken = {
+        LAYOUT_KEY: json.dumps({"w": {**layout_of(metadata)["w"], "grid": "log"}}),
+        **{k: v for k, v in metadata.items() if k != LAYOUT_KEY},
+    }
+    with pytest.raises(StorageError):
+        decode(tensors, broken, bases)
 
 
 def test_small_changes_take_few_bits_large_ones_and_own_matrices_more():
