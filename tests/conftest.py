@@ -57,6 +57,21 @@ def tiny_llama(vocab: int = 12, layers: int = 3, seed: int = 0, sharpness: float
     return model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _specray_home(tmp_path_factory):
+    """The tests' own ``$SPECRAY_HOME``: the calibrations, checkpoints and registries they write stay out of the
+    user's. Only the converted bundled model (``models/``, a conversion of the GGUF that takes a while) is shared."""
+    from decoding.paths import specray_home
+
+    real = specray_home() / "models"
+    real.mkdir(parents=True, exist_ok=True)
+    home = tmp_path_factory.mktemp("specray-home")
+    (home / "models").symlink_to(real, target_is_directory=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECRAY_HOME", str(home))
+        yield home
+
+
 @pytest.fixture(autouse=True)
 def _fast_tier_one_thread(request):
     """Fast-tier tests run torch on one thread (tiny forwards on a shared 2-core machine: 2 threads only contend)."""
