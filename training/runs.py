@@ -154,7 +154,8 @@ def _summary(run: DataRun, out: Path, knobs: dict, train_set: list, tokens: int,
         "knobs": knobs,
         "train_sequences": len(train_set),
         "train_answer_tokens": tokens,
-        "train_seconds": round(seconds, 1),
+        "train_seconds": training.get("train_seconds", round(seconds, 1)),  # the training steps, every leg of a resumed run
+        "wall_seconds_this_run": round(seconds, 1),  # this call, the evaluations and loading included
         "batch": run.batch,
         "steps": training.get("steps"),
         "loss_first": training.get("loss_first"),

@@ -239,7 +239,7 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     s = _session(spec, target_hf, examples, shard, features, eval_examples)
     ckpt_path = out / "checkpoint.pt"
-    step, history, before = _resume(s, ckpt_path)
+    step, history, before, earlier_s = _resume(s, ckpt_path)
     if before is None:
         before = s.evaluate()
     model, backward, opt_step = wrap(s.module, s.opt) if wrap else (s.module, lambda loss: loss.backward(), s.opt.step)
@@ -248,7 +248,8 @@ def train(
 
     def checkpoint() -> None:
         if s.chief:
-            _save_checkpoint(ckpt_path, s.module, s.opt, step, history, spec, {"eval_before": before})
+            seconds = earlier_s + time.perf_counter() - t0  # the run's training time over all its legs
+            _save_checkpoint(ckpt_path, s.module, s.opt, step, history, spec, {"eval_before": before, "seconds": seconds})
 
     t0, began = time.perf_counter(), time.time()
     try:
@@ -275,6 +276,7 @@ def train(
         raise
     bar.close()
     training = _training(s, step, history, before, t0, extra_training)
+    training["train_seconds"] = round(earlier_s + training["train_seconds_this_run"], 1)  # every leg of a resumed run
     if save and s.chief:
         training["eval_agreement_stored"] = s.evaluate(stored_copy(s.module, spec.recipe, s.knobs, target_hf, storage))
         plot_loss(history, out / "loss.png", f"{spec.recipe} ({spec.loss})")
@@ -394,15 +396,16 @@ def _session(spec: TrainSpec, target_hf, examples: list[dict], shard: tuple[int,
     return _Session(spec, recipe, knobs, shared, train_shared, vocab, train_set, eval_set, features, device, module, opt, rank == 0)
 
 
-def _resume(s: _Session, ckpt_path: Path) -> tuple[int, list, list | None]:
-    """(step, history, held-out agreement before training) from a checkpoint of the same spec, else from the start."""
+def _resume(s: _Session, ckpt_path: Path) -> tuple[int, list, list | None, float]:
+    """(step, history, held-out agreement before training, seconds trained so far) from a checkpoint of the same spec,
+    else from the start."""
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, weights_only=False, map_location=s.device)
         if ckpt["spec"] == s.spec.to_dict():
             s.module.load_state_dict(ckpt["module"])
             s.opt.load_state_dict(ckpt["opt"])
-            return ckpt["step"], ckpt["history"], ckpt.get("eval_before")
-    return 0, [], None
+            return ckpt["step"], ckpt["history"], ckpt.get("eval_before"), float(ckpt.get("seconds", 0.0))
+    return 0, [], None, 0.0
 
 
 def _optimiser_step(s: _Session, step: int, model, backward, opt_step, done: float | None) -> tuple[float, float, list[int]]:

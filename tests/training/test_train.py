@@ -110,8 +110,10 @@ def test_resume_after_interruption_matches_an_uninterrupted_run(target, examples
 
     with pytest.raises(KeyboardInterrupt):
         train(spec, target, examples, tmp_path / "a", "t", progress=False, on_step=stop_at_5)
-    assert torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["step"] == 5
+    first = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)
+    assert first["step"] == 5 and first["seconds"] > 0
     resumed = train(spec, target, examples, tmp_path / "a", "t", progress=False)
+    assert resumed["train_seconds"] >= first["seconds"] + resumed["train_seconds_this_run"] - 0.1  # both legs counted
     train(spec, target, examples, tmp_path / "b", "t", progress=False)
     a, b = load_artifact(str(tmp_path / "a"), target), load_artifact(str(tmp_path / "b"), target)
     for k, v in a.module.state_dict().items():
