@@ -91,6 +91,8 @@ def main_with_args(args) -> int:
             start = ship_home / f"{name}-init"  # a copy: the shipped one is replaced at the end
             shutil.rmtree(start, ignore_errors=True)
             shutil.copytree(shipped / name, start)
+            if (ship_home / name / "checkpoint.pt").is_file():  # its run's weights as trained, used if they are its
+                shutil.copy2(ship_home / name / "checkpoint.pt", start / "checkpoint.pt")
             run = dataclasses.replace(run, init=portable(start))
         work = ship_home / name
         print(f"{name}: {run.recipe} {run.knobs}, {run.steps} steps of {run.batch} sequences", file=sys.stderr)

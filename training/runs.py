@@ -186,14 +186,14 @@ def repack(
     from decoding.drafters.trained import Shared
     from decoding.model.loading import load_model
     from training.features import TargetFeatures, distill_training_set
-    from training.trainer import evaluate
+    from training.trainer import evaluate, weights_as_trained
 
     target = load_model(model, "float32", device).model
     art = load_artifact(str(artifact), target)
     desc, knobs, recipe = art.description, art.knobs, art.recipe
     module = art.module.float()
     training = dict(desc.get("training") or {})
-    from_checkpoint = checkpoint is not None and _load_run(module, Path(checkpoint), training)
+    from_checkpoint = checkpoint is not None and weights_as_trained(module, Path(checkpoint), training)
     kept = stored_copy(module, recipe.name, knobs, target, storage)
     if data is not None and Path(str(training.get("data", ""))).name == Path(data).name:  # the same data, elsewhere
         training["data"] = portable(data)
@@ -228,20 +228,6 @@ def repack(
         "agreement_stored": training.get("eval_agreement_stored"),
         "from_checkpoint": from_checkpoint,
     }
-
-
-def _load_run(module, checkpoint: Path, training: dict) -> bool:
-    """Load the weights of the training run ``training`` records from ``checkpoint`` into ``module``; False (and
-    nothing loaded) when there is none or it holds another run (another spec, or not the steps the artifact records)."""
-    import torch
-
-    if not checkpoint.is_file():
-        return False
-    ckpt = torch.load(checkpoint, weights_only=False, map_location="cpu")
-    if ckpt.get("spec") != training.get("spec") or ckpt.get("step") != training.get("steps"):
-        return False
-    module.load_state_dict(ckpt["module"])
-    return True
 
 
 def publish(work: Path, shipped: Path) -> Path:

@@ -383,6 +383,9 @@ def _session(spec: TrainSpec, target_hf, examples: list[dict], shard: tuple[int,
             raise ValueError(f"init: {spec.init} is a {art.recipe.name} drafter with {art.knobs}, not {recipe.name} with {knobs}")
         module = recipe.build(target_hf, knobs).float()
         module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in art.module.state_dict().items()})
+        # the weights as trained where the artifact's run left its checkpoint beside it: a warm start from the weights
+        # as stored begins on their 2-bit grid, and storing it again rounds most of what it learns away
+        weights_as_trained(module, local(spec.init) / "checkpoint.pt", art.description.get("training") or {})
         module = module.to(device).train()
     else:
         module = recipe.build(target_hf, knobs).float().to(device).train()
@@ -394,6 +397,19 @@ def _session(spec: TrainSpec, target_hf, examples: list[dict], shard: tuple[int,
         train_shared = Shared(target_hf, vocab[: spec.train_vocab]) if spec.train_vocab else shared
     opt = torch.optim.AdamW(module.parameters(), lr=spec.lr, weight_decay=0.0)
     return _Session(spec, recipe, knobs, shared, train_shared, vocab, train_set, eval_set, features, device, module, opt, rank == 0)
+
+
+def weights_as_trained(module: torch.nn.Module, checkpoint: Path, training: dict) -> bool:
+    """Load into ``module`` the weights of the run an artifact's ``training`` record describes, from that run's
+    ``checkpoint`` (float, as trained); False, with nothing loaded, when there is none or it holds another run (another
+    spec, or not the steps the artifact records)."""
+    if not Path(checkpoint).is_file():
+        return False
+    ckpt = torch.load(checkpoint, weights_only=False, map_location="cpu")
+    if ckpt.get("spec") != training.get("spec") or ckpt.get("step") != training.get("steps"):
+        return False
+    module.load_state_dict(ckpt["module"])
+    return True
 
 
 def _resume(s: _Session, ckpt_path: Path) -> tuple[int, list, list | None, float]:

@@ -62,8 +62,9 @@ def test_ship_drafters_trains_publishes_and_plots(tiny_data, capsys):
 
 
 def test_init_shipped_trains_the_shipped_drafter_further(tiny_data, tmp_path, capsys):
-    """``--init shipped``: each drafter starts from its shipped artifact (its weights and trimmed vocabulary), so its
-    held-out agreement before training is the shipped one's; the record names the start portably."""
+    """``--init shipped``: each drafter starts from its shipped artifact (its weights and trimmed vocabulary): from its
+    weights as trained while its run's checkpoint is in ``$SPECRAY_HOME/ship``, else as stored; so its held-out
+    agreement before training is the shipped one's, as trained or as stored. The record names the start portably."""
     import torch
 
     from decoding.drafters.artifacts import load_artifact
@@ -79,7 +80,13 @@ def test_init_shipped_trains_the_shipped_drafter_further(tiny_data, tmp_path, ca
     vocab = load_artifact(str(tmp_path / "shipped" / "eagle"), target).module.lm_head.vocab.clone()
     assert main([*argv, "--init", "shipped", "--lr-scale", "0.5"]) == 0
     second = json.loads(capsys.readouterr().out)["eagle"]
-    assert second["agreement_before"] == pytest.approx(first["agreement_stored"], abs=1e-6)
+    assert second["agreement_before"] == pytest.approx(first["agreement_after"], abs=1e-6)  # the weights as trained
+    from decoding.paths import specray_home
+
+    (specray_home() / "ship" / model.name / "eagle" / "checkpoint.pt").unlink()  # the run's float weights are gone
+    assert main([*argv, "--init", "shipped", "--lr-scale", "0.5"]) == 0
+    third = json.loads(capsys.readouterr().out)["eagle"]
+    assert third["agreement_before"] == pytest.approx(second["agreement_stored"], abs=1e-6)  # the weights as stored
     desc = json.loads((tmp_path / "shipped" / "eagle" / "drafter.json").read_text())
     assert desc["training"]["spec"]["init"].endswith("eagle-init") and not desc["training"]["spec"]["init"].startswith("/")
     assert desc["training"]["spec"]["lr"] == pytest.approx(0.5e-3)
