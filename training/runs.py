@@ -182,6 +182,8 @@ def repack(
     training measures it, before (the weights repacked) and after (as they are stored now): the record's
     ``eval_agreement_stored`` and ``repacked``; a record naming the data at another machine's place names ``data``.
     Returns a summary."""
+    import copy
+
     from decoding.drafters.artifacts import load_artifact, save_artifact, stored_copy
     from decoding.drafters.trained import Shared
     from decoding.model.loading import load_model
@@ -191,7 +193,7 @@ def repack(
     target = load_model(model, "float32", device).model
     art = load_artifact(str(artifact), target)
     desc, knobs, recipe = art.description, art.knobs, art.recipe
-    module = art.module.float()
+    module = copy.deepcopy(art.module).float()  # a copy: the weights as trained must not reach a cached artifact
     training = dict(desc.get("training") or {})
     from_checkpoint = checkpoint is not None and weights_as_trained(module, Path(checkpoint), training)
     kept = stored_copy(module, recipe.name, knobs, target, storage)

@@ -222,9 +222,8 @@ def train(
 ) -> dict:
     """Train (or resume) and save the artifact in ``out``; returns the artifact's ``training`` description.
 
-    Under Ray Train each worker calls this with ``shard=(rank, world)`` (it
-    draws its batches from every world-th training sequence), ``wrap`` (DDP or
-    a DeepSpeed engine: ``wrap(module, optimizer) -> (model, backward, step)``)
+    Under Ray Train each worker calls this with ``shard=(rank, world)`` (it draws its batches from every world-th
+    training sequence), ``wrap`` (DDP or a DeepSpeed engine: ``wrap(module, optimizer) -> (model, backward, step)``)
     and ``report``; only rank 0 writes checkpoints and the artifact.
     ``deadline`` (a ``time.time()``) ends training early; the artifact records the steps done. The learning rate's
     schedule then runs over the time left when the steps begin, or over the steps if they end first (:func:`lr_at`).
@@ -275,8 +274,7 @@ def train(
         bar.close()
         raise
     bar.close()
-    training = _training(s, step, history, before, t0, extra_training)
-    training["train_seconds"] = round(earlier_s + training["train_seconds_this_run"], 1)  # every leg of a resumed run
+    training = _training(s, step, history, before, t0, extra_training, earlier_s)
     if save and s.chief:
         training["eval_agreement_stored"] = s.evaluate(stored_copy(s.module, spec.recipe, s.knobs, target_hf, storage))
         plot_loss(history, out / "loss.png", f"{spec.recipe} ({spec.loss})")
@@ -293,9 +291,9 @@ def _check_inputs(spec: TrainSpec, examples: list[dict]) -> None:
         raise ValueError(f"need at least 2 sequences (one held out), got {len(examples)}")
 
 
-def _training(s: _Session, step: int, history: list, before, t0: float, extra: dict | None) -> dict:
+def _training(s: _Session, step: int, history: list, before, t0: float, extra: dict | None, earlier_s: float = 0.0) -> dict:
     """The artifact's ``training`` description, the held-out agreement after training measured now (``t0``: when
-    this run's steps began)."""
+    this call's steps began; ``earlier_s``: the seconds the run trained before this call, when it resumed)."""
     s.module.eval()
     after = s.evaluate()
     return {
@@ -309,6 +307,7 @@ def _training(s: _Session, step: int, history: list, before, t0: float, extra: d
         "eval_agreement_before": before,
         "eval_agreement": after,
         "train_seconds_this_run": round(time.perf_counter() - t0, 1),
+        "train_seconds": round(earlier_s + time.perf_counter() - t0, 1),  # every leg of a resumed run
         **(extra or {}),
     }
 

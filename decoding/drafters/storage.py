@@ -72,8 +72,8 @@ class Storage:
     per value, on ``grid`` (``normal``: the values that fit a bell-shaped change best; ``uniform``: evenly spaced up to
     the group's largest); a large change (a part that learned a new map, such as EAGLE's input layers over their identity
     start) in ``large_bits``; a matrix with no base in ``own_bits``; ``group`` values share a float16 scale. The
-    defaults keep the four drafters shipped for SmolLM2-135M within 12 MB together, at a held-out agreement within
-    0.02 of the weights as trained (docs/drafters.md).
+    defaults keep the four drafters shipped for SmolLM2-135M within 12 MB together, at a held-out agreement 0.01-0.03
+    below the weights as trained (docs/drafters.md).
 
     >>> Storage().bytes_per_value(2), Storage(group=128).bytes_per_value(8)
     (0.28125, 1.015625)
