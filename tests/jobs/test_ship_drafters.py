@@ -82,6 +82,14 @@ def test_init_shipped_trains_the_shipped_drafter_further(tiny_data, tmp_path, ca
     second = json.loads(capsys.readouterr().out)["eagle"]
     assert second["agreement_before"] == pytest.approx(first["agreement_after"], abs=1e-6)  # the weights as trained
     from decoding.paths import specray_home
+    from training.features import distill_training_set
+    from training.trainer import TrainSpec, _session
+
+    start = json.loads((tmp_path / "shipped" / "eagle" / "drafter.json").read_text())["training"]["spec"]
+    ckpt = torch.load(specray_home() / "ship" / model.name / "eagle-init" / "checkpoint.pt", weights_only=False)
+    train_set, eval_set = distill_training_set(data)
+    session = _session(TrainSpec(**start), target, train_set, (0, 1), None, eval_set)
+    assert all(torch.equal(v, ckpt["module"][k]) for k, v in session.module.state_dict().items())  # started from them
 
     (specray_home() / "ship" / model.name / "eagle" / "checkpoint.pt").unlink()  # the run's float weights are gone
     assert main([*argv, "--init", "shipped", "--lr-scale", "0.5"]) == 0
