@@ -18,11 +18,12 @@ import time
 import torch
 
 from decoding.drafters.base import DecodeState, Drafter, Proposal
-from decoding.loop.goodput import Acceptance, CostModel, DraftCost, RowPlan, TreeGain, choose_width
+from decoding.loop.goodput import Acceptance, DraftCost, RowPlan, TreeGain, choose_width
 from decoding.loop.output import Generation, Output, StepCallback
 from decoding.loop.prefill import PREFILL_CHUNK, Prefill, check_context, chunk_of, first_token
 from decoding.loop.step import Workspace, propose, truncate, verify_step
 from decoding.model.adapter import KVCache, ModelAdapter
+from decoding.model.costs import CostModel
 from decoding.model.graphs import capture_seconds
 from decoding.sampling import GREEDY, SamplingParams
 
