@@ -62,6 +62,11 @@ LAYOUT_KEY = "specray.layout"  # the weights file's metadata: {tensor: how it is
 BASE_KEY = "specray.base"  # the hash of the bases the matrices were stored against
 
 
+def has_grid(grid: str, bits: int) -> bool:
+    """Whether values of ``bits`` bits can be stored on ``grid`` (the normal grid has levels for 1, 2 and 4 bits)."""
+    return grid == "uniform" or (grid == "normal" and bits in NORMAL_LEVELS)
+
+
 class StorageError(ValueError):
     """A weights file that does not decode (corrupt, truncated, or stored against other base tensors)."""
 
@@ -98,7 +103,7 @@ class Storage:
             raise ValueError(f"group: must be a multiple of 8, got {self.group}")
         if not 0 <= self.max_change <= 1:
             raise ValueError(f"max_change: must be in [0, 1], got {self.max_change}")
-        if self.grid not in GRIDS or (self.grid == "normal" and self.bits not in NORMAL_LEVELS):
+        if not has_grid(self.grid, self.bits):
             raise ValueError(f"grid: must be uniform, or normal with bits of 1, 2 or 4, got {self.grid} with {self.bits} bits")
 
     def bytes_per_value(self, bits: int) -> float:
@@ -125,7 +130,7 @@ def quantize(x: torch.Tensor, bits: int, group: int, grid: str = "uniform") -> t
     at exit layer 6). ``normal``: ``value = NORMAL_LEVELS[bits][q] * scale``, ``scale`` the group's root mean square,
     each value to its nearest level.
     """
-    if grid not in GRIDS or (grid == "normal" and bits not in NORMAL_LEVELS):
+    if not has_grid(grid, bits):
         raise ValueError(f"grid: no {grid} grid of {bits} bits")
     flat = x.detach().float().flatten()
     groups = torch.nn.functional.pad(flat, (0, (-flat.numel()) % group)).view(-1, group)  # [G, group]
@@ -145,7 +150,7 @@ def quantize(x: torch.Tensor, bits: int, group: int, grid: str = "uniform") -> t
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int, group: int, shape, grid: str = "uniform") -> torch.Tensor:
     """The float32 tensor of ``shape`` that :func:`quantize` stored as ``codes`` and ``scale`` on ``grid``."""
-    if grid not in GRIDS or (grid == "normal" and bits not in NORMAL_LEVELS):
+    if not has_grid(grid, bits):
         raise StorageError(f"no {grid} grid of {bits} bits")
     n = 1
     for d in shape:
