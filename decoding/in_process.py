@@ -141,7 +141,7 @@ class SpecDecoder(DecoderBase):
             latest = self.memory.get(("acceptance", self.cfg.method), dict)
             if "row" in latest:
                 acceptance, draft_cost, tree_gain, acceptance_of = latest["row"]
-                seq.acceptance = acceptance.carried(wait=not seq.drafter.model_free)
+                seq.acceptance = acceptance.carried()
                 seq.draft_cost, seq.tree_gain = draft_cost.carried(), tree_gain.carried()
                 seq.acceptance_of = {kind: a.carried() for kind, a in acceptance_of.items()}
             latest["row"] = (seq.acceptance, seq.draft_cost, seq.tree_gain, seq.acceptance_of)

@@ -69,7 +69,7 @@ class Sequence(Output):
         self.sampling, self.generator = sampling, generator
         self.tag = tag
         self.state: DecodeState | None = None
-        self.acceptance = Acceptance()  # SpecDecoder may start it from an earlier request's (Acceptance.carried)
+        self.acceptance = Acceptance.of_drafter(self.drafter.model_free)  # SpecDecoder may carry an earlier request's
         self.acceptance_of: dict[int, Acceptance] = {}  # per kind of proposal (Proposal.kind), where its drafter says
         self.draft_cost = DraftCost()  # what its drafter's proposals cost, by length
         self.captured_s = 0.0  # seconds its drafter's last proposal spent capturing CUDA graphs (once per shape)

@@ -15,7 +15,7 @@ import torch
 
 from decoding.config import SpecConfig
 from decoding.in_process import SpecDecoder
-from decoding.loop.goodput import PROBE_EVERY
+from decoding.loop.goodput import PROBE_EVERY, Acceptance
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -30,13 +30,16 @@ def decoder(tiny_model_dir, **changes):
 def test_a_later_request_starts_from_the_earlier_ones_estimates(tiny_model_dir):
     dec = decoder(tiny_model_dir)
     first = dec.sequence(PROMPT)
-    assert first.adaptive and first.acceptance.alpha == 0.5 and first.draft_cost(2) == 0.0  # the prior
+    prior = Acceptance.of_drafter(model_free=False).alpha
+    assert first.adaptive and first.acceptance.alpha == prior and first.draft_cost(2) == 0.0  # the prior
     dec.run(first)
     assert first.draft_cost.n > 0  # it drafted (at least its first steps, on the prior)
     first.acceptance.probe_every = 4 * PROBE_EVERY  # as after probes that lost
     second = dec.sequence(PROMPT)
     assert second.acceptance is not first.acceptance and second.draft_cost is not first.draft_cost
-    assert second.acceptance.alpha == pytest.approx(first.acceptance.alpha)
+    # a model drafter's rows share its record: the second starts from it, not from the first row's own steps
+    assert second.acceptance.pool is first.acceptance.pool and second.acceptance.alpha == pytest.approx(first.acceptance.pool.hopeful)
+    assert second.acceptance.pool.alpha != pytest.approx(prior)
     assert second.draft_cost(2) == pytest.approx(first.draft_cost(2)) and second.draft_cost(2) > 0
     assert second.acceptance.probe_every == 4 * PROBE_EVERY  # a model drafter's probes cost a step: the wait carries
     # greedy: what was carried changes when it drafts, never what it says
@@ -65,4 +68,5 @@ def test_nothing_is_carried_for_cold_memory_or_a_fixed_k(tiny_model_dir, changes
     first = dec.sequence(PROMPT)
     for _ in range(5):
         first.acceptance.observe(drafted=3, accepted=0)
-    assert dec.sequence(PROMPT).acceptance.alpha == 0.5
+    later = dec.sequence(PROMPT).acceptance
+    assert later.alpha == Acceptance.of_drafter(model_free=False).alpha and later.pool is not first.acceptance.pool
