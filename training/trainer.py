@@ -296,6 +296,7 @@ def _training(s: _Session, step: int, history: list, before, t0: float, extra: d
     this call's steps began; ``earlier_s``: the seconds the run trained before this call, when it resumed)."""
     s.module.eval()
     after = s.evaluate()
+    seconds = time.perf_counter() - t0
     return {
         "spec": s.spec.to_dict(),
         "knobs": s.knobs,
@@ -306,8 +307,8 @@ def _training(s: _Session, step: int, history: list, before, t0: float, extra: d
         "loss_last": history[-1]["loss"] if history else None,
         "eval_agreement_before": before,
         "eval_agreement": after,
-        "train_seconds_this_run": round(time.perf_counter() - t0, 1),
-        "train_seconds": round(earlier_s + time.perf_counter() - t0, 1),  # every leg of a resumed run
+        "train_seconds_this_run": round(seconds, 1),
+        "train_seconds": round(earlier_s + seconds, 1),  # every leg of a resumed run
         **(extra or {}),
     }
 

@@ -50,7 +50,6 @@ from dataclasses import dataclass
 import torch
 
 BITS = (1, 2, 4, 8)
-GRIDS = ("uniform", "normal")
 # the values of a normally distributed value (unit variance) that minimise its squared error, 2^bits of them (Lloyd-Max)
 NORMAL_LEVELS = {
     1: (-0.7979, 0.7979),

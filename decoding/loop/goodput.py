@@ -152,13 +152,13 @@ class Acceptance:
         return self.idle >= self.probe_every
 
     def observe(self, drafted: int, accepted: int) -> None:
-        if self.pool is not None:
-            self.pool.observe(drafted, accepted)
         if drafted <= 0:
             self.idle += 1
             if self.pool is not None:  # the row's own evidence ages, and its estimate returns to the drafter's record
                 self.hits, self.misses = self.hits * self.decay, self.misses * self.decay
             return
+        if self.pool is not None:  # the record learns from drafted steps only (its idle count and probe wait go unused)
+            self.pool.observe(drafted, accepted)
         if accepted >= drafted:
             self.probe_every = PROBE_EVERY
         elif self.due:  # a probe that lost a draft
