@@ -33,8 +33,10 @@ from decoding.model.costs import CostModel
 
 PROBE_EVERY, PROBE_MAX = 8, 128  # idle steps before a row that stopped drafting tries again (doubling while it finds nothing)
 # a model drafter's shared record (Acceptance.of_drafter): its memory per drafted step, its weight in a row's estimate,
-# the standard errors of hope it adds while its evidence is thin; and the memory of a row's own steps beside it
-POOL_DECAY, POOL_WEIGHT, POOL_HOPE, POOLED_ROW_DECAY = 0.995, 16.0, 1.5, 0.95
+# the standard errors of hope it adds while its evidence is thin; and the memory of a row's own steps beside it, per
+# drafted step and per idle step (tests/decoding/loop/test_goodput.py holds the simulations that chose them)
+POOL_DECAY, POOL_WEIGHT, POOL_HOPE = 0.995, 12.0, 2.5
+POOLED_ROW_DECAY, POOLED_ROW_IDLE_DECAY = 0.99, 0.98
 
 
 def expected_committed(alpha: float, j: int) -> float:
@@ -78,6 +80,7 @@ class Acceptance:
         if pool is not None:  # the drafter's record is the prior (worth POOL_WEIGHT observations, see alpha)
             weight = 0.0
         self.hits, self.misses, self.decay, self.pool = prior * weight, (1 - prior) * weight, decay, pool
+        self.idle_decay = POOLED_ROW_IDLE_DECAY if pool is not None else 1.0
         self.idle, self.probe_every = 0, PROBE_EVERY
 
     @classmethod
@@ -93,17 +96,23 @@ class Acceptance:
         from its probes, and each rejected probe doubled the wait. The eagle head, whose drafts pay at an acceptance of
         0.3 where 0.22 breaks even on this CPU, so drafted on 1% of its steps.
 
-        >>> row = Acceptance.of_drafter(model_free=False)
+        A row's own steps weigh more than the record once there are more of them than ``POOL_WEIGHT``, and it keeps
+        about a hundred (``POOLED_ROW_DECAY``): a request whose drafts do not pay (a long document to summarise, after
+        chats whose drafts paid) stops within a few dozen steps. With a memory of twenty, its estimate could never move
+        more than halfway from the record, and it drafted at a loss to the end (tests/decoding/loop/test_goodput.py).
+
+        >>> first = Acceptance.of_drafter(model_free=False)
         >>> for _ in range(200):
-        ...     row.observe(drafted=1, accepted=int(_ % 10 < 3))  # the drafter's record: 0.3
+        ...     first.observe(drafted=1, accepted=int(_ % 10 < 3))  # the drafter's record: 0.3
+        >>> row = first.carried()                                   # the next request
         >>> for _ in range(6):
-        ...     row.observe(drafted=1, accepted=0)                 # six unlucky steps in a row
+        ...     row.observe(drafted=1, accepted=0)                  # six unlucky steps in a row
         >>> stopped = row.alpha
-        >>> 0.2 < stopped < row.pool.alpha < 0.35                  # its own steps pull it down, but not to 0.1
+        >>> 0.2 < stopped < row.pool.alpha < 0.35                   # its own steps pull it down, but not to 0.1
         True
         >>> for _ in range(20):
-        ...     row.observe(drafted=0, accepted=0)                 # idle: its own evidence ages
-        >>> stopped + 0.03 < row.alpha < row.pool.hopeful           # back towards the drafter's record
+        ...     row.observe(drafted=0, accepted=0)                  # idle: its own evidence ages
+        >>> stopped + 0.02 < row.alpha < row.pool.hopeful            # back towards the drafter's record
         True
         """
         if model_free:
@@ -155,7 +164,7 @@ class Acceptance:
         if drafted <= 0:
             self.idle += 1
             if self.pool is not None:  # the row's own evidence ages, and its estimate returns to the drafter's record
-                self.hits, self.misses = self.hits * self.decay, self.misses * self.decay
+                self.hits, self.misses = self.hits * self.idle_decay, self.misses * self.idle_decay
             return
         if self.pool is not None:  # the record learns from drafted steps only (its idle count and probe wait go unused)
             self.pool.observe(drafted, accepted)

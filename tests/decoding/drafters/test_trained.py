@@ -275,3 +275,37 @@ def test_a_trained_drafter_runs_packed_like_its_packed_target(tmp_path, recipe, 
     verdict = compare_to_reference(out.token_ids, ar, reference_margins(target, prompt, ar), "bfloat16")
     assert not verdict["suspicious"], verdict
     assert sum(s.drafted for s in out.steps) > 0
+
+
+def test_kangaroo_catches_up_on_the_positions_of_plain_steps(tiny_model):
+    """k=auto runs plain steps without asking the drafter (``step.propose`` at k=0). The Kangaroo adapter's cache must
+    still hold every committed position when it next drafts: it catches up from the hidden states after L layers that
+    the target's own forward kept, so its cache equals that of an adapter fed every position at once. Before, those
+    positions were never fed, and it drafted over keys its cache never held."""
+    from decoding.drafters.base import Proposal
+    from decoding.drafters.trained import KangarooDrafter
+
+    class OneInThree(KangarooDrafter):  # drafts on one step in three; the others are plain, as k=auto makes them
+        calls = 0
+
+        def propose(self, state, k):
+            self.calls += 1
+            if self.calls % 3:
+                return Proposal.empty(state.tokens.shape[0], state.tokens.device)
+            return super().propose(state, k)
+
+    target = ModelAdapter(tiny_model)
+    d = drafter(tiny_model, "kangaroo")
+    d.__class__ = OneInThree
+    prompt = torch.randint(0, 12, (1, 6), generator=torch.Generator().manual_seed(3))
+    out = generate(target, prompt, drafter=d, k=3, max_new_tokens=24)
+    assert out.token_ids == generate(target, prompt, max_new_tokens=24).token_ids
+    assert sum(s.drafted > 0 for s in out.steps) >= 3 and sum(s.drafted == 0 for s in out.steps) >= 6
+    tokens = torch.cat([prompt, torch.tensor([out.token_ids])], 1)
+    fed = d.cache.length  # positions 0..fed-1 are in the adapter's cache (catch-ups after plain steps among them)
+    assert fed >= prompt.shape[1] + 12
+    h = target.forward(target.new_cache(1, fed), 0, input_ids=tokens[:, :fed], last=d.exit_layer)
+    ref = d.net.new_cache(1, fed + 4)
+    d.net.forward(ref, 0, hidden=h)
+    assert torch.allclose(d.cache.k_all[..., :fed, :], ref.k_all[..., :fed, :], atol=1e-5)
+    assert torch.allclose(d.cache.v_all[..., :fed, :], ref.v_all[..., :fed, :], atol=1e-5)
