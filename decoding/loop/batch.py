@@ -18,7 +18,7 @@ import time
 import torch
 
 from decoding.drafters.base import DecodeState, Drafter, Proposal
-from decoding.loop.goodput import Acceptance, DraftCost, RowPlan, TreeGain, choose_width
+from decoding.loop.goodput import Acceptance, DraftCost, RowPlan, TreeGain, catch_up_pays, choose_width
 from decoding.loop.output import Generation, Output, StepCallback
 from decoding.loop.prefill import PREFILL_CHUNK, Prefill, check_context, chunk_of, first_token
 from decoding.loop.step import Workspace, propose, truncate, verify_step
@@ -29,6 +29,7 @@ from decoding.sampling import GREEDY, SamplingParams
 
 PROBE_ALPHA = 0.8  # the acceptance a probe hopes for: it probes only where drafts at that rate would pay
 PROBE_DRAFTS = 2  # drafts of a probe (a row whose drafting stopped paying, trying again: goodput.Acceptance.due)
+PROBE_CATCH_UP = 1.0  # plain steps' worth of seconds a probe may spend feeding its model drafter what it has not seen
 
 
 class NotBatchable(ValueError):
@@ -75,6 +76,7 @@ class Sequence(Output):
         self.captured_s = 0.0  # seconds its drafter's last proposal spent capturing CUDA graphs (once per shape)
         self.tree_gain = TreeGain()  # accepted drafts of its whole trees, by tree size
         self.fill: Prefill | None = None  # its prompt's prefill while it joins a batch
+        self.unfed = prompt_ids.shape[1]  # tokens committed since its drafter last proposed (a model drafter catches up)
         self.error: Exception | None = None  # why it could not start (its drafter failed to), if so
 
     @property
@@ -315,6 +317,9 @@ class Batch:
             # drafter's lazy catch-up: 3-9 ms for EAGLE's head here, against 1 ms a step while it drafts)
             if seq.steps and seq.steps[-1].drafted:
                 seq.draft_cost.observe(res.record.drafted, max(0.0, res.record.draft_s - seq.captured_s))
+            elif res.record.drafted:  # what catching up on the tokens of plain steps (or the prompt) cost beyond it
+                seq.draft_cost.observe_catch_up(seq.unfed, res.record.draft_s - seq.captured_s - seq.draft_cost(res.record.drafted))
+            seq.unfed = len(res.committed) + (0 if res.record.drafted else seq.unfed)
             if res.proposal.tree is not None and res.record.drafted:
                 seq.tree_gain.observe(res.proposal.size, res.num_accepted)
             seq.steps.append(res.record)
@@ -360,8 +365,12 @@ class Batch:
         pairs, budgets = [], []
         for s, cap, plan, probe in zip(rows, caps, plans, due, strict=True):
             budget = cap if not s.adaptive else min(cap, width - 1)
-            if budget == 0 and cap > 0 and probe:
+            probing = budget == 0 and cap > 0 and probe
+            if probing:
                 budget = min(cap, PROBE_DRAFTS)  # drafting stopped paying a while ago: try a little, to know again
+            blocked = bool(budget) and s.adaptive and not s.drafter.model_free and not self._catches_up(s, plan, budget, probing)
+            budget = 0 if blocked else budget
+            if probing and budget:
                 width = max(width, budget + 1)
             budgets.append(budget)
             if id(s) in early:
@@ -372,11 +381,24 @@ class Batch:
                     p = truncate(p, budget)
                 pairs.append((p, t))
             elif plan.tree_gain is not None and s.adaptive:
-                whole = plan.avail <= width - 1 or (budget > 0 and s.acceptance.due)
+                whole = not blocked and (plan.avail <= width - 1 or (budget > 0 and s.acceptance.due))
                 pairs.append(self._propose(s, cap if whole else 0))
             else:
                 pairs.append(self._propose(s, budget))
         return [p for p, _ in pairs], [t for _, t in pairs], budgets
+
+    def _catches_up(self, seq: Sequence, plan: RowPlan, budget: int, probing: bool) -> bool:
+        """Whether ``seq``'s model drafter should catch up on the tokens it has not seen (``Sequence.unfed``) to draft
+        ``budget`` tokens now: a probe only where that costs at most a plain step (a probe is meant to be cheap: the
+        first on a long prompt cost five), a draft only where drafting saves that much over the tokens that remain
+        (``goodput.catch_up_pays``). Nothing is known before its first catch-up: it drafts, and measures."""
+        seconds = seq.draft_cost.catch_up(seq.unfed)
+        if seconds is None:
+            return True
+        if probing:
+            return seconds <= self.cost(1, 1) * PROBE_CATCH_UP
+        width = plan.avail + 1 if plan.tree_gain is not None else budget + 1  # a tree is drafted whole
+        return catch_up_pays(plan, self.cost, width, seq.remaining, seconds)
 
     def _propose(self, seq: Sequence, k: int) -> tuple[Proposal, object]:
         """``seq``'s drafter's proposal of up to ``k`` drafts and when it ran (``step.propose``), noting the seconds

@@ -47,20 +47,23 @@ def drafted_share(true_alpha: float, model_free: bool, seed: int, requests_: int
 
 @pytest.mark.parametrize("seed", range(5))
 def test_a_model_drafter_that_pays_keeps_drafting(seed):
-    # acceptance 0.3 where 0.23 breaks even: a row alone, judged on its last ten steps, stopped on an unlucky run and
-    # drafted on 5-18% of its steps here, 1-3% in the benches (each rejected probe doubling its wait); the drafter's
-    # shared record keeps it going (75-100% of steps over 8 seeds)
-    assert drafted_share(0.3, model_free=False, seed=seed) > 0.7
+    # acceptance 0.3 where 0.23 breaks even (drafting one token at every step: 1.057x a plain rate): a row alone,
+    # judged on its last ten steps, stopped on an unlucky run and drafted on 5-18% of its steps here, 1-3% in the
+    # benches (each rejected probe doubling its wait); the drafter's shared record keeps it going (65-99% of its steps
+    # over 8 seeds, at 1.026-1.086x)
+    runs = requests([0.3] * 13, model_free=False, seed=seed)
+    assert sum(share for share, _ in runs) / len(runs) > 0.6
+    assert sum(rate for _, rate in runs) / len(runs) > 1.02
 
 
 def test_a_request_whose_drafts_do_not_pay_stops_after_requests_whose_drafts_did():
     # twelve chats at 0.4, then a long document at 0.12 (eagle on this CPU: 0.3-0.7 on chats, about 0.1 summarising):
     # each drafted step of the last one loses 9%. When a row's own evidence was forgotten within twenty steps, the
     # record's 0.4 held its estimate near 0.24 to the end: it drafted on 83% of its steps and ran at 0.926x a plain
-    # rate (the mean of these seeds); now on 34-62% and at 0.94-0.97x
+    # rate (the mean of these seeds); now on 13-39% and at 0.963-0.974x
     last = [requests([0.4] * 12 + [0.12], model_free=False, seed=seed)[-1] for seed in range(8)]
-    assert sum(share for share, _ in last) / len(last) < 0.65
-    assert sum(rate for _, rate in last) / len(last) > 0.945
+    assert sum(share for share, _ in last) / len(last) < 0.4
+    assert sum(rate for _, rate in last) / len(last) > 0.955
 
 
 @pytest.mark.parametrize("seed", range(5))
