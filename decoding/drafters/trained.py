@@ -181,9 +181,9 @@ class KangarooDrafter(EarlyExitDrafter):
     the drafts (their layer-L hidden states are the ones verification continues from, so the accepted ones stay). The
     positions no draft fed, the prompt's and those of plain steps (k=auto drafts only where it pays), come from the
     target's own forward: it keeps their hidden states after L layers (``feature_layers``), and the adapter catches up
-    on them lazily, in one forward when it next drafts. A request that never drafts pays nothing for the adapter; one
-    that did paid an extra pass over layers [0, L) of its prompt at the start (4% of a 128-token answer to a
-    769-token prompt on this CPU), and drafted after plain steps over adapter keys its cache never held.
+    on them lazily, in one forward when it next drafts, and a request that never drafts pays nothing for the adapter.
+    Before, every request paid an extra pass over layers [0, L) of its prompt at its start (4% of a 128-token answer
+    to a 769-token prompt on this CPU), and drafted after plain steps over adapter keys its cache never held.
     Drafting stops when the top-1 probability falls below ``confidence_threshold`` (Kangaroo's double early exit).
     """
 
