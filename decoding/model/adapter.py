@@ -178,6 +178,8 @@ class ModelAdapter:
         # the layers' own math in fewer operations (decoding.model.fast_layers); None: call the modules
         self.stack = LayerStack.of(self.layers, self.config, self.dtype, self.device, self.quant) if fast else None
         self.head = self.quant.head if self.quant is not None and self.stack is not None else None
+        # the KV caches' dtype: the stack's (float32 under 16-bit weights on a CPU, fast_layers' docstring), else the model's
+        self.cache_dtype = self.stack.cache_dtype if self.stack is not None else self.dtype
         # compile=True: the whole stack compiled for one row per width bucket (decoding.model.compiled); eager elsewhere
         self.compiled = None
         if compile and self.stack is not None and self.num_layers == depth:
@@ -222,6 +224,8 @@ class ModelAdapter:
         weights' kind, e.g. "layers-q4-gguf"); timings measured with one do not hold for another, so the
         calibration caches are kept per implementation."""
         name = ("compiled" if self.compiled is not None else "layers") if self.stack is not None else "modules"
+        if self.cache_dtype != self.dtype:
+            name += "-f32kv"
         if self.graphs is not None:
             name += "-graphs"
         return f"{name}-{self.quant.implementation}" if self.stack is not None and self.quant is not None else name
@@ -235,7 +239,7 @@ class ModelAdapter:
             from decoding.model.graphs import round_len
 
             max_len = round_len(max_len)
-        return KVCache(self.num_layers, batch, self.kv_heads, self.head_dim, max_len, self.dtype, self.device, self.pool)
+        return KVCache(self.num_layers, batch, self.kv_heads, self.head_dim, max_len, self.cache_dtype, self.device, self.pool)
 
     @torch.inference_mode()
     def forward(

@@ -73,8 +73,8 @@ def _layers(stack, hidden, cos, sin, k_all, v_all, slots, allowed):
     rows, end = slots.new_zeros(1, 1), allowed.shape[3]
 
     def write(index, k, v):
-        k_all[index][rows, :, slots] = k.transpose(1, 2)
-        v_all[index][rows, :, slots] = v.transpose(1, 2)
+        k_all[index][rows, :, slots] = k.transpose(1, 2).to(k_all.dtype)
+        v_all[index][rows, :, slots] = v.transpose(1, 2).to(v_all.dtype)
         return k_all[index, :, :, :end], v_all[index, :, :, :end]
 
     return run_layers(stack, hidden, 0, len(stack.weights), (cos, sin), allowed, write)

@@ -18,10 +18,12 @@ SmolLM2 step is a few dozen milliseconds, that overhead and slow attention kerne
   over a long cache; measured per layer (SmolLM2-135M shapes, one thread, this 2-core host): one query over
   4,096 slots 0.43 ms against 5.3 ms, five 0.95 against 1.6, sixteen 2.5 against 2.8 (at 1,000 slots: 0.15
   against 0.95, 0.27 against 0.40, 0.60 against 0.67); from 32 queries on the two cost the same and
-  prefill chunks, causal prefills from slot 0 and float32 use SDPA, as transformers does. The probabilities
-  are rounded to the dtype before ``P @ V`` (SDPA keeps them in float32): against float64 that is at most a
-  third more error at the attention output, near the dtype's own rounding, and no more error in the model's
-  hidden states on average (``tests/decoding/model/test_fast_layers.py``).
+  prefill chunks, causal prefills from slot 0 and float32 use SDPA, as transformers does. ``P @ V`` runs in
+  float32 too and only its result is rounded to the dtype (``tests/decoding/model/test_fast_layers.py`` bounds
+  the error against float64). Such a stack keeps its KV cache in float32 (:attr:`LayerStack.cache_dtype`):
+  the keys and values are the 16-bit projections' values, stored exactly, so attention reads them without
+  converting the whole cache twice a layer (0.7 ms of a 8 ms SmolLM2 step at 300 slots), and every result is
+  the same bit for bit as over a 16-bit cache; SDPA's blocks convert them back (exactly).
 
 Only layer classes whose math is exactly this (Llama, Mistral without a sliding window) and whose
 projections carry no bias are run here; ``LayerStack.of`` returns None for anything else and the adapter
@@ -135,7 +137,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, hid
     # the weighted sum in float32 too: a 16-bit matmul on this kind of CPU builds a kernel for each new number of
     # slots S (oneDNN's, 0.5 ms at S = 800-1300 against 0.05 ms once built), and decoding meets a new S at every
     # step; converting v costs no more than the 16-bit matmul once built
-    return torch.matmul(torch.softmax(scores, -1), v.float()).to(v.dtype).view(b, h, t, d)
+    return torch.matmul(torch.softmax(scores, -1), v.float()).to(q.dtype).view(b, h, t, d)
 
 
 _DENSE: dict = {}
@@ -304,6 +306,8 @@ def attention(q, k, v, scale: float, mask, own: bool, causal: bool, kv_heads: in
     bsz, _, t, hd = q.shape
     if own:
         return _attend(q, k, v, scale, None if mask is None else ~mask.unsqueeze(1))
+    if k.dtype != q.dtype:  # a float32 cache of 16-bit values (LayerStack.cache_dtype): back to 16 bits, exactly
+        k, v = k.to(q.dtype), v.to(q.dtype)
     if t == 1 and mask is not None:  # one masked query: its heads grouped by kv head, as transformers does
         grouped = q.reshape(bsz, kv_heads, -1, hd)
         return F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale).reshape(bsz, -1, 1, hd)
@@ -324,6 +328,9 @@ class LayerStack:
         self.shape = (self.heads, self.kv_heads, self.head_dim)
         self.fuse = dtype in SIXTEEN_BIT
         self.attend_own = dtype in SIXTEEN_BIT and torch.device(device).type == "cpu"
+        # the dtype of the KV caches this stack attends over: float32 where queries attend in float32 (the module
+        # docstring); the keys and values written are the 16-bit projections', so nothing is rounded differently
+        self.cache_dtype = torch.float32 if self.attend_own else dtype
         self.weights = [self._weights(i) for i in range(len(layers))]
 
     def _weights(self, index: int) -> LayerWeights:
@@ -395,6 +402,7 @@ def run_layers(stack: LayerStack, hidden, first: int, last: int, cos_sin, mask, 
 def write_and_read(cache, index: int, k: torch.Tensor, v: torch.Tensor, place: Placement):
     """Write the block's keys/values [B, KV, T, D] of layer ``index`` where ``place`` says; return the slots read."""
     k_all, v_all = (cache.k_all[index], cache.v_all[index]) if hasattr(cache, "k_all") else (cache.k[index], cache.v[index])
+    k, v = k.to(k_all.dtype), v.to(v_all.dtype)  # a float32 cache of 16-bit values (LayerStack.cache_dtype); else no-ops
     if place.start is not None:
         k_all[:, :, place.start : place.start + k.shape[2]] = k
         v_all[:, :, place.start : place.start + k.shape[2]] = v

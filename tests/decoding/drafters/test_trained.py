@@ -261,7 +261,7 @@ def test_a_trained_drafter_runs_packed_like_its_packed_target(tmp_path, recipe, 
 
     want = mode if len(packed.module.model.layers) == 1 else "int8"
     assert packed.module.specray_quant.mode == want and getattr(dense.module, "specray_quant", None) is None
-    assert ModelAdapter(packed.module).implementation == f"layers-{want}-dense"
+    assert ModelAdapter(packed.module).implementation == f"layers-f32kv-{want}-dense"
     assert isinstance(packed.module.lm_head.packed, PackedLinear) and dense.module.lm_head.packed is None
     if isinstance(packed.module, EagleNet):
         assert set(packed.module.packed) == {"fc_features", "fc_in"}
