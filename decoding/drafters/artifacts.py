@@ -25,7 +25,7 @@ import torch
 from decoding.builders import builds
 from decoding.drafters.base import Drafter
 from decoding.drafters.draft_model import DraftModelDrafter, draft_model_adapter, first_layers_adapter, model_depth
-from decoding.drafters.eagle import VocabHead
+from decoding.drafters.eagle import EagleDrafter, VocabHead
 from decoding.drafters.early_exit import EarlyExitDrafter
 from decoding.drafters.stop_head import EXIT_SOURCE, AcceptanceStop, StopHead, chain_drafting, exit_layers, stop_source_of
 from decoding.drafters.storage import Storage, StorageError, bits_used, decode, encode, is_matrix
@@ -189,10 +189,18 @@ class Artifact:
     vocab: torch.Tensor | None = None  # VocabTrim ranking
     lm_head: torch.nn.Module | None = None
 
+    @property
+    def training_window(self) -> int | None:
+        """The most tokens of context its training showed the drafter (its run's ``window``), None where not recorded."""
+        window = ((self.description.get("training") or {}).get("spec") or {}).get("window")
+        return int(window) if isinstance(window, int) and window > 0 else None
+
     def drafter(self, confidence_threshold: float = 0.0, draft_vocab: int = 0, tree=None):
         """The drafter; ``draft_vocab`` > 0 drafts over that many of the most frequent tokens (VocabTrim);
         ``tree`` (a ``trees.Tree`` or ``trees.Dynamic``) drafts token trees where the recipe can."""
         d = self.recipe.drafter(self.module, self.knobs, confidence_threshold, tree)
+        if isinstance(d, EagleDrafter):  # it attends over no more context than its training showed it
+            d.context = self.training_window
         if draft_vocab:
             if self.vocab is None:
                 raise ConfigError("draft_vocab", f"{self.path} has no token ranking to trim the vocabulary with")

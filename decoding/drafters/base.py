@@ -158,7 +158,7 @@ class Drafter:
     """Base class: the no-op drafter proposes nothing (that is the AR baseline).
 
     What the loop reads of a drafter is declared here: ``name``, ``model_free``, ``batchable``,
-    ``feature_layers``, ``tree`` (the shape it drafts, None for chains) and :meth:`max_nodes`.
+    ``feature_layers``, ``tree`` (the shape it drafts, None for chains), ``context`` and :meth:`max_nodes`.
     """
 
     name = "none"
@@ -166,6 +166,9 @@ class Drafter:
     batchable = True  # False: it keeps the target cache for itself and decodes one sequence at a time
     feature_layers: tuple[int, ...] = ()  # target layers whose hidden states it reads (``DecodeState.target_features``)
     tree = None  # the token-tree shape it drafts (decoding.trees: Tree or Dynamic); None: chains
+    # the most unfed positions a model drafter's catch-up feeds (its cache starts afresh at the last ones; None: all of
+    # them): what k=auto's catch-up cost counts (decoding.drafters.eagle)
+    context: int | None = None
 
     def start(self, state: DecodeState) -> None:
         pass

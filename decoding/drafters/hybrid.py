@@ -113,6 +113,11 @@ class HybridDrafter(Drafter):
         self.last_choice: dict = {}
 
     @property
+    def context(self) -> int | None:
+        """The head's (its catch-ups are the hybrid's)."""
+        return self.head.context if self.head is not None else None
+
+    @property
     def calibration(self) -> dict:
         """Per source (a copying source per match length, :func:`match_label`): [accepted nodes, predicted mass],
         shared with the decoder's memory (warm across requests)."""

@@ -84,6 +84,12 @@ class Sequence(Output):
         return self.prompt_ids.shape[1]
 
     @property
+    def fed_next(self) -> int:
+        """Positions its model drafter's next catch-up feeds: the unfed ones, or the last ``Drafter.context`` of them."""
+        context = self.drafter.context
+        return self.unfed if context is None else min(self.unfed, context)
+
+    @property
     def max_len(self) -> int:
         """Cache slots this sequence may need: prompt, new tokens and one step's drafts."""
         return self.prompt_len + self.max_new_tokens + self.drafter.max_nodes(self.k) + 1
@@ -318,7 +324,7 @@ class Batch:
             if seq.steps and seq.steps[-1].drafted:
                 seq.draft_cost.observe(res.record.drafted, max(0.0, res.record.draft_s - seq.captured_s))
             elif res.record.drafted:  # what catching up on the tokens of plain steps (or the prompt) cost beyond it
-                seq.draft_cost.observe_catch_up(seq.unfed, res.record.draft_s - seq.captured_s - seq.draft_cost(res.record.drafted))
+                seq.draft_cost.observe_catch_up(seq.fed_next, res.record.draft_s - seq.captured_s - seq.draft_cost(res.record.drafted))
             seq.unfed = len(res.committed) + (0 if res.record.drafted else seq.unfed)
             if res.proposal.tree is not None and res.record.drafted:
                 seq.tree_gain.observe(res.proposal.size, res.num_accepted)
@@ -392,7 +398,7 @@ class Batch:
         ``budget`` tokens now: a probe only where that costs at most a plain step (a probe is meant to be cheap: the
         first on a long prompt cost five), a draft only where drafting saves that much over the tokens that remain
         (``goodput.catch_up_pays``). Nothing is known before its first catch-up: it drafts, and measures."""
-        seconds = seq.draft_cost.catch_up(seq.unfed)
+        seconds = seq.draft_cost.catch_up(seq.fed_next)
         if seconds is None:
             return True
         if probing:

@@ -113,6 +113,42 @@ def test_eagle_greedy_equals_ar(target, shape):
     assert out.stats.target_forwards <= 40
 
 
+@pytest.mark.parametrize("shape", ["chain", "dyspec", "levels"])
+def test_eagle_over_a_short_context_equals_ar(target, shape):
+    """A head that attends over at most 5 positions (its cache started afresh past them) stays lossless."""
+    model = copy.deepcopy(target)
+    adapter = ModelAdapter(model)
+    prompt = torch.randint(VOCAB, (1, 12), generator=torch.Generator().manual_seed(4))
+    ar = generate(adapter, prompt, max_new_tokens=40).token_ids
+    tree = {"dyspec": Dynamic(budget=8), "levels": Dynamic(budget=8, width=4), "chain": None}[shape]
+    drafter = EagleDrafter(_net(model), tree=tree, context=5)
+    assert generate(adapter, prompt, drafter=drafter, k=4, max_new_tokens=40).token_ids == ar
+    assert drafter.base > 0
+
+
+@pytest.mark.parametrize("shape", ["chain", "dyspec"])
+def test_a_context_window_drafts_what_a_head_shown_only_those_positions_drafts(target, shape):
+    """With ``context`` W the first catch-up feeds the last W positions into slots 0..W-1: the same bits as a head
+    whose whole text is those positions (rotary embeddings see only position differences), and nothing before them."""
+    net, adapter, n, window = _net(target), ModelAdapter(target), 20, 6
+    tokens = torch.randint(VOCAB, (1, n), generator=torch.Generator().manual_seed(7))
+    captured = dict.fromkeys([1, 2, 4])
+    h = adapter.forward(adapter.new_cache(1, 64), 0, input_ids=tokens[:, : n - 1], captured=captured)
+    base = n - 1 - window
+    tree = Dynamic(budget=6) if shape == "dyspec" else None
+    proposals = []
+    for ids, feats, context in ((tokens, captured, window), (tokens[:, base:], {k: v[:, base:] for k, v in captured.items()}, None)):
+        state = DecodeState(ids, adapter, adapter.new_cache(1, 64), GREEDY, None, 64, target_hidden=h, target_features=feats)
+        drafter = EagleDrafter(net, tree=tree, context=context)
+        drafter.start(state)
+        proposals.append(drafter.propose(state, 3))
+        assert drafter.fed == ids.shape[1] - 1 and drafter.cache.length == window  # only the window is in its cache
+    (a, b) = proposals
+    assert torch.equal(a.tokens, b.tokens) and (a.tree is None) == (b.tree is None)
+    if a.tree is not None:
+        assert torch.equal(a.tree.parents, b.tree.parents)
+
+
 def test_dynamic_trees_verify_the_prefix_the_cost_curve_pays_for(target):
     """Best-first nodes come in non-increasing path probability; a flat verification cost keeps every node, a steep
     one only the first few (TreeChooser.prefix)."""
@@ -164,8 +200,19 @@ def artifacts(four_layer_dir, tmp_path_factory):
         with torch.no_grad():
             for p in module.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * 0.05)
-        out[name] = str(save_artifact(root / name, recipe, knobs, module, target, "tiny4", training={}))
+        # the eagle head's run "trained on windows of 8 tokens": it drafts over at most 8 positions of context
+        training = {"spec": {"window": 8}} if name == "eagle" else {}
+        out[name] = str(save_artifact(root / name, recipe, knobs, module, target, "tiny4", training=training))
     return out
+
+
+def test_an_eagle_artifact_attends_over_its_training_window(four_layer_dir, artifacts):
+    from decoding.drafters.artifacts import load_artifact
+    from decoding.model.loading import load_model
+
+    target = load_model(str(four_layer_dir), "float32").model
+    assert load_artifact(artifacts["eagle"], target).drafter().context == 8
+    assert load_artifact(artifacts["distill"], target).drafter().context is None  # nothing recorded: all of it
 
 
 PROMPTS = ["Tell me about the sea.", "qzx vbn wrt plk"]  # the second offers nothing to copy
