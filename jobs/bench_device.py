@@ -62,6 +62,19 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return p
 
 
+def command_line(argv: list[str]) -> str:
+    """The command that ran this job, as a user would type it ("" when it ran some other way, e.g. inside a test).
+
+    >>> command_line(["/usr/bin/specray", "bench-device", "--rows", "1,4"])
+    'specray bench-device --rows 1,4'
+    >>> command_line(["jobs/bench_device.py", "--rows", "1,4"]), command_line(["pytest", "-q"])
+    ('specray bench-device --rows 1,4', '')
+    """
+    if argv[0].endswith("specray"):  # the CLI's own argv names the subcommand
+        return " ".join(["specray", *argv[1:]])
+    return " ".join(["specray bench-device", *argv[1:]]) if argv[0].endswith("bench_device.py") else ""
+
+
 def main_with_args(args) -> int:
     if args.from_json:
         return render_saved(Path(args.from_json), args)
@@ -77,7 +90,7 @@ def main_with_args(args) -> int:
     out = output_dir(args.out, "--out")
     summary = measure(base, methods, rows, args.spec_rows, args.prompts, [m for m in args.peer_modes.split(",") if m])
     Path(out).mkdir(parents=True, exist_ok=True)
-    summary["command"] = " ".join(["specray bench-device", *sys.argv[1:]]) if sys.argv[0].endswith(("specray", "bench_device.py")) else ""
+    summary["command"] = command_line(sys.argv)
     (Path(out) / "device.json").write_text(json.dumps(summary, indent=1))
     block = args.block or summary["device_type"]
     text = markdown(summary, summary["command"])
