@@ -108,7 +108,7 @@ class Proposal:
     them only for code that asks).
     """
 
-    __slots__ = ("_tokens", "probs", "hidden", "layer", "tree", "host", "device", "unverified", "kind")
+    __slots__ = ("_tokens", "probs", "hidden", "layer", "tree", "host", "device", "unverified", "kind", "expected")
 
     def __init__(
         self,
@@ -121,6 +121,7 @@ class Proposal:
         device=None,
         unverified=False,
         kind: int | None = None,
+        expected: float | None = None,
     ):
         if tokens is None and host is None:
             raise ValueError("a proposal needs its tokens, on the device or the host")
@@ -137,6 +138,9 @@ class Proposal:
         # the drafter's own class of confidence in these drafts (prompt lookup: the size of the n-gram it matched):
         # k=auto keeps a row's acceptance apart per kind, where one mean would let weak drafts ride on strong ones
         self.kind = kind
+        # the drafter's own calibrated estimate of the drafts the target will accept (the hybrid's, from how well each
+        # source predicted so far): k=auto weighs a model-free tree by it instead of by its size's record
+        self.expected = expected
 
     @property
     def tokens(self) -> torch.Tensor:

@@ -355,7 +355,9 @@ class Batch:
                 early[id(s)] = self._propose(s, cap)
                 p = early[id(s)][0]
                 avail, alpha = p.size, (s.acceptance.alpha if p.kind is None else s.kind_acceptance(p.kind).alpha)
-                tree_gain = s.tree_gain(p.size) if p.tree is not None else None
+                # a tree's accepted drafts: the drafter's own estimate where it gives one (the hybrid's, calibrated per
+                # source: its trees' worth does not follow their size), else the record of its trees of that size
+                tree_gain = (s.tree_gain(p.size) if p.expected is None else p.expected) if p.tree is not None else None
             else:
                 avail, alpha, tree_gain = cap, s.acceptance.alpha, None
                 if s.drafter.tree is not None and cap > 0:
