@@ -274,6 +274,24 @@ def test_hybrid_calibrates_per_match_length_and_given_the_parent():
     assert hyb.estimates([0, 1], [1.0, 0.8], "ngram:2") == [0.9375, 0.9375 * 0.75]
 
 
+def test_a_hybrid_tree_that_k_auto_did_not_verify_teaches_its_calibration_nothing():
+    """k=auto may drop a model-free tree unverified (its step then feeds the pending token alone): the tree's nodes
+    were not rejected, so no source's record counts them. Counted as rejections, they pulled every scale down, fewer
+    trees paid, more were dropped: the hybrid drafted on 7% of its steps on 13 Spec-Bench prompts."""
+    hyb = drafters()["hybrid"]
+    tokens = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]])
+    state = SimpleNamespace(tokens=tokens, accepted_path=None, last_logits=None)
+    hyb._nodes, hyb._parents, hyb._ranks, hyb._raw = [4, 5, 3], [0, 1], [None, None], [{"ngram:2": 0.6}, {"ngram:2": 0.6}]
+    hyb.recycling.observe = lambda *a: None  # this test is about the hybrid's own record
+    state.last_logits = torch.zeros(1, 1, V)  # the step fed the pending token only: the tree was dropped
+    hyb.update(state, 0)
+    assert hyb.calibration == {} and hyb._parents == []
+    hyb._nodes, hyb._parents, hyb._ranks, hyb._raw = [4, 5, 3], [0, 1], [None, None], [{"ngram:2": 0.6}, {"ngram:2": 0.6}]
+    state.last_logits = torch.zeros(1, 3, V)  # verified: the target rejected its first node
+    hyb.update(state, 0)
+    assert hyb.calibration == {"ngram:2": [0.0, 0.6]}
+
+
 # ---- end to end on the tiny model ------------------------------------------------------------------------------------
 def drafters(memory=None, cold=False):
     memory = memory or DraftMemory()
