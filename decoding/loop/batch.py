@@ -18,7 +18,7 @@ import time
 import torch
 
 from decoding.drafters.base import DecodeState, Drafter, Proposal
-from decoding.loop.goodput import Acceptance, DraftCost, RowPlan, TreeGain, catch_up_pays, choose_width
+from decoding.loop.goodput import Acceptance, DraftCost, RowPlan, TreeGain, catch_up_pays, choose_width, probe_catch_up_allowed
 from decoding.loop.output import Generation, Output, StepCallback
 from decoding.loop.prefill import PREFILL_CHUNK, Prefill, check_context, chunk_of, first_token
 from decoding.loop.step import Workspace, propose, truncate, verify_step
@@ -29,7 +29,6 @@ from decoding.sampling import GREEDY, SamplingParams
 
 PROBE_ALPHA = 0.8  # the acceptance a probe hopes for: it probes only where drafts at that rate would pay
 PROBE_DRAFTS = 2  # drafts of a probe (a row whose drafting stopped paying, trying again: goodput.Acceptance.due)
-PROBE_CATCH_UP = 1.0  # plain steps' worth of seconds a probe may spend feeding its model drafter what it has not seen
 
 
 class NotBatchable(ValueError):
@@ -404,7 +403,7 @@ class Batch:
         if seconds is None:
             return True
         if probing:
-            return seconds <= self.cost(1, 1) * PROBE_CATCH_UP
+            return probe_catch_up_allowed(seconds, self.cost(1, 1), seq.acceptance.idle)
         width = plan.avail + 1 if plan.tree_gain is not None else budget + 1  # a tree is drafted whole
         return catch_up_pays(plan, self.cost, width, seq.remaining, seconds)
 
