@@ -215,7 +215,7 @@ class EagleDrafter(Drafter):
         return self.net.inputs(self.net.fuse(dict(zip(self.feature_layers, features, strict=True))), tokens)
 
     def _caught_up(self, n: int) -> None:
-        """Positions 0..n-2 are fed: the queue is spent and the cache ends there."""
+        """Positions base..n-2 are fed: the queue is spent and the cache ends there."""
         self.queue, self.fed = [], n - 1
         self.cache.rollback(self.fed - self.base)
 

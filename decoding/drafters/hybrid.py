@@ -222,10 +222,8 @@ class HybridDrafter(Drafter):
             self.recycling.observe(verified_nodes(state, num_accepted, self._nodes), state.last_logits[0])
         verified = state.last_logits is not None and state.last_logits.shape[1] == len(self._nodes)
         self._nodes = []
-        if not self._parents or not verified:  # no tree, or k=auto verified none of it: its estimates were not tested
-            self._parents, self._sources, self._raw, self._ranks = [], [], [], []
-            return
-        self._record(state, num_accepted)
+        if self._parents and verified:  # a tree k=auto dropped unverified tested none of its estimates
+            self._record(state, num_accepted)
         self._parents, self._sources, self._raw, self._ranks = [], [], [], []  # a step without a proposal must not reuse them
 
     def _record(self, state: DecodeState, num_accepted: int) -> None:

@@ -396,8 +396,8 @@ class Batch:
 
     def _catches_up(self, seq: Sequence, plan: RowPlan, budget: int, probing: bool) -> bool:
         """Whether ``seq``'s model drafter should catch up on the tokens it has not seen (``Sequence.unfed``) to draft
-        ``budget`` tokens now: a probe only where that costs at most a plain step (a probe is meant to be cheap: the
-        first on a long prompt cost five), a draft only where drafting saves that much over the tokens that remain
+        ``budget`` tokens now: a probe only within ``goodput.probe_catch_up_allowed`` (about a plain step, more the
+        longer the row has not drafted), a draft only where drafting saves that much over the tokens that remain
         (``goodput.catch_up_pays``). Nothing is known before its first catch-up: it drafts, and measures."""
         seconds = seq.draft_cost.catch_up(seq.fed_next)
         if seconds is None:

@@ -309,7 +309,7 @@ class DraftCost:
         calls, weights packed on first use), and a record that says catching up costs too much is never measured
         again: no row catches up, so none re-measures it. In the README's bench run of 2026-11-27 (19:14) EAGLE
         drafted on no step of 42 prompts after its warm-up request, where the runs before and after it drafted on
-        55-75% of their steps.
+        55-75% of their steps (this, or the probe rule of :func:`probe_catch_up_allowed`: which one was not caught).
 
         >>> c = DraftCost()
         >>> c.observe_catch_up(300, 2.0)                # a first proposal, one-off costs and all: not recorded
