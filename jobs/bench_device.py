@@ -190,17 +190,21 @@ def measure(base, methods: list[str], rows: list[int], spec_rows: int, n_prompts
                 one[name].append(timed(lambda ids=ids, name=name: len(peer.generate(name, ids.cpu(), base.max_new_tokens)[0])))
     summary["one_stream"] = {name: sum(v) / len(v) for name, v in one.items()}
     # 2. batched AR, and speculation under load
+    from decoding.loop.batch import batch_phases
     from decoding.model.graphs import capture_seconds
 
-    sweep, captured = {}, {}
+    sweep, captured, phases = {}, {}, {}
     for r in rows:
         ar.generate_batch(prompts[:r], max_new_tokens=4, max_rows=r)  # warm-up at this batch size
-        before = capture_seconds()
+        before, began = capture_seconds(), batch_phases()
         sweep[r] = timed(lambda r=r: sum(len(g.token_ids) for g in ar.generate_batch(prompts[:r], max_rows=r)))
         captured[r] = round(capture_seconds() - before, 3)
+        phases[r] = {k: round(v - began[k], 4) for k, v in batch_phases().items()}
     summary["batched_ar"] = sweep
     # seconds of CUDA graph capture inside each timed batch (rows join and leave: new row buckets; 0 on a CPU)
     summary["batched_capture_s"] = captured
+    # where each timed batch's time went: filling prompts, decoding steps (decoding.loop.batch.batch_phases)
+    summary["batched_phases"] = phases
 
     def batch_of(dec):
         return sum(len(g.token_ids) for g in dec.generate_batch(prompts[:spec_rows], max_rows=spec_rows))
@@ -253,6 +257,7 @@ def markdown(summary: dict, cmd: str) -> str:
         *table("one stream, tokens/s", {n: f"{v:.1f} ({ar / v:.2f}x)" for n, v in one.items()}, "tokens/s (specray AR over it)"),
         "",
         *table("batched AR, rows", {r: f"{v:.0f} ({v / first:.1f}x)" for r, v in sweep.items()}, "tokens/s (over 1 row)"),
+        *phase_rows(summary.get("batched_phases"), list(sweep)),
         "",
         *table(
             f"at {summary['spec_rows']} rows",
@@ -263,6 +268,24 @@ def markdown(summary: dict, cmd: str) -> str:
     if cmd:
         lines += ["", f"Command: `{cmd}`"]
     return "\n".join(lines)
+
+
+def phase_rows(phases: dict | None, rows: list[int]) -> list[str]:
+    """Two more rows of the batched table: the share of each batch's time spent filling prompts, and the milliseconds
+    of one decoding step (none for a summary saved before they were measured).
+
+    >>> phase_rows({"1": {"prefill_s": 0.1, "decode_s": 0.9, "steps": 100}, "4": {"prefill_s": 0.5, "decode_s": 1.5,
+    ...     "steps": 100}}, [1, 4])
+    ['| prefill share of the batch | 10% | 25% |', '| ms a decoding step | 9.0 | 15.0 |']
+    >>> phase_rows(None, [1, 4])
+    []
+    """
+    if not phases:
+        return []
+    cells = [phases.get(str(r)) or phases.get(r) for r in rows]  # rows are strings once read back from JSON
+    share = [f"{c['prefill_s'] / max(c['prefill_s'] + c['decode_s'], 1e-9):.0%}" if c else "-" for c in cells]
+    step = [f"{1e3 * c['decode_s'] / max(c['steps'], 1):.1f}" if c else "-" for c in cells]
+    return ["| prefill share of the batch | " + " | ".join(share) + " |", "| ms a decoding step | " + " | ".join(step) + " |"]
 
 
 def write_block(path: Path, name: str, text: str) -> None:

@@ -29,6 +29,17 @@ from decoding.sampling import GREEDY, SamplingParams
 
 PROBE_ALPHA = 0.8  # the acceptance a probe hopes for: it probes only where drafts at that rate would pay
 PROBE_DRAFTS = 2  # drafts of a probe (a row whose drafting stopped paying, trying again: goodput.Acceptance.due)
+_PHASES = {"prefill_s": 0.0, "decode_s": 0.0, "steps": 0}  # every batch of this process together (batch_phases)
+
+
+def batch_phases() -> dict:
+    """Wall seconds every :class:`Batch` of this process has spent so far filling prompts (``prefill_s``: chunks and
+    first tokens) and in decoding steps (``decode_s``, ``steps`` of them: drafts, the forward, verification,
+    commits), read on the host. Each phase ends in a host read on a GPU (a prompt's first token; a step's accepted
+    counts), so its GPU time lands in it, but for a prefill chunk that does not finish its prompt, whose time lands
+    in the next read. ``specray bench-device`` takes differences of it around a batch: where the batched sweep's time
+    goes."""
+    return dict(_PHASES)
 
 
 class NotBatchable(ValueError):
@@ -295,10 +306,21 @@ class Batch:
         done = [s for s in self.rows + self.joining if s.finished]  # cancelled between steps
         for seq in done:
             self._leave(seq)
+        begin = time.perf_counter()
         done += self._prefill()
+        filled = time.perf_counter()
+        _PHASES["prefill_s"] += filled - begin
         if not self.rows:
             return done
-        rows = self.rows
+        done += self._decode()
+        _PHASES["decode_s"] += time.perf_counter() - filled
+        _PHASES["steps"] += 1
+        return done
+
+    def _decode(self) -> list[Sequence]:
+        """One decoding step of every row: drafts, one forward, verification, commits; returns the rows that finished
+        (they have left the batch)."""
+        done, rows = [], self.rows
         proposals, seconds, budgets = self._proposals(rows)
         width = 1 + max(p.size for p in proposals)
         results = verify_step(

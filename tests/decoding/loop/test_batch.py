@@ -555,3 +555,19 @@ def test_k_auto_keeps_a_rows_acceptance_apart_by_the_kind_of_proposal(tiny_model
     assert sum(r.accepted for r in drafted) >= 2 * len(drafted) - 4  # nearly only the right kind was drafted
     state = DecodeState(ids([5, 6, 7, 5, 6]), None, None, GREEDY, None, 16)
     assert NgramDrafter(3, 1).propose(state, 2).kind == 2  # [5, 6] matched
+
+
+def test_batch_phases_count_each_step_and_split_its_time(tiny_model, target, one_thread):
+    """``batch_phases`` (what ``specray bench-device`` reports for its batched sweep) counts every decoding step of
+    every batch once, and splits the batch's time between filling prompts and decoding steps."""
+    before = batch_module.batch_phases()
+    lengths = ((PROMPTS[0], 9), (PROMPTS[1], 5))
+    seqs = [Sequence(ids(p), drafter=make_drafter(tiny_model, "ngram"), k=2, max_new_tokens=m) for p, m in lengths]
+    begin = time.perf_counter()
+    generate_many(target, seqs, max_rows=2)
+    wall = time.perf_counter() - begin
+    after = batch_module.batch_phases()
+    # both short prompts are filled before the first step decodes: the batch steps as often as its longest row
+    assert after["steps"] - before["steps"] == max(len(s.steps) for s in seqs)
+    prefill, decode = after["prefill_s"] - before["prefill_s"], after["decode_s"] - before["decode_s"]
+    assert prefill > 0 and decode > 0 and prefill + decode <= wall
