@@ -137,7 +137,7 @@ import typing
 from dataclasses import dataclass, field
 
 from decoding.errors import ConfigError
-from decoding.limits import check_config
+from decoding.limits import MAX_THREADS, check_config
 
 # the methods (METHODS: their names, re-exported here), their option groups and the constants they share live in the table
 from decoding.methods import ACTOR_TRANSPORTS, METHOD_TABLE, METHODS, OPTION_OF, TRIFORCE_BOTTOMS, TWO_SIDED_SCHEDULES
@@ -369,7 +369,7 @@ def _check_common(c: SpecConfig) -> None:
     _check(c.dtype in DTYPES, "dtype", f"unknown dtype {c.dtype!r}; choose from {', '.join(DTYPES)}")
     _check(c.quant in QUANTS, "quant", f"unknown quantisation {c.quant!r}; choose from {', '.join(QUANTS)}")
     check_config(c)  # temperature, top_p, top_k, seed, max_new_tokens: the limits the HTTP API has too
-    _check(c.threads is None or c.threads >= 1, "threads", f"must be >= 1, got {c.threads}")
+    _check(c.threads is None or 1 <= c.threads <= MAX_THREADS, "threads", f"must be in [1, {MAX_THREADS}], got {c.threads}")
     _check(
         DEVICE_RE.fullmatch(c.device) is not None,
         "device",
@@ -479,7 +479,8 @@ def _check_ead(c: SpecConfig) -> None:
 def _check_actors(c: SpecConfig) -> None:
     _check(c.placement in PLACEMENTS, "placement", f"unknown placement {c.placement!r}; choose from {', '.join(PLACEMENTS)}")
     for name in ("draft_threads", "target_threads"):
-        _check(getattr(c, name) is None or getattr(c, name) >= 1, name, f"must be >= 1, got {getattr(c, name)}")
+        value = getattr(c, name)
+        _check(value is None or 1 <= value <= MAX_THREADS, name, f"must be in [1, {MAX_THREADS}], got {value}")
     gpus = c.num_gpus_per_model
     _check(gpus is None or gpus >= 0, "num_gpus_per_model", f"must be >= 0, got {gpus}")
     _check(c.rpc_timeout_s > 0, "rpc_timeout_s", f"must be > 0, got {c.rpc_timeout_s}")

@@ -27,6 +27,7 @@ TOP_K_MAX = 1_000_000  # top_k in [0, TOP_K_MAX] (0: off); beyond any vocabulary
 SEED_MAX = 2**63 - 1  # seed in [0, 2**63): what torch.Generator.manual_seed takes without wrapping
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256  # one stop sequence
+MAX_THREADS = 1024  # torch threads a process may ask for (100,000 made the process run out of memory maps and crash)
 MAX_TOKENS_MAX = 1_000_000  # max_tokens / max_new_tokens upper bound (the model's context caps it further)
 # each numeric parameter's bounds, as pydantic's Field takes them (ge: >=, gt: >, le: <=)
 BOUNDS = {

@@ -123,7 +123,7 @@ def load_prompts(path: str | Path | None = None) -> list[Prompt]:
     """Read a Spec-Bench style JSONL file (default: the bundled Spec-Bench questions)."""
     path = Path(path) if path is not None else DEFAULT_PROMPTS
     if not path.is_file():
-        raise WorkloadError(f"{path}: prompt file does not exist")
+        raise WorkloadError(f"{path}: " + ("a directory, not a prompt file" if path.is_dir() else "prompt file does not exist"))
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:

@@ -41,7 +41,7 @@ from evaluation.bench_run import finish, long_prompts, run_cluster, run_local
 from evaluation.hf_peer import PEER_MODES
 from evaluation.traces import TraceWriter
 from evaluation.workloads import DEFAULT_PROMPTS, Prompt, WorkloadError, load_prompts, select, with_later_turns
-from jobs.common import Parser, add_config_args, config_from_args, fail, output_dir, parse_ints, run_cli
+from jobs.common import Parser, add_config_args, config_from_args, fail, input_file, output_dir, parse_ints, run_cli
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -228,8 +228,7 @@ def parse_peer_modes(peer: str | None, modes: str | None) -> list[str] | None:
 
 def check_readme(readme: Path) -> None:
     """Before any work: the README exists and has the block a finished run rewrites."""
-    if not readme.is_file():
-        fail(f"--readme: {readme} does not exist")
+    input_file(readme, "--readme:")
     from evaluation.markdown import check_block
 
     try:

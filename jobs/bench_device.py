@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from jobs.common import Parser, command, fail, output_dir, parse_ints
+from jobs.common import Parser, command, fail, output_dir, output_file, parse_ints
 
 DEFAULT_ROWS = "1,2,4,8,16,32,64,128"
 
@@ -76,6 +76,8 @@ def command_line(argv: list[str]) -> str:
 
 
 def main_with_args(args) -> int:
+    if args.readme:
+        output_file(args.readme, "--readme")
     if args.from_json:
         return render_saved(Path(args.from_json), args)
     rows = parse_ints(args.rows, "--rows", 1)

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 
-from jobs.common import Parser, command
+from jobs.common import Parser, command, fail
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +49,8 @@ def main_with_args(args) -> int:
     from serving.app import start
     from serving.settings import ServeSettings
 
+    if min(args.tokens, args.repeats) < 1 or args.load < 0:
+        fail(f"--tokens and --repeats must be >= 1 and --load >= 0, got {args.tokens}, {args.repeats} and {args.load}")
     cfg = SpecConfig(method=args.method, model=args.model, dtype=args.dtype, max_new_tokens=args.tokens, threads=args.threads)
     reg_dir, name = tempfile.mkdtemp(prefix="specray-bench-reg-"), args.model
     if args.method != "ar":

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jobs.common import Parser, fail, parse_ints, run_cli
+from jobs.common import Parser, fail, finite_float, output_dir, output_file, parse_ints, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,15 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default="ar,ngram", help="comma-separated; ar is the plain model (batched AR)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config field for the method entries (default k=auto)")
     p.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated concurrent streams (the sweep)")
-    p.add_argument("--rate", type=float, help="Poisson mode: mean requests per second (instead of the sweep)")
+    p.add_argument("--rate", type=finite_float, help="Poisson mode: mean requests per second (instead of the sweep)")
     p.add_argument("--requests", type=int, default=32, help="Poisson mode: how many requests")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--min-requests", type=int, default=4, help="sweep: back-to-back waves until a level has this many requests")
     p.add_argument("--prompts", help="Spec-Bench JSONL (default: the bundled questions)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the replica and of the in-process peers")
     p.add_argument("--max-batch-rows", type=int, default=32)
-    p.add_argument("--slo-ttft-s", type=float, default=10.0)
-    p.add_argument("--slo-itl-s", type=float, default=0.5)
+    p.add_argument("--slo-ttft-s", type=finite_float, default=10.0)
+    p.add_argument("--slo-itl-s", type=finite_float, default=0.5)
     p.add_argument("--check", action="store_true", help="compare every stream with its in-process greedy output")
     p.add_argument("--peer", choices=["hf"], help="also run transformers generate() on a padded batch")
     p.add_argument("--peer-url", metavar="URL", help="also measure this OpenAI-compatible server (its root or /v1 URL) on the same prompts")
@@ -62,6 +62,9 @@ def plan_from_args(args):
 
     if min(args.threads, args.max_batch_rows) < 1:
         fail("--threads and --max-batch-rows must be >= 1")
+    output_dir(args.out, "--out")
+    if args.readme:
+        output_file(args.readme, "--readme")
     plan = LoadPlan(
         parse_ints(args.concurrency, "--concurrency", 1),
         args.max_tokens,
@@ -137,7 +140,7 @@ def run(args) -> dict:
         texts = load.interleave_categories(load_prompts(args.prompts))
     except WorkloadError as e:
         fail(str(e))
-    out = Path(args.out)
+    out = output_dir(args.out, "--out")
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     ar = SpecDecoder(base)

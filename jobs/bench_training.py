@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from jobs.common import Parser, command, fail
+from jobs.common import Parser, command, distill_data, fail
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("one-by-one", "batched")  # TrainSpec.micro_batch 1, and the whole step
@@ -86,9 +86,7 @@ def main_with_args(args) -> int:
         fail(f"--only: expected a shipped drafter trained step by step, one of {', '.join(choices)}; got {args.only!r}")
     if args.steps < 2 or args.batch < 1 or (args.max_sequences is not None and args.max_sequences < 2):
         fail("--steps must be >= 2 (the first is a warm-up), --batch >= 1 and --max-sequences >= 2")
-    data = Path(args.data) if args.data else ROOT / "data" / "distill" / args.model
-    if not (data / "manifest.json").is_file():
-        fail(f"--data: {data} is not a `specray distill` data directory (no manifest.json)")
+    data = distill_data(args.data, args.model)
     set_threads(args.threads)
     run = SHIPPED_RECIPES[args.only]
     target = load_model(args.model, "float32", args.device).model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -37,6 +38,26 @@ def parse_ints(text: str, flag: str, minimum: int, unit: str = "") -> list[int]:
     return values
 
 
+def finite_float(text: str) -> float:
+    """argparse type of every float flag: a finite number (``nan`` and ``inf`` parse as floats, but no setting means
+    them, and they slip past range checks: ``nan <= 0`` is false).
+
+    >>> finite_float("0.5")
+    0.5
+    >>> finite_float("nan")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: expected a finite number, got 'nan'
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
 def input_file(path: str | Path, what: str) -> Path:
     """``path`` if it is a readable file, else a one-line failure saying what is wrong (missing, a directory)."""
     p = Path(path)
@@ -68,6 +89,30 @@ def output_dir(path: str | Path, flag: str) -> Path:
         except OSError:
             break
     if not writable:
+        fail(f"{flag}: {p} is not writable")
+    return p
+
+
+def distill_data(data: str | None, model: str) -> Path:
+    """The ``specray distill`` data a training job reads: ``--data``, else the data committed for ``--model``; fails
+    in one line naming the flag that chose it."""
+    path = Path(data) if data else Path(__file__).resolve().parent.parent / "data" / "distill" / model
+    if not (path / "manifest.json").is_file():
+        if data:
+            fail(f"--data: {path} is not a `specray distill` data directory (no manifest.json)")
+        fail(f"--model {model}: no `specray distill` data is committed for it (no {path}); pass --data DIR")
+    return path
+
+
+def output_file(path: str | Path, flag: str) -> Path:
+    """Check a file a job rewrites at its end (a README's block), before any work starts: a directory there, or a
+    folder that does not exist or cannot be written, fails in one line naming ``flag`` (instead of after the run)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        fail(f"{flag}: {p} is a directory, not a file")
+    if not p.parent.is_dir():
+        fail(f"{flag}: the folder {p.parent} does not exist")
+    if not os.access(p if p.exists() else p.parent, os.W_OK):
         fail(f"{flag}: {p} is not writable")
     return p
 
@@ -112,8 +157,8 @@ def add_config_args(p: argparse.ArgumentParser, method: bool = True) -> None:
         p.add_argument("--method", help=f"one of {', '.join(METHODS)} (default ar)")
     p.add_argument("--model", help="smollm2-135m (default) or a local Hugging Face model directory")
     p.add_argument("--max-new-tokens", type=int)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-p", type=float)
+    p.add_argument("--temperature", type=finite_float)
+    p.add_argument("--top-p", type=finite_float)
     p.add_argument("--top-k", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--dtype", help="bfloat16 (default) or float32")

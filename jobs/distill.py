@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from jobs.common import Parser, command, fail, output_dir, parse_ints
+from jobs.common import Parser, command, fail, finite_float, output_dir, parse_ints
 from training.distill_data import PHASES, DistillSpec
 
 
@@ -36,7 +36,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--articles", type=int, default=300, help="articles the model writes in phase 1 (default 300)")
     p.add_argument("--german", type=int, default=150, help="German passages the model writes in phase 1 (default 150)")
     p.add_argument("--max-new-tokens", default="160,256,192", help="answer length per phase (default 160,256,192)")
-    p.add_argument("--sample-fraction", type=float, default=0.15, help="share of prompts answered by sampling (default 0.15)")
+    p.add_argument("--sample-fraction", type=finite_float, default=0.15, help="share of prompts answered by sampling (default 0.15)")
     p.add_argument("--shard-size", type=int, default=32, help="prompts per shard (default 32)")
     p.add_argument("--rows", type=int, default=16, help="rows of each worker's continuous batch (default 16)")
     p.add_argument("--seed", type=int, default=0)
@@ -51,7 +51,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         action="store_true",
         help="no Ray (a GPU machine without a cluster): one engine in this process, or --workers N processes on the device",
     )
-    p.add_argument("--max-minutes", type=float, help="with --local: stop between shards after this long (rerun to resume)")
+    p.add_argument("--max-minutes", type=finite_float, help="with --local: stop between shards after this long (rerun to resume)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--json", action="store_true", help="print the manifest's phase summaries as JSON")
     return p
@@ -88,8 +88,10 @@ def main_with_args(args) -> int:
 
     resolve(args.model)  # an unknown model fails before Ray starts
     out = output_dir(args.out, "--out")
-    if args.max_minutes is not None and (not args.local or args.max_minutes <= 0):
-        fail("--max-minutes: a positive number of minutes, with --local")
+    if args.max_minutes is not None and not args.local:
+        fail("--max-minutes needs --local (a run on Ray stops when interrupted; rerunning it resumes)")
+    if args.max_minutes is not None and args.max_minutes <= 0:
+        fail(f"--max-minutes must be > 0, got {args.max_minutes:g}")
     from training.distill_data import distill
 
     run = dict(threads=args.threads, phases=phases, progress=not args.no_progress, device=args.device)

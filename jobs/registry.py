@@ -19,7 +19,7 @@ from pathlib import Path
 
 from cluster.registry import Entry, RegistryError, describe_hardware, open_registry
 from decoding.config import SpecConfig
-from jobs.common import Parser, command, fail
+from jobs.common import Parser, command, fail, input_file
 
 COLUMNS = ("name", "method", "version", "speedup", "tokens/s", "created_at", "status")
 
@@ -121,9 +121,7 @@ def main_with_args(args) -> int:
                 version = reg.delete(args.name)
                 _report(args, "delete", version, f"deleted {args.name} (version {version})")
             elif args.command == "put":
-                path = Path(args.config)
-                if not path.is_file():
-                    fail(f"config file {path} does not exist")
+                path = input_file(args.config, "config file")
                 try:
                     data = json.loads(path.read_text())
                 except (OSError, json.JSONDecodeError) as e:

@@ -33,9 +33,8 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 
-from jobs.common import Parser, command, fail
+from jobs.common import Parser, command, fail, finite_float, input_file
 
 APP_NAME = "specray"
 
@@ -65,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--auth-health", action="store_true", help="also require the key on /health and /metrics")
     p.add_argument("--max-body-bytes", type=int, help="largest request body; bigger ones get 413 (default 4 MiB)")
-    p.add_argument("--drain-timeout-s", type=float, help="on Ctrl-C/SIGTERM, wait this long for in-flight requests (default 10)")
+    p.add_argument("--drain-timeout-s", type=finite_float, help="on Ctrl-C/SIGTERM, wait this long for in-flight requests (default 10)")
     return p
 
 
@@ -73,9 +72,7 @@ def read_config(path: str) -> tuple[dict, dict]:
     """(settings mapping, http options) from a Serve config file or a plain mapping."""
     import yaml
 
-    f = Path(path)
-    if not f.is_file():
-        fail(f"config file {f} does not exist")
+    f = input_file(path, "config file")
     try:
         data = yaml.safe_load(f.read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
@@ -196,6 +193,14 @@ def model_loads(name: str) -> None:
         raise ConfigError("model", f"{path}: its config.json does not load ({type(e).__name__})") from None
     if not any(next(path.glob(pattern), None) for pattern in ("*.safetensors", "*.bin", "*.gguf")):
         raise ConfigError("model", f"{path} holds no weights (*.safetensors, *.bin)")
+    from safetensors import safe_open
+
+    for weights in sorted(path.glob("*.safetensors")):  # a truncated file fails on its header, read without the tensors
+        try:
+            with safe_open(weights, "pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - safetensors' own error types
+            raise ConfigError("model", f"{weights} does not load ({type(e).__name__}: {' '.join(str(e).split())[:160]})") from None
 
 
 def check_placed_entries(settings, catalog) -> None:

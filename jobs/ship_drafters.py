@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from jobs.common import Parser, command, fail
+from jobs.common import Parser, command, distill_data, fail, finite_float, output_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,11 +36,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--shipped", help="where finished artifacts go (default decoding/drafters/shipped/<model>)")
     p.add_argument("--docs", default=str(ROOT / "docs" / "drafters"), help="where the learning curves go (default docs/drafters)")
     p.add_argument("--max-sequences", type=int, help="train on the first N training sequences only")
-    p.add_argument("--steps-scale", type=float, default=1.0, help="multiply every drafter's steps (e.g. 0.1 for a quick run)")
+    p.add_argument("--steps-scale", type=finite_float, default=1.0, help="multiply every drafter's steps (e.g. 0.1 for a quick run)")
     p.add_argument("--batch", type=int, help="sequences per step for every drafter but the stop heads (default: each one's own)")
     p.add_argument("--init", choices=["shipped"], help="shipped: train each drafter further from its shipped artifact (warm start)")
-    p.add_argument("--lr-scale", type=float, default=1.0, help="multiply every drafter's learning rate (e.g. 0.5 with --init)")
-    p.add_argument("--max-minutes", type=float, help="stop each drafter's training after M minutes; its artifact records the steps done")
+    p.add_argument("--lr-scale", type=finite_float, default=1.0, help="multiply every drafter's learning rate (e.g. 0.5 with --init)")
+    p.add_argument(
+        "--max-minutes", type=finite_float, help="stop each drafter's training after M minutes; its artifact records the steps done"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--on-cluster", action="store_true", help="train with Ray Train (RAY_ADDRESS, else a local Ray)")
@@ -70,10 +72,8 @@ def main_with_args(args) -> int:
         fail("--max-minutes must be > 0")
     if args.batch is not None and args.batch < 1:
         fail("--batch must be >= 1")
-    data = Path(args.data) if args.data else ROOT / "data" / "distill" / args.model
-    if not (data / "manifest.json").is_file():
-        fail(f"--data: {data} is not a `specray distill` data directory (no manifest.json)")
-    shipped = Path(args.shipped) if args.shipped else ROOT / "decoding" / "drafters" / "shipped" / args.model
+    data = distill_data(args.data, args.model)
+    shipped = output_dir(args.shipped, "--shipped") if args.shipped else ROOT / "decoding" / "drafters" / "shipped" / args.model
     set_threads(args.threads)
     if args.repack:
         return repack_shipped(args, names, data, shipped)

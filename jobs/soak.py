@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from jobs.common import Parser, fail, output_dir, parse_ints, run_cli
+from jobs.common import Parser, fail, finite_float, output_dir, parse_ints, run_cli
 
 APP = "specray"
 
@@ -37,31 +37,37 @@ def build_parser() -> argparse.ArgumentParser:
     from evaluation.soak.plan import FAULTS
 
     p = Parser(prog="specray soak", description="Faults under load: steady HTTP load with chaos, checking that nothing is lost.")
-    p.add_argument("--duration-s", type=float, default=1800.0, help="how long the load runs (default 1800)")
+    p.add_argument("--duration-s", type=finite_float, default=1800.0, help="how long the load runs (default 1800)")
     p.add_argument("--model", default="smollm2-135m", help="the model served (default smollm2-135m), float32")
     p.add_argument("--min-streams", type=int, default=8, help="the concurrency floor (default 8)")
     p.add_argument("--max-streams", type=int, default=16, help="the ceiling of concurrent streams (default 16)")
-    p.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second on top of the floor (default 1)")
+    p.add_argument("--rate", type=finite_float, default=1.0, help="Poisson arrivals per second on top of the floor (default 1)")
     p.add_argument("--max-tokens", default="16,32,48", help="max_tokens values the requests draw from (default 16,32,48)")
     p.add_argument("--faults", default=",".join(FAULTS), help=f"comma list of faults, or none (default all: {', '.join(FAULTS)})")
     p.add_argument("--repeats", type=int, default=2, help="times each fault is injected, evenly spread (default 2)")
     p.add_argument("--schedule", metavar="T:FAULT,...", help="explicit fault times in seconds instead of --faults/--repeats")
-    p.add_argument("--first-fault-s", type=float, help="when the first fault comes (default: a tenth of the run)")
-    p.add_argument("--tail-s", type=float, help="fault-free time at the end (default: a twentieth of the run, 60 s to a quarter of it)")
-    p.add_argument("--fault-gap-s", type=float, default=10.0, help="a fault waits for the previous one's recovery plus this (default 10)")
+    p.add_argument("--first-fault-s", type=finite_float, help="when the first fault comes (default: a tenth of the run)")
+    p.add_argument(
+        "--tail-s", type=finite_float, help="fault-free time at the end (default: a twentieth of the run, 60 s to a quarter of it)"
+    )
+    p.add_argument(
+        "--fault-gap-s", type=finite_float, default=10.0, help="a fault waits for the previous one's recovery plus this (default 10)"
+    )
     p.add_argument("--overlap", action="store_true", help="inject each fault at its time, not after the previous one recovered")
-    p.add_argument("--recovery-wait-s", type=float, default=120.0, help="the longest wait for a fault's recovery (default 120)")
-    p.add_argument("--node-return-s", type=float, default=10.0, help="a new node joins this long after a removal's recovery (default 10)")
-    p.add_argument("--stall-s", type=float, default=15.0, help="how long the slow reader stalls on its stream (default 15)")
-    p.add_argument("--request-timeout-s", type=float, default=180.0, help="a request not ended by then is hung (default 180)")
+    p.add_argument("--recovery-wait-s", type=finite_float, default=120.0, help="the longest wait for a fault's recovery (default 120)")
+    p.add_argument(
+        "--node-return-s", type=finite_float, default=10.0, help="a new node joins this long after a removal's recovery (default 10)"
+    )
+    p.add_argument("--stall-s", type=finite_float, default=15.0, help="how long the slow reader stalls on its stream (default 15)")
+    p.add_argument("--request-timeout-s", type=finite_float, default=180.0, help="a request not ended by then is hung (default 180)")
     p.add_argument("--max-queued-requests", type=int, default=24, help="the ingress's admission limit (default 24)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the engine replica (default 2)")
     p.add_argument("--pool", type=int, default=12, help="distinct prompts the requests draw from (default 12)")
     p.add_argument("--max-prompt-tokens", type=int, default=160, help="the longest prompt of the pool, in tokens (default 160)")
-    p.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples of every process's RSS and fds (default 5)")
-    p.add_argument("--progress-s", type=float, default=30.0, help="seconds between progress lines (default 30)")
-    p.add_argument("--window-s", type=float, default=60.0, help="p99 windows before and after a fault (default 60)")
-    p.add_argument("--growth-from-s", type=float, default=300.0, help="RSS/fd growth is measured from here to the end (default 300)")
+    p.add_argument("--sample-s", type=finite_float, default=5.0, help="seconds between samples of every process's RSS and fds (default 5)")
+    p.add_argument("--progress-s", type=finite_float, default=30.0, help="seconds between progress lines (default 30)")
+    p.add_argument("--window-s", type=finite_float, default=60.0, help="p99 windows before and after a fault (default 60)")
+    p.add_argument("--growth-from-s", type=finite_float, default=300.0, help="RSS/fd growth is measured from here to the end (default 300)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/soak", help="output folder (default runs/soak)")
     p.add_argument("--docs", metavar="DIR", help="also copy the report, the plot, the summary and the Parquet files here (e.g. docs/soak)")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from decoding.config import DEVICE_RE
 from evaluation.workloads import DEFAULT_PROMPTS, WorkloadError, load_prompts, select
-from jobs.common import Parser, command, fail, output_dir, path_name
+from jobs.common import Parser, command, fail, finite_float, output_dir, path_name
 
 RECIPE_NAMES = ("kangaroo", "medusa", "hydra", "feature", "distill", "eagle", "stop")
 LOSS_NAMES = ("kl", "tvdpp", "ce")
@@ -61,7 +61,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--loss", default="kl", help=f"one of {', '.join(LOSS_NAMES)} (default kl)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=4, help="sequences per optimiser step (default 4)")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=finite_float, default=1e-3)
     p.add_argument(
         "--window",
         type=int,
@@ -70,7 +70,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-vocab", type=int, default=0, help="losses over the data's N most frequent tokens (0 = all; cheaper on CPU)")
-    p.add_argument("--max-minutes", type=float, help="stop training after this long (the artifact is saved at that step)")
+    p.add_argument("--max-minutes", type=finite_float, help="stop training after this long (the artifact is saved at that step)")
     p.add_argument("--data-dtype", default="bfloat16", help="dtype the target generates the data in (default bfloat16)")
     p.add_argument("--data-dir", help="where the data set lives (default: a cache under $SPECRAY_HOME/drafter-data)")
     p.add_argument("--name", help="artifact name under $SPECRAY_HOME/drafters (default recipe-model-knobs)")

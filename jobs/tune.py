@@ -36,7 +36,7 @@ from pathlib import Path
 from decoding.config import SpecConfig
 from decoding.paths import specray_home
 from evaluation.workloads import DEFAULT_PROMPTS, WorkloadError, load_prompts, select, split_held_out
-from jobs.common import Parser, add_config_args, command, config_from_args, fail, output_dir, path_name
+from jobs.common import Parser, add_config_args, command, config_from_args, fail, finite_float, output_dir, path_name
 
 DEFAULT_METHODS = "ngram,early-exit,sps"
 
@@ -51,7 +51,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--workload", help="workload name for the registry (default: the prompt file's name plus the categories)")
     p.add_argument("--range", action="append", default=[], metavar="KEY=LO:HI|KEY=a,b", help="narrow a knob's search range")
     p.add_argument("--num-samples", type=int, default=20, help="trials to run (default 20)")
-    p.add_argument("--time-budget-s", type=float, help="stop starting trials after S seconds")
+    p.add_argument("--time-budget-s", type=finite_float, help="stop starting trials after S seconds")
     p.add_argument("--searcher", choices=["optuna", "random"], default="optuna", help="Optuna TPE (default) or Tune's random search")
     p.add_argument("--search-seed", type=int, default=0, help="seed of the searcher (default 0)")
     p.add_argument("--no-seed-defaults", action="store_true", help="do not start the search from each method's untuned defaults")
@@ -59,13 +59,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--grace-period", type=int, default=1, help="ASHA: prompts every trial runs before it can be stopped (default 1)")
     p.add_argument("--reduction-factor", type=int, default=2, help="ASHA reduction factor (default 2)")
     p.add_argument("--cpus-per-trial", type=int, help="CPUs (and torch threads) per trial (default: --threads, else 1)")
-    p.add_argument("--gpus-per-trial", type=float, default=0.0, help="GPUs per trial (default 0)")
+    p.add_argument("--gpus-per-trial", type=finite_float, default=0.0, help="GPUs per trial (default 0)")
     p.add_argument("--max-concurrent", type=int, help="at most N trials at once (default: cluster CPUs // CPUs per trial)")
     p.add_argument("--max-failures", type=int, default=2, help="retries of a trial whose worker failed (default 2)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per config in each trial (default 1)")
     p.add_argument(
         "--holdout",
-        type=float,
+        type=finite_float,
         default=0.5,
         help="fraction of every category's prompts kept out of the search; the winner and its method's defaults are "
         "re-measured on them (default 0.5; 0: re-measure on the tuning prompts)",
@@ -126,6 +126,7 @@ def settings_from_args(args):
         ("--num-samples", args.num_samples, 1),
         ("--limit", args.limit, 1),
         ("--cpus-per-trial", args.cpus_per_trial, 1),
+        ("--gpus-per-trial", args.gpus_per_trial, 0),
         ("--max-concurrent", args.max_concurrent, 1),
         ("--max-failures", args.max_failures, 0),
         ("--warmup", args.warmup, 0),
@@ -197,6 +198,24 @@ def settings_for(args):
     return settings
 
 
+def check_trial_fits(settings, resources: dict) -> None:
+    """Fail (one line) when one trial asks for more CPUs or GPUs than the whole cluster has: Tune would leave it
+    pending for good, without a word (a cluster that grows nodes on demand can start with fewer: then ask for what
+    it has, or join it once it has grown).
+
+    >>> from types import SimpleNamespace
+    >>> check_trial_fits(SimpleNamespace(cpus_per_trial=2, gpus_per_trial=0), {"CPU": 2.0})
+    >>> check_trial_fits(SimpleNamespace(cpus_per_trial=1, gpus_per_trial=1), {"CPU": 2.0})
+    Traceback (most recent call last):
+    ...
+    jobs.common.UsageError: --gpus-per-trial: a trial asks for 1 GPU and the cluster has 0 in all
+    """
+    for flag, unit, wanted in (("--cpus-per-trial", "CPU", settings.cpus_per_trial), ("--gpus-per-trial", "GPU", settings.gpus_per_trial)):
+        have = resources.get(unit, 0.0)
+        if wanted > have:
+            fail(f"{flag}: a trial asks for {wanted:g} {unit} and the cluster has {have:g} in all")
+
+
 def check_publish_name(name: str | None) -> None:
     if name:
         from cluster.registry import InvalidName, validate_name
@@ -231,6 +250,7 @@ def run(args, callbacks=None) -> tuple[int, dict]:
     check_publish_name(args.publish)
     space = build_space(settings, model_depth(base))  # fails early (one line) on a bad model
     ray_info = connect(args.address)
+    check_trial_fits(settings, ray_info["resources"])
     print(
         f"specray tune {settings.name}: {len(prompts)} prompts to tune on, {len(held_out)} held out, {settings.num_samples} trials, "
         f"Ray {ray_info['address']}",

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from decoding.errors import ConfigError
+from decoding.limits import MAX_THREADS
 from decoding.model.quant import QuantWeights, gguf_has_q4_layers, load_packed, quantize_model, resolve_quant, save_packed
 from decoding.paths import specray_home
 
@@ -102,10 +103,13 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def set_threads(threads: int | None) -> int:
-    """Set torch's intra-op threads from the argument, else SPECRAY_THREADS / OMP_NUM_THREADS."""
+    """Set torch's intra-op threads from the argument, else SPECRAY_THREADS / OMP_NUM_THREADS (``ConfigError`` on
+    ``threads`` outside 1..``MAX_THREADS``, as a config's)."""
     if threads is None:
         env = os.environ.get("SPECRAY_THREADS") or os.environ.get("OMP_NUM_THREADS")
         threads = int(env) if env else None
+    if threads is not None and not 1 <= threads <= MAX_THREADS:
+        raise ConfigError("threads", f"must be in [1, {MAX_THREADS}], got {threads}")
     if threads:
         torch.set_num_threads(threads)
     return torch.get_num_threads()
@@ -158,11 +162,18 @@ def _quiet_transformers():
 
 
 def _load_from(path: Path, dtype: torch.dtype, gguf_file: str | None):
+    """The model and tokenizer transformers reads from ``path``; whatever keeps them from loading (a config.json that
+    is not JSON, no tokenizer, no weights, a truncated weights file: each a different transformers or safetensors
+    error) fails as one ``ConfigError`` on ``model`` naming the path and the reason (on one line)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kw = {"gguf_file": gguf_file} if gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True, **kw)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, attn_implementation="sdpa", **kw)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True, **kw)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, attn_implementation="sdpa", **kw)
+    except Exception as e:  # noqa: BLE001 - the user's directory: any failure to read it is theirs to fix
+        reason = " ".join(str(e).split())[:240]
+        raise ConfigError("model", f"{path / gguf_file if gguf_file else path} does not load: {type(e).__name__}: {reason}") from None
     return model, tok
 
 

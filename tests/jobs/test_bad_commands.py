@@ -8,6 +8,7 @@ The HTTP corpus is tests/serving/test_fuzz.py.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -28,8 +29,27 @@ def command_cases(tiny: str, tmp: Path) -> list[list[str]]:
     broken = tmp / "broken-config"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
+    truncated = tmp / "truncated-weights"  # everything there, but the weights file cut short
+    shutil.copytree(tiny, truncated)
+    weights = next(truncated.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:200])
     gen = ["generate", "--model", tiny, "--max-new-tokens", "2"]
+    broken_model = [[*gen[:1], "--model", str(d), "--prompt", "hi", "--max-new-tokens", "2"] for d in (broken, noweights, truncated)]
     return [
+        *broken_model,  # a model directory that does not load: one line naming it, whatever transformers raised
+        ["serve", "--base-model", str(truncated)],
+        [*gen, "--prompt", "hi", "--threads", "100000"],
+        ["train-drafter", "--recipe", "eagle", "--lr", "nan", "--model", tiny],
+        ["ship-drafters", "--steps-scale", "nan"],
+        ["ship-drafters", "--shipped", str(afile)],
+        ["bench-training", "--model", "no-such-model"],
+        ["serve", "--base-model", tiny, "--drain-timeout-s", "nan"],
+        ["bench-serve", "--model", tiny, "--out", str(afile)],
+        ["bench-http", "--model", tiny, "--repeats", "0"],
+        ["bench-device", "--model", tiny, "--readme", str(tmp)],
+        ["bench", "--methods", "ar", "--model", tiny, "--prompts", str(tmp)],
+        ["tune", "--methods", "ngram", "--model", tiny, "--gpus-per-trial", "-1"],
+        ["distill", "--out", str(tmp / "d"), "--max-minutes", "3"],
         [*gen, "--prompt", "hi \udcff\udcfe"],  # bytes that are not UTF-8, as Python hands them over from argv
         [*gen, "--prompt", "hi", "--seed", str(2**70)],
         [*gen, "--prompt", "hi", "--seed", "-1"],
