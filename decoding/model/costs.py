@@ -168,6 +168,7 @@ class CostModel:
         repeats: int = 3,
         max_rows: int | None = None,
         tree_widths=TREE_WIDTHS,
+        progress: bool = True,
     ) -> CostModel:
         """Time ``target`` (a ``ModelAdapter``) on every (rows, width) of the grid over a ``context``-token cache.
 
@@ -178,8 +179,11 @@ class CostModel:
         also timed at ``tree_widths``: the token trees a drafter sizes by this model (``decoding.trees.hardware``). The
         ``context`` is about a generation's (a prompt and an answer): over 128 tokens SmolLM2's 5 and 8 tokens cost
         1.65-1.68x and 1.74-1.76x a plain step here, over 256 1.77x and 1.88x, and the steps of a run cost more than
-        the 128-token grid said (k=auto's learned shapes: 1.06-1.13x it).
+        the 128-token grid said (k=auto's learned shapes: 1.06-1.13x it). ``progress``: a bar on a terminal (a
+        model's first measurement takes a minute or two on a small CPU, and said nothing before).
         """
+        from tqdm.auto import tqdm
+
         rows = [r for r in rows if max_rows is None or r <= max_rows] or [1]
         if widths is CALIBRATION_WIDTHS and torch.device(target.device).type == "cuda":
             widths = CALIBRATION_WIDTHS + GPU_WIDTHS  # where wide steps cost no more than narrow ones: measure them
@@ -187,6 +191,9 @@ class CostModel:
         table = {}
         vocab = min(int(target.vocab_size), 1000)
         gen = torch.Generator().manual_seed(0)
+        points = sum(len(one_row if r == 1 else widths) for r in rows)
+        desc = "measuring the forward's cost (once per model, dtype, threads)"
+        bar = tqdm(total=points, desc=desc, leave=False, disable=None if progress else True)  # None: a terminal only
         for r in rows:
             these = one_row if r == 1 else widths
             cache = target.new_cache(r, context + max(these))
@@ -204,6 +211,8 @@ class CostModel:
                     if i:
                         best = min(best, time.perf_counter() - t0)
                 table[(r, t)] = best
+                bar.update()
+        bar.close()
         return cls(monotone(table))
 
 
