@@ -140,7 +140,7 @@ def run(args) -> dict:
         texts = load.interleave_categories(load_prompts(args.prompts))
     except WorkloadError as e:
         fail(str(e))
-    out = output_dir(args.out, "--out")
+    out = Path(args.out).expanduser()  # checked by plan_from_args
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     ar = SpecDecoder(base)

@@ -103,13 +103,13 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def set_threads(threads: int | None) -> int:
-    """Set torch's intra-op threads from the argument, else SPECRAY_THREADS / OMP_NUM_THREADS (``ConfigError`` on
-    ``threads`` outside 1..``MAX_THREADS``, as a config's)."""
+    """Set torch's intra-op threads from the argument, else SPECRAY_THREADS / OMP_NUM_THREADS (``ConfigError`` on an
+    argument outside 1..``MAX_THREADS``, as a config's)."""
+    if threads is not None and not 1 <= threads <= MAX_THREADS:
+        raise ConfigError("threads", f"must be in [1, {MAX_THREADS}], got {threads}")
     if threads is None:
         env = os.environ.get("SPECRAY_THREADS") or os.environ.get("OMP_NUM_THREADS")
         threads = int(env) if env else None
-    if threads is not None and not 1 <= threads <= MAX_THREADS:
-        raise ConfigError("threads", f"must be in [1, {MAX_THREADS}], got {threads}")
     if threads:
         torch.set_num_threads(threads)
     return torch.get_num_threads()
