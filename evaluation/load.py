@@ -132,6 +132,8 @@ class LoadPlan:
             raise ConfigError("rate", f"must be > 0, got {self.rate}")
         if min(self.max_tokens, self.requests, self.min_requests, *self.levels) < 1:
             raise ConfigError("max_tokens", "max tokens, requests, min requests and every level must be >= 1")
+        if min(self.slo_ttft_s, self.slo_itl_s) <= 0:
+            raise ConfigError("slo", f"the SLOs must be > 0 s, got ttft {self.slo_ttft_s:g} and itl {self.slo_itl_s:g}")
         if self.rate is not None:
             self.levels = [self.requests]
 

@@ -116,6 +116,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 def load_workload(args, cfg: SpecConfig | None = None) -> list[Prompt]:
     source = args.prompts or DEFAULT_PROMPTS
     wanted = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    if args.categories is not None and not wanted:
+        fail(f"--categories: no category given in {args.categories!r}")
     lengths = parse_context_tokens(getattr(args, "context_tokens", None))
     try:
         if lengths:

@@ -80,9 +80,14 @@ def main_with_args(args) -> int:
         output_file(args.readme, "--readme")
     if args.from_json:
         return render_saved(Path(args.from_json), args)
+    if args.categories:
+        fail("--categories renders a bench summary.json beside a device.json: it needs --from-json")
     rows = parse_ints(args.rows, "--rows", 1)
     if args.prompts < 1 or args.max_new_tokens < 1 or args.spec_rows < 1:
         fail("--prompts, --max-new-tokens and --spec-rows must be >= 1")
+    from jobs.bench import parse_peer_modes
+
+    peer_modes = parse_peer_modes("hf", args.peer_modes) if args.peer_modes else []
     from decoding.config import SpecConfig
 
     base = SpecConfig(model=args.model, dtype=args.dtype, device=args.device, max_new_tokens=args.max_new_tokens, threads=args.threads)
@@ -90,7 +95,7 @@ def main_with_args(args) -> int:
     for m in methods:
         base.replace(method=m)  # an unknown method fails here, naming the field
     out = output_dir(args.out, "--out")
-    summary = measure(base, methods, rows, args.spec_rows, args.prompts, [m for m in args.peer_modes.split(",") if m])
+    summary = measure(base, methods, rows, args.spec_rows, args.prompts, peer_modes)
     Path(out).mkdir(parents=True, exist_ok=True)
     summary["command"] = command_line(sys.argv)
     (Path(out) / "device.json").write_text(json.dumps(summary, indent=1))

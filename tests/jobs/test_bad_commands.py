@@ -50,6 +50,10 @@ def command_cases(tiny: str, tmp: Path) -> list[list[str]]:
         ["bench", "--methods", "ar", "--model", tiny, "--prompts", str(tmp)],
         ["tune", "--methods", "ngram", "--model", tiny, "--gpus-per-trial", "-1"],
         ["distill", "--out", str(tmp / "d"), "--max-minutes", "3"],
+        ["bench-serve", "--model", tiny, "--slo-ttft-s", "-1"],
+        ["bench-device", "--model", tiny, "--peer-modes", "hf-foo"],
+        ["bench-device", "--model", tiny, "--categories", "writing"],
+        ["bench", "--methods", "ar", "--model", tiny, "--categories", ","],
         [*gen, "--prompt", "hi \udcff\udcfe"],  # bytes that are not UTF-8, as Python hands them over from argv
         [*gen, "--prompt", "hi", "--seed", str(2**70)],
         [*gen, "--prompt", "hi", "--seed", "-1"],
