@@ -330,10 +330,9 @@ class SpecConfig:
     def from_dict(cls, data: dict) -> SpecConfig:
         if not isinstance(data, dict):
             raise ConfigError("config", f"expected a JSON object, got {type(data).__name__}")
-        known = set(COMMON) | set(OPTION_DEFAULTS)
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - set(COMMON) - set(OPTION_DEFAULTS))
         if unknown:
-            raise ConfigError(unknown[0], f"unknown field; known fields: {', '.join(sorted(known))}")
+            _unknown_field(unknown[0])
         return cls(**{k: _coerce(k, v) for k, v in _auto_k(data).items()})
 
     @classmethod
@@ -357,7 +356,7 @@ class SpecConfig:
         for item in assignments:
             key, sep, value = item.partition("=")
             key = key.strip().replace("-", "_")
-            if not sep:
+            if not sep or not key:
                 raise ConfigError(key or "set", f"expected key=value, got {item!r}")
             changes[key] = value.strip() if key == "k" and value.strip().lower() == "auto" else _parse_value(key, value.strip())
         return self.replace(**changes)
@@ -533,10 +532,15 @@ def _auto_k(changes: dict) -> dict:
     return changes
 
 
+def _unknown_field(name: str) -> typing.NoReturn:
+    """A field no configuration has: one line that lists the ones there are (a config file, ``--set``, a request)."""
+    raise ConfigError(name, f"unknown field; known fields: {', '.join(sorted(set(COMMON) | set(OPTION_DEFAULTS)))}")
+
+
 def _coerce(name: str, value):
     """Check a value against the field's declared type; accept ints for floats."""
     if name not in _FIELD_TYPES or name.startswith("_"):
-        raise ConfigError(name, "unknown field")
+        _unknown_field(name)
     hint = _FIELD_TYPES[name]
     args = typing.get_args(hint)
     optional = type(None) in args
@@ -556,7 +560,7 @@ def _coerce(name: str, value):
 
 def _parse_value(name: str, text: str):
     if name not in _FIELD_TYPES or name.startswith("_"):
-        raise ConfigError(name, "unknown field")
+        _unknown_field(name)
     hint = _FIELD_TYPES[name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     base = args[0] if args else hint

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import re
@@ -17,6 +18,7 @@ from decoding.errors import ConfigError
 from decoding.methods import method_of
 
 SCHEMA = 1
+RANKED_METRICS = ("speedup", "tokens_per_s")  # the metrics `registry list` shows and entries are ranked by
 NAME_SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
 MAX_NAME_LENGTH = 160
 
@@ -182,6 +184,10 @@ class Entry:
         for f in ("metrics", "hardware", "source"):
             if not isinstance(getattr(self, f), dict):
                 raise TypeError(f"Entry.{f} must be a dict, got {type(getattr(self, f)).__name__}")
+        for key in RANKED_METRICS:  # listed and compared (the best entry of a method): numbers, or absent
+            value = self.metrics.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)):
+                raise RegistryError(f"cannot store {self.name!r}: metrics.{key} must be a finite number, got {value!r}")
 
     @property
     def method(self) -> str:
@@ -241,7 +247,7 @@ class Entry:
                 version=version,
                 source=data.get("source") or {},
             )
-        except (InvalidName, TypeError) as e:
+        except (RegistryError, TypeError) as e:  # a bad name, metrics that are not numbers
             raise CorruptEntry(label, str(e)) from None
 
     @classmethod

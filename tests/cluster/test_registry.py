@@ -170,10 +170,22 @@ def test_bad_names_rejected_by_every_operation(store, bad):
 
 
 def test_non_json_metrics_rejected_before_writing(store):
-    bad = Entry("a/nan", SpecConfig(), metrics={"speedup": float("nan")})
+    with pytest.raises(RegistryError, match="a/nan"):  # the entry is refused as it is made, so never stored
+        store.reg.put(Entry("a/nan", SpecConfig(), metrics={"speedup": float("nan")}))
     with pytest.raises(RegistryError, match="a/nan"):
-        store.reg.put(bad)
+        store.reg.put(Entry("a/nan", SpecConfig(), metrics={"other": {1, 2}}))  # a set: not JSON
     assert store.reg.list() == []
+
+
+def test_ranked_metrics_must_be_numbers(store):
+    """``registry list`` shows, and ranks entries by, speedup and tokens/s: a word there is refused when stored,
+    and an entry written with one by hand reads as corrupt."""
+    with pytest.raises(RegistryError, match="metrics.speedup must be a finite number, got 'fast'"):
+        Entry("a/fast", SpecConfig(), metrics={"speedup": "fast"})
+    raw = {"schema": 1, "name": "a/fast", "version": 1, "config": {}, "metrics": {"tokens_per_s": True}}
+    with pytest.raises(CorruptEntry, match="metrics.tokens_per_s"):
+        Entry.from_dict(raw)
+    assert Entry("a/ok", SpecConfig(), metrics={"speedup": 2, "tokens_per_s": 90.5, "note": "any JSON"}).metrics["speedup"] == 2
 
 
 # ---- corruption -------------------------------------------------------------
