@@ -41,7 +41,7 @@ from evaluation.bench_run import finish, long_prompts, run_cluster, run_local
 from evaluation.hf_peer import PEER_MODES
 from evaluation.traces import TraceWriter
 from evaluation.workloads import DEFAULT_PROMPTS, Prompt, WorkloadError, load_prompts, select, with_later_turns
-from jobs.common import Parser, add_config_args, config_from_args, fail, input_file, output_dir, parse_ints, run_cli
+from jobs.common import Parser, add_config_args, check_cluster_flags, config_from_args, fail, input_file, output_dir, parse_ints, run_cli
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -142,6 +142,7 @@ def run_bench(args, on_prompt_done: Callable[[int, Prompt], None] | None = None)
         fail(f"--warmup must be >= 0, got {args.warmup}")
     if args.workers is not None and args.workers < 1:
         fail(f"--workers must be >= 1, got {args.workers}")
+    check_cluster_flags(args, {"workers": None})
     output_dir(args.out, "--out")  # before any work: a file or an unwritable place fails here
     peer = parse_peer_modes(args.peer, args.peer_modes)
     if args.readme:

@@ -104,6 +104,24 @@ def distill_data(data: str | None, model: str) -> Path:
     return path
 
 
+def check_cluster_flags(args, defaults: dict) -> None:
+    """Flags that only a run with ``--on-cluster`` reads, given without it: one line naming them (they were ignored
+    without a word); ``defaults``: flag field -> its default.
+
+    >>> import argparse
+    >>> check_cluster_flags(argparse.Namespace(on_cluster=False, workers=None), {"workers": None})
+    >>> check_cluster_flags(argparse.Namespace(on_cluster=False, workers=2), {"workers": None})
+    Traceback (most recent call last):
+    ...
+    jobs.common.UsageError: --workers applies only with --on-cluster
+    """
+    if getattr(args, "on_cluster", False):
+        return
+    given = [f"--{name.replace('_', '-')}" for name, default in defaults.items() if getattr(args, name) != default]
+    if given:
+        fail(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --on-cluster")
+
+
 def output_file(path: str | Path, flag: str) -> Path:
     """Check a file a job rewrites at its end (a README's block), before any work starts: a directory there, or a
     folder that does not exist or cannot be written, fails in one line naming ``flag`` (instead of after the run)."""

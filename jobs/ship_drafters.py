@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from jobs.common import Parser, command, distill_data, fail, finite_float, output_dir
+from jobs.common import Parser, check_cluster_flags, command, distill_data, fail, finite_float, output_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,6 +72,13 @@ def main_with_args(args) -> int:
         fail("--max-minutes must be > 0")
     if args.batch is not None and args.batch < 1:
         fail("--batch must be >= 1")
+    from training.ray_train import STRATEGIES
+
+    if args.strategy not in STRATEGIES:
+        fail(f"--strategy: unknown strategy {args.strategy!r}; choose from {', '.join(STRATEGIES)}")
+    if args.workers is not None and args.workers < 1:
+        fail(f"--workers must be >= 1, got {args.workers}")
+    check_cluster_flags(args, {"workers": None, "strategy": "ddp"})
     data = distill_data(args.data, args.model)
     shipped = output_dir(args.shipped, "--shipped") if args.shipped else ROOT / "decoding" / "drafters" / "shipped" / args.model
     set_threads(args.threads)

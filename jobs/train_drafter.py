@@ -121,8 +121,10 @@ def check_args(args) -> None:
         fail(f"--lr: must be > 0, got {args.lr}")
     if args.data_dtype not in ("float32", "bfloat16"):
         fail(f"--data-dtype: unknown dtype {args.data_dtype!r}; choose from float32, bfloat16")
-    if args.strategy not in ("ddp", "deepspeed"):
-        fail(f"--strategy: unknown strategy {args.strategy!r}; choose from ddp, deepspeed")
+    from training.ray_train import STRATEGIES
+
+    if args.strategy not in STRATEGIES:
+        fail(f"--strategy: unknown strategy {args.strategy!r}; choose from {', '.join(STRATEGIES)}")
     if args.threads is not None and args.threads < 1:
         fail(f"--threads: must be >= 1, got {args.threads}")
     if args.data is not None and not (Path(args.data) / "manifest.json").is_file():

@@ -23,6 +23,8 @@ from pathlib import Path
 from decoding.drafters.storage import Storage
 from decoding.errors import ConfigError
 
+STRATEGIES = ("ddp", "deepspeed")  # how Ray Train runs a drafter's training (scaling checks what the cluster allows)
+
 
 def deepspeed_available() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
@@ -46,8 +48,8 @@ def scaling(resources: dict, workers: int | None, strategy: str) -> tuple[int, b
             raise ConfigError("strategy", "deepspeed (ZeRO) runs on GPUs and this cluster has none; use --strategy ddp")
         if not deepspeed_available():
             raise ConfigError("strategy", "deepspeed is not installed (pip install deepspeed); use --strategy ddp")
-    elif strategy != "ddp":
-        raise ConfigError("strategy", f"unknown strategy {strategy!r}; choose from ddp, deepspeed")
+    elif strategy not in STRATEGIES:
+        raise ConfigError("strategy", f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
     if workers is not None and workers < 1:
         raise ConfigError("workers", f"must be >= 1, got {workers}")
     return (workers or (gpus if gpus else 1)), gpus > 0

@@ -54,6 +54,10 @@ def command_cases(tiny: str, tmp: Path) -> list[list[str]]:
         ["bench-device", "--model", tiny, "--peer-modes", "hf-foo"],
         ["bench-device", "--model", tiny, "--categories", "writing"],
         ["bench", "--methods", "ar", "--model", tiny, "--categories", ","],
+        ["bench", "--methods", "ar", "--model", tiny, "--workers", "2"],
+        ["ship-drafters", "--strategy", "deepspeed"],
+        ["ship-drafters", "--strategy", "zero9"],
+        ["generate", "--model", tiny, "--prompt", "hi", "--set", "=3"],
         [*gen, "--prompt", "hi \udcff\udcfe"],  # bytes that are not UTF-8, as Python hands them over from argv
         [*gen, "--prompt", "hi", "--seed", str(2**70)],
         [*gen, "--prompt", "hi", "--seed", "-1"],
