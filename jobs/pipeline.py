@@ -46,6 +46,10 @@ def main_with_args(args) -> int:
     from jobs import bench, tune
 
     out = output_dir(args.out, "--out")
+    for flag, value in (("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens), ("--num-samples", args.num_samples)):
+        if value < 1:
+            fail(f"{flag} must be >= 1, got {value}")
+    tune.check_publish_name(f"{args.model}/{args.name}/best", args.registry, "--name")  # before the bench, not after the search
     common = ["--model", args.model, "--dtype", args.dtype, "--categories", args.categories, "--limit", str(args.limit)]
     common += ["--max-new-tokens", str(args.max_new_tokens)]
     registry = ["--registry", args.registry] if args.registry else []

@@ -216,14 +216,22 @@ def check_trial_fits(settings, resources: dict) -> None:
             fail(f"{flag}: a trial asks for {wanted:g} {unit} and the cluster has {have:g} in all")
 
 
-def check_publish_name(name: str | None) -> None:
-    if name:
-        from cluster.registry import InvalidName, validate_name
+def check_publish_name(name: str | None, registry: str | None = None, flag: str = "--publish") -> None:
+    """Before the search: the name the winner is published under, and the registry it goes to (a URL of an unknown
+    kind failed only after the trials, their results kept)."""
+    if name is None:
+        return
+    from cluster.registry import InvalidName, RegistryError, open_registry, validate_name
 
+    if name:
         try:
             validate_name(name)
         except InvalidName as e:
-            fail(f"--publish: {e}")
+            fail(f"{flag}: {e}")
+    try:
+        open_registry(registry)
+    except RegistryError as e:
+        fail(f"--registry: {e}")
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -247,7 +255,7 @@ def run(args, callbacks=None) -> tuple[int, dict]:
     exp = settings.experiment_path
     if not args.resume and exp.exists() and any(exp.iterdir()):
         fail(f"{exp} already exists: choose another --name, or --resume it")
-    check_publish_name(args.publish)
+    check_publish_name(args.publish, args.registry)
     space = build_space(settings, model_depth(base))  # fails early (one line) on a bad model
     ray_info = connect(args.address)
     check_trial_fits(settings, ray_info["resources"])
