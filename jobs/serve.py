@@ -273,7 +273,9 @@ def main_with_args(args) -> int:
             fail(f"the application did not start: {first[:300]} (the Serve logs have the details)")
         url = f"http://{host}:{port}"
         print(f"specray serving at {url}/v1  (health {url}/health, metrics {url}/metrics)", flush=True)
-        print(f"registry: {catalog.registry.location}", flush=True)
+        root = getattr(catalog.registry, "root", None)  # a directory registry that no one has written to yet
+        missing = "  (no such directory yet: what is published there is served as it lands)" if root and not root.exists() else ""
+        print(f"registry: {catalog.registry.location}{missing}", flush=True)
         for m in catalog.models():
             extra = f" v{m.version}" if m.version else ""
             speed = f" speedup {m.metrics['speedup']:.2f}" if isinstance(m.metrics.get("speedup"), int | float) else ""
