@@ -132,10 +132,8 @@ def load_workload(args, cfg: SpecConfig | None = None) -> list[Prompt]:
         fail(str(e))
 
 
-def run_bench(args, on_prompt_done: Callable[[int, Prompt], None] | None = None) -> tuple[int, dict]:
-    """Run the benchmark the parsed ``args`` describe; returns (exit code, summary)."""
-    base = config_from_args(args)
-    methods = parse_methods(args.methods)
+def check_counts(args) -> None:
+    """--repeats, --warmup and --workers (the last with --on-cluster only), before any work."""
     if args.repeats < 1:
         fail(f"--repeats must be >= 1, got {args.repeats}")
     if args.warmup < 0:
@@ -143,6 +141,13 @@ def run_bench(args, on_prompt_done: Callable[[int, Prompt], None] | None = None)
     if args.workers is not None and args.workers < 1:
         fail(f"--workers must be >= 1, got {args.workers}")
     check_cluster_flags(args, {"workers": None})
+
+
+def run_bench(args, on_prompt_done: Callable[[int, Prompt], None] | None = None) -> tuple[int, dict]:
+    """Run the benchmark the parsed ``args`` describe; returns (exit code, summary)."""
+    base = config_from_args(args)
+    methods = parse_methods(args.methods)
+    check_counts(args)
     output_dir(args.out, "--out")  # before any work: a file or an unwritable place fails here
     peer = parse_peer_modes(args.peer, args.peer_modes)
     if args.readme:

@@ -55,6 +55,23 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return p
 
 
+def check_knobs(args) -> None:
+    """The training knobs, before any work: scales, limits, and the Ray Train flags (with --on-cluster only)."""
+    from training.ray_train import STRATEGIES
+
+    if args.steps_scale <= 0 or args.lr_scale <= 0 or (args.max_sequences is not None and args.max_sequences < 2):
+        fail("--steps-scale and --lr-scale must be > 0 and --max-sequences >= 2")
+    if args.max_minutes is not None and args.max_minutes <= 0:
+        fail("--max-minutes must be > 0")
+    if args.batch is not None and args.batch < 1:
+        fail("--batch must be >= 1")
+    if args.strategy not in STRATEGIES:
+        fail(f"--strategy: unknown strategy {args.strategy!r}; choose from {', '.join(STRATEGIES)}")
+    if args.workers is not None and args.workers < 1:
+        fail(f"--workers must be >= 1, got {args.workers}")
+    check_cluster_flags(args, {"workers": None, "strategy": "ddp"})
+
+
 def main_with_args(args) -> int:
     import dataclasses
 
@@ -66,19 +83,7 @@ def main_with_args(args) -> int:
     unknown = sorted(set(names) - set(SHIPPED_RECIPES))
     if unknown:
         fail(f"--only: unknown shipped drafter {unknown[0]!r}; choose from {', '.join(SHIPPED_RECIPES)}")
-    if args.steps_scale <= 0 or args.lr_scale <= 0 or (args.max_sequences is not None and args.max_sequences < 2):
-        fail("--steps-scale and --lr-scale must be > 0 and --max-sequences >= 2")
-    if args.max_minutes is not None and args.max_minutes <= 0:
-        fail("--max-minutes must be > 0")
-    if args.batch is not None and args.batch < 1:
-        fail("--batch must be >= 1")
-    from training.ray_train import STRATEGIES
-
-    if args.strategy not in STRATEGIES:
-        fail(f"--strategy: unknown strategy {args.strategy!r}; choose from {', '.join(STRATEGIES)}")
-    if args.workers is not None and args.workers < 1:
-        fail(f"--workers must be >= 1, got {args.workers}")
-    check_cluster_flags(args, {"workers": None, "strategy": "ddp"})
+    check_knobs(args)
     data = distill_data(args.data, args.model)
     shipped = output_dir(args.shipped, "--shipped") if args.shipped else ROOT / "decoding" / "drafters" / "shipped" / args.model
     set_threads(args.threads)
