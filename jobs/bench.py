@@ -41,7 +41,17 @@ from evaluation.bench_run import finish, long_prompts, run_cluster, run_local
 from evaluation.hf_peer import PEER_MODES
 from evaluation.traces import TraceWriter
 from evaluation.workloads import DEFAULT_PROMPTS, Prompt, WorkloadError, load_prompts, select, with_later_turns
-from jobs.common import Parser, add_config_args, check_cluster_flags, config_from_args, fail, input_file, output_dir, parse_ints, run_cli
+from jobs.common import (
+    Parser,
+    add_config_args,
+    check_cluster_flags,
+    check_readme,
+    config_from_args,
+    fail,
+    output_dir,
+    parse_ints,
+    run_cli,
+)
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -151,7 +161,7 @@ def run_bench(args, on_prompt_done: Callable[[int, Prompt], None] | None = None)
     output_dir(args.out, "--out")  # before any work: a file or an unwritable place fails here
     peer = parse_peer_modes(args.peer, args.peer_modes)
     if args.readme:
-        check_readme(Path(args.readme))
+        check_readme(args.readme, "bench-results")
     prompts = load_workload(args, base)
     if not prompts:
         fail("no prompts selected")
@@ -232,17 +242,6 @@ def parse_peer_modes(peer: str | None, modes: str | None) -> list[str] | None:
     if not wanted:
         fail("--peer-modes: no mode given")
     return wanted
-
-
-def check_readme(readme: Path) -> None:
-    """Before any work: the README exists and has the block a finished run rewrites."""
-    input_file(readme, "--readme:")
-    from evaluation.markdown import check_block
-
-    try:
-        check_block(readme, "bench-results")
-    except ValueError as e:
-        fail(f"--readme: {e}")
 
 
 def main_with_args(args) -> int:

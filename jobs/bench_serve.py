@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jobs.common import Parser, fail, finite_float, output_dir, output_file, parse_ints, run_cli
+from jobs.common import Parser, check_readme, fail, finite_float, output_dir, parse_ints, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +64,7 @@ def plan_from_args(args):
         fail("--threads and --max-batch-rows must be >= 1")
     output_dir(args.out, "--out")
     if args.readme:
-        output_file(args.readme, "--readme")
+        check_readme(args.readme, "load-results")  # the block update_readme rewrites at the end
     plan = LoadPlan(
         parse_ints(args.concurrency, "--concurrency", 1),
         args.max_tokens,

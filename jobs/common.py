@@ -122,6 +122,17 @@ def check_cluster_flags(args, defaults: dict) -> None:
         fail(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --on-cluster")
 
 
+def check_readme(readme: str | Path, block: str) -> None:
+    """Before any work: the README ``--readme`` names exists and has the ``<!-- block -->`` a finished run rewrites."""
+    input_file(readme, "--readme:")
+    from evaluation.markdown import check_block
+
+    try:
+        check_block(Path(readme), block)
+    except ValueError as e:
+        fail(f"--readme: {e}")
+
+
 def output_file(path: str | Path, flag: str) -> Path:
     """Check a file a job rewrites at its end (a README's block), before any work starts: a directory there, or a
     folder that does not exist or cannot be written, fails in one line naming ``flag`` (instead of after the run)."""

@@ -51,6 +51,7 @@ def command_cases(tiny: str, tmp: Path) -> list[list[str]]:
         ["tune", "--methods", "ngram", "--model", tiny, "--gpus-per-trial", "-1"],
         ["distill", "--out", str(tmp / "d"), "--max-minutes", "3"],
         ["bench-serve", "--model", tiny, "--slo-ttft-s", "-1"],
+        ["bench-serve", "--model", tiny, "--readme", str(afile)],  # a file without the block the run rewrites
         ["bench-device", "--model", tiny, "--peer-modes", "hf-foo"],
         ["bench-device", "--model", tiny, "--categories", "writing"],
         ["bench", "--methods", "ar", "--model", tiny, "--categories", ","],
