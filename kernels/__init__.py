@@ -46,15 +46,28 @@ def _lazy(module: str, attr: str):
     return call
 
 
+def _cpu_int4_applies() -> bool:
+    from kernels.cpu_int4 import cpu_supported
+
+    return cpu_supported()
+
+
 def install() -> bool:
     """Register the kernels with ``decoding.accel`` so the decoding code uses them where they apply.
 
     Called once per process by the outer layers (the CLI, model workers, Serve replicas, Tune trials);
     decoding/ itself never imports kernels/. Returns whether Triton is available.
     """
+    from decoding import accel
+
+    # the CPU's 4-bit kernel (AVX512-BF16; built on first use): packed linears made from now on run it
+    accel.register("int4_linear", _lazy("kernels.cpu_int4", "prepare"), applies=lambda linear: _cpu_int4_applies())
+    if _cpu_int4_applies():
+        from kernels.cpu_int4 import attend, attend_applies
+
+        accel.register("attend_cpu", attend, applies=attend_applies)
     if not triton_available():
         return False
-    from decoding import accel
 
     accel.register("chunk_scores", _lazy("kernels.chunk_scores", "chunk_scores_triton"), applies=lambda q, k, c: use_kernel(q, k))
     accel.register(

@@ -11,6 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels
+
+# what the CLI, the workers and Serve replicas do first: every test runs the kernels they run, whatever its order
+# (tests/kernels install them too); on CPUs with AVX512-BF16 the bundled model's 4-bit linears and attention run
+# kernels/cpu_int4.py
+kernels.install()
+
 SLOW_FIXTURES = {"smollm2_fp32", "long_prompt_and_ar", "ar_greedy"}
 CLUSTER_FIXTURES = {"local_ray", "workers", "server", "redis_url", "first_run"}
 REDIS_STORE_PARAMS = {"store", "registry"}  # fixtures parametrized file/redis: the redis case starts a redis-server

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from decoding import accel
+
 LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer")
 NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm")
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
@@ -153,6 +155,8 @@ def linear(packed, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor
     if packed is None:
         return F.linear(x, weight)
     if packed.repeat == 1 and x.shape[0] <= packed.max_rows and x.dtype == packed.scale_zero.dtype:
+        if packed.fast is not None and not torch.compiler.is_compiling():
+            return packed.fast(x)
         if packed.kind == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed.packed, packed.group, packed.scale_zero)
         return torch.ops.aten._weight_int8pack_mm(x, packed.packed, packed.scale_zero)
@@ -305,7 +309,7 @@ def attention(q, k, v, scale: float, mask, own: bool, causal: bool, kv_heads: in
     """
     bsz, _, t, hd = q.shape
     if own:
-        return _attend(q, k, v, scale, None if mask is None else ~mask.unsqueeze(1))
+        return accel.dispatch("attend_cpu", _attend_own, q, k, v, scale, mask)
     if k.dtype != q.dtype:  # a float32 cache of 16-bit values (LayerStack.cache_dtype): back to 16 bits, exactly
         k, v = k.to(q.dtype), v.to(q.dtype)
     if t == 1 and mask is not None:  # one masked query: its heads grouped by kv head, as transformers does
@@ -314,6 +318,12 @@ def attention(q, k, v, scale: float, mask, own: bool, causal: bool, kv_heads: in
     if causal and k.shape[2] > t:  # a causal block from slot 0 reads only its own slots
         k, v = k[:, :, :t], v[:, :, :t]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal, enable_gqa=True)
+
+
+def _attend_own(q, k, v, scale: float, mask) -> torch.Tensor:
+    """:func:`_attend` with ``attention``'s mask (``attend_cpu`` in ``decoding.accel``: ``kernels/cpu_int4.py`` where
+    registered, the same arithmetic with each query over its own slots only)."""
+    return _attend(q, k, v, scale, None if mask is None else ~mask.unsqueeze(1))
 
 
 class LayerStack:

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from decoding import accel
 from decoding.errors import ConfigError
 
 # what a load may ask for; decoding.config.QUANTS declares the same names torch-free for SpecConfig (as config.DTYPES
@@ -110,13 +111,19 @@ def _kernel_shape_ok(out_features: int, in_features: int) -> bool:
     return out_features % 16 == 0 and in_features % GROUP == 0
 
 
+def _no_kernel(linear) -> None:
+    return None
+
+
 @dataclass
 class PackedLinear:
     """``x @ W.T`` by a packed weight-only kernel for inputs of up to ``max_rows`` rows, by ``dense`` beyond.
 
     ``kind`` is ``int4`` (``packed`` [N, K'/2] uint8 from torch's int4 packer, ``scale_zero`` [K'/32, N, 2]) or
     ``int8`` (``packed`` [N, K] int8, ``scale_zero`` [N] per-channel scales). ``repeat`` > 1: the kernel's input
-    is ``repeat`` copies of x side by side (the Q8_0 head as a pair of 4-bit halves).
+    is ``repeat`` copies of x side by side (the Q8_0 head as a pair of 4-bit halves). ``fast``: a faster kernel for
+    the same weights where one is registered (``int4_linear`` in ``decoding.accel``: ``kernels/cpu_int4.py``, AVX512-BF16
+    CPUs), chosen once when the linear is made; a forward being compiled runs torch's kernel.
     """
 
     kind: str
@@ -126,6 +133,10 @@ class PackedLinear:
     repeat: int = 1
     max_rows: int = MAX_ROWS
     group: int = GROUP  # the int4 kernel's group size (read by the fast layers, which call the kernels directly)
+    fast: object = field(default=None, init=False, repr=False)  # x [M, K'] -> [M, N], or None (torch's kernel)
+
+    def __post_init__(self):
+        self.fast = accel.dispatch("int4_linear", _no_kernel, self)
 
     @property
     def out_features(self) -> int:
@@ -138,7 +149,9 @@ class PackedLinear:
         flat = x.reshape(rows, x.shape[-1])
         if self.repeat > 1:
             flat = flat.repeat(1, self.repeat)
-        if self.kind == "int4":
+        if self.fast is not None and not torch.compiler.is_compiling():
+            out = self.fast(flat)
+        elif self.kind == "int4":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), self.packed, GROUP, self.scale_zero)
         else:
             out = torch.ops.aten._weight_int8pack_mm(flat.contiguous(), self.packed, self.scale_zero)

@@ -1,0 +1,130 @@
+"""A CPU kernel for the shipped model's 4-bit weights: bfloat16 dot products (AVX512-BF16) over 4-bit groups.
+
+The bundled SmolLM2 runs its decoder layers and LM head as 4-bit groups (``decoding.model.quant``) on torch's int4
+kernel, which widens each weight to float32 and multiplies it by one input row at a time: it is bound by the
+widening at one row and by float32 multiply-adds past it, so a verification of 4 tokens cost 1.6x one token's
+projections on this repository's 2-core host. This kernel widens 4-bit values to bfloat16 with two bit operations
+(``0x4300 | u`` is the bfloat16 value ``128 + u`` exactly), multiplies pairs of them by pairs of inputs in one
+instruction (VDPBF16PS: exact products, float32 sums), and fixes the offset and each group's scale and zero once per
+group (``kernels/cpu_int4.cpp``). Same weights, same float32 accumulation: only the order of the sums differs from
+torch's kernel, and every row runs the same instructions whatever the number of rows.
+
+It needs AVX512-BF16 (AMD Zen 4, Intel Cooper Lake and later) and a C++ compiler; it is built on first use into
+torch's extension cache (about 20 s, once per machine). Elsewhere, or with ``SPECRAY_KERNELS=0``, torch's kernel
+runs. ``kernels.install()`` registers :func:`prepare` with ``decoding.accel`` (as ``int4_linear``): a packed linear
+then runs here (``decoding.model.quant.PackedLinear.fast``) unless a forward is being compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("specray")
+SOURCE = Path(__file__).with_name("cpu_int4.cpp")
+FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]  # OpenMP: at::parallel_for runs on the torch threads
+
+
+def cpu_supported() -> bool:
+    """This CPU has AVX512-BF16 (read from /proc/cpuinfo; Linux on x86-64 only) and kernels are not switched off."""
+    return os.environ.get("SPECRAY_KERNELS", "1") != "0" and _has_avx512_bf16()
+
+
+@functools.cache
+def _has_avx512_bf16() -> bool:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in text.splitlines())
+
+
+@functools.cache
+def extension():
+    """The compiled kernel module, or None (with one warning) where it cannot be built."""
+    if not cpu_supported():
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        log.info("loading the AVX512-BF16 CPU kernels (built once per machine, about 20 s)")
+        return load_inline("specray_cpu_int4", cpp_sources=SOURCE.read_text(), functions=["int4_mm", "attend"], extra_cflags=FLAGS)
+    except Exception as e:  # no compiler, no ninja, an old compiler without AVX512-BF16: torch's kernel runs
+        log.warning("the AVX512-BF16 int4 kernel did not build (%s); torch's int4 kernel runs", str(e).splitlines()[0][:200])
+        return None
+
+
+def repack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
+    """torch's int4 packing ([N, K/2] uint8: for rows 64b .. 64b + 63 and input k, byte j holds row 64b + j in its low
+    nibble and row 64b + 32 + j in its high one) as this kernel's [N/16, K/4, 32] (``cpu_int4.cpp``); None where the
+    rows are not whole blocks of 64 (torch packs those otherwise).
+
+    >>> u = torch.randint(0, 16, (64, 32), dtype=torch.int32)
+    >>> mine = repack(torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1), 64, 32)
+    >>> bool((mine.view(4, 8, 16, 2)[0, 0, :, 0] & 15).eq(u[:16, 0]).all())   # outputs 0..15, input 0
+    True
+    """
+    if n % 64 or k % 32 or packed.numel() != n * k // 2:
+        return None
+    blocks = packed.reshape(n // 64, k, 32)
+    u = torch.stack([blocks & 15, blocks >> 4], dim=2).reshape(n // 64, k, 64).permute(0, 2, 1).reshape(n, k)  # [N, K]
+    quads = u.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3)  # [N/16, K/4, 16, 4]
+    pairs = torch.stack([quads[..., 0] | (quads[..., 2] << 4), quads[..., 1] | (quads[..., 3] << 4)], dim=-1)
+    return pairs.reshape(n // 16, k // 4, 32).contiguous()
+
+
+class Int4Kernel:
+    """``x [M, K'] -> [M, N]`` for one packed linear (its weights repacked once)."""
+
+    __slots__ = ("packed", "scale", "zero", "op")
+
+    def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, op):
+        self.packed, self.op = packed, op
+        self.scale, self.zero = scale_zero[..., 0].contiguous(), scale_zero[..., 1].contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x, self.packed, self.scale, self.zero)
+
+
+def prepare(linear) -> Int4Kernel | None:
+    """This kernel for a ``decoding.model.quant.PackedLinear`` (None where it does not apply: not int4, not bfloat16,
+    not on a CPU, rows not in blocks of 64, or the kernel unavailable)."""
+    if linear.kind != "int4" or linear.scale_zero.dtype != torch.bfloat16 or linear.packed.device.type != "cpu":
+        return None
+    n, k = linear.scale_zero.shape[1], linear.scale_zero.shape[0] * linear.group
+    ext = extension()
+    mine = repack(linear.packed, n, k) if ext is not None else None
+    return None if mine is None else Int4Kernel(mine, linear.scale_zero, ext.int4_mm)
+
+
+_EVERY_SLOT = torch.empty(0, dtype=torch.bool)
+
+
+def attend_applies(q, k, v, scale, mask) -> bool:
+    """The attention kernel takes this call: bfloat16 queries over a float32 cache on a CPU, heads of 16-multiple
+    sizes up to 256, not inside a forward being compiled, and the kernel built."""
+    return (
+        q.dtype == torch.bfloat16
+        and k.dtype == torch.float32
+        and q.device.type == "cpu"
+        and q.shape[-1] % 16 == 0
+        and q.shape[-1] <= 256
+        and not torch.compiler.is_compiling()
+        and extension() is not None
+    )
+
+
+def attend(q, k, v, scale: float, mask) -> torch.Tensor:
+    """``decoding.model.fast_layers._attend_own`` with each query over its own allowed slots only, in ascending order
+    (``cpu_int4.cpp``): q [B, H, T, D] bfloat16 against k/v [B, KV, S, D] float32, ``mask`` None or bool
+    [B|1, 1, T, S] (True: may attend). A query's result depends on nothing but its slots, so a token verified in a
+    chain or a tree gets the bits it gets decoded alone."""
+    allowed = _EVERY_SLOT if mask is None else mask.squeeze(1).contiguous()
+    return extension().attend(q, k, v, float(scale), allowed)
