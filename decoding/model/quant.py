@@ -251,7 +251,10 @@ class QuantWeights:
 
     @property
     def implementation(self) -> str:
-        return f"{self.mode}-{self.source}"
+        """e.g. ``q4-gguf``; ``-fast`` where the linears run a registered kernel (``PackedLinear.fast``): its timings
+        differ from torch's kernel's, so the cost calibrations are kept apart."""
+        fast = any(linear.fast is not None for layer in self.layers for linear in layer.values())
+        return f"{self.mode}-{self.source}" + ("-fast" if fast else "")
 
 
 def resolve_quant(quant: str, gguf_q4: bool, dtype: torch.dtype, device: torch.device) -> str:
