@@ -91,6 +91,61 @@ torch::Tensor int4_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale
   return out;
 }
 
+// ---- 8-bit groups (the Q8_0 LM head): W[n, k] = scale[g, n] * q[n, k], q in -128..127 -------------------------
+// packed [N / 16, K / 2, 32] int8: byte 2i + e of pair p holds q[n0 + i, 2p + e]. Widened to float32 and narrowed to
+// bfloat16 (exact: 8 significant bits), a pair's 32 values are the VDPBF16PS operand of 16 outputs.
+
+namespace {
+
+template <int R>
+void block8(const uint16_t* x, int64_t K, int64_t G, const int8_t* w, const uint16_t* scale, int64_t N, int64_t n0,
+            uint16_t* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_ps();
+    const int8_t* p = w + g * (kGroup / 2) * 32;
+    for (int j = 0; j < kGroup / 2; ++j) {
+      const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + j * 32))));
+      const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + j * 32 + 16))));
+      const __m512bh wv = _mm512_cvtne2ps_pbh(b, a);  // outputs 0..7 from a, 8..15 from b
+      const int64_t k = g * kGroup + 2 * j;
+      for (int r = 0; r < R; ++r)
+        dot[r] = _mm512_dpbf16_ps(dot[r], wv, (__m512bh)_mm512_set1_epi32(*(const int32_t*)(x + r * K + k)));
+    }
+    const __m512 s = widen_bf16(scale + g * N + n0);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(s, dot[r], acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_si256((__m256i*)(out + r * N + n0), (__m256i)_mm512_cvtneps_pbh(acc[r]));
+}
+
+using Block8Fn = void (*)(const uint16_t*, int64_t, int64_t, const int8_t*, const uint16_t*, int64_t, int64_t, uint16_t*);
+constexpr Block8Fn kBlocks8[kRowsMax] = {block8<1>, block8<2>, block8<3>, block8<4>,
+                                         block8<5>, block8<6>, block8<7>, block8<8>};
+
+}  // namespace
+
+torch::Tensor int8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && scale.scalar_type() == at::kBFloat16, "bfloat16");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = scale.size(1), G = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0 && N % kBlockN == 0 && scale.size(0) == G && scale.is_contiguous(), "shapes");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.numel() == N * K, "packed");
+  auto out = torch::empty({M, N}, x.options());
+  const uint16_t* xp = (const uint16_t*)x.data_ptr<at::BFloat16>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const uint16_t* sp = (const uint16_t*)scale.data_ptr<at::BFloat16>();
+  uint16_t* op = (uint16_t*)out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, N / kBlockN, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb)
+      for (int64_t m0 = 0; m0 < M; m0 += kRowsMax)
+        kBlocks8[std::min<int64_t>(kRowsMax, M - m0) - 1](xp + m0 * K, K, G, wp + nb * K * 16, sp, N, nb * kBlockN,
+                                                          op + m0 * N);
+  });
+  return out;
+}
+
 // ---- attention of a few queries per row over a float32 cache (kernels/cpu_int4.py: attend) ----------------------
 
 namespace {

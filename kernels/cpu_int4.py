@@ -55,10 +55,17 @@ def extension():
         from torch.utils.cpp_extension import load_inline
 
         log.info("loading the AVX512-BF16 CPU kernels (built once per machine, about 20 s)")
-        return load_inline("specray_cpu_int4", cpp_sources=SOURCE.read_text(), functions=["int4_mm", "attend"], extra_cflags=FLAGS)
+        functions = ["int4_mm", "int8_mm", "attend"]
+        return load_inline("specray_cpu_int4", cpp_sources=SOURCE.read_text(), functions=functions, extra_cflags=FLAGS)
     except Exception as e:  # no compiler, no ninja, an old compiler without AVX512-BF16: torch's kernel runs
         log.warning("the AVX512-BF16 int4 kernel did not build (%s); torch's int4 kernel runs", str(e).splitlines()[0][:200])
         return None
+
+
+def _unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """torch's int4 packing back to the 4-bit values u [N, K] (rows in whole blocks of 64; see :func:`repack`)."""
+    blocks = packed.reshape(n // 64, k, 32)
+    return torch.stack([blocks & 15, blocks >> 4], dim=2).reshape(n // 64, k, 64).permute(0, 2, 1).reshape(n, k)
 
 
 def repack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
@@ -73,8 +80,7 @@ def repack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
     """
     if n % 64 or k % 32 or packed.numel() != n * k // 2:
         return None
-    blocks = packed.reshape(n // 64, k, 32)
-    u = torch.stack([blocks & 15, blocks >> 4], dim=2).reshape(n // 64, k, 64).permute(0, 2, 1).reshape(n, k)  # [N, K]
+    u = _unpack(packed, n, k)  # [N, K]
     quads = u.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3)  # [N/16, K/4, 16, 4]
     pairs = torch.stack([quads[..., 0] | (quads[..., 2] << 4), quads[..., 1] | (quads[..., 3] << 4)], dim=-1)
     return pairs.reshape(n // 16, k // 4, 32).contiguous()
@@ -93,13 +99,49 @@ class Int4Kernel:
         return self.op(x, self.packed, self.scale, self.zero)
 
 
-def prepare(linear) -> Int4Kernel | None:
+def repack_q8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
+    """The Q8_0 head as ``decoding.model.quant.pack_q8_as_q4`` packs it (two 4-bit halves along the input, ``[hi + 8 |
+    lo]`` over ``2K``) back to its 8-bit values, as this kernel's [N/16, K/2, 32] int8 (``cpu_int4.cpp``).
+
+    >>> import numpy as np
+    >>> from decoding.model.quant import pack_q8_as_q4
+    >>> q = np.random.default_rng(0).integers(-128, 128, (64, 32)).astype(np.int8)
+    >>> head = pack_q8_as_q4(q, np.ones((64, 1), np.float32), torch.zeros(64, 32, dtype=torch.bfloat16))
+    >>> mine = repack_q8(head.packed, 64, 32)
+    >>> bool(mine.view(4, 16, 16, 2)[0, 0, :, 1].eq(torch.from_numpy(q[:16, 1])).all())   # outputs 0..15, input 1
+    True
+    """
+    if n % 64 or k % 32 or packed.numel() != n * k:
+        return None
+    u = _unpack(packed, n, 2 * k).to(torch.int16)
+    q = ((u[:, :k] - 8) * 16 + u[:, k:]).to(torch.int8)  # [N, K]
+    return q.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32).contiguous()
+
+
+class Int8Kernel:
+    """``x [M, K] -> [M, N]`` for the Q8_0 head (un-repeated input: its 8-bit values in one pass, not two halves)."""
+
+    __slots__ = ("packed", "scale", "op")
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, op):
+        self.packed, self.scale, self.op = packed, scale, op
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x, self.packed, self.scale)
+
+
+def prepare(linear) -> Int4Kernel | Int8Kernel | None:
     """This kernel for a ``decoding.model.quant.PackedLinear`` (None where it does not apply: not int4, not bfloat16,
     not on a CPU, rows not in blocks of 64, or the kernel unavailable)."""
     if linear.kind != "int4" or linear.scale_zero.dtype != torch.bfloat16 or linear.packed.device.type != "cpu":
         return None
     n, k = linear.scale_zero.shape[1], linear.scale_zero.shape[0] * linear.group
     ext = extension()
+    if linear.repeat == 2 and ext is not None:  # the Q8_0 head's halves: scales [16 d | d], the second half's are d
+        mine = repack_q8(linear.packed, n, k // 2)
+        return None if mine is None else Int8Kernel(mine, linear.scale_zero[k // 2 // linear.group :, :, 0].contiguous(), ext.int8_mm)
+    if linear.repeat != 1:
+        return None
     mine = repack(linear.packed, n, k) if ext is not None else None
     return None if mine is None else Int4Kernel(mine, linear.scale_zero, ext.int4_mm)
 

@@ -133,7 +133,7 @@ class PackedLinear:
     repeat: int = 1
     max_rows: int = MAX_ROWS
     group: int = GROUP  # the int4 kernel's group size (read by the fast layers, which call the kernels directly)
-    fast: object = field(default=None, init=False, repr=False)  # x [M, K'] -> [M, N], or None (torch's kernel)
+    fast: object = field(default=None, init=False, repr=False)  # x [M, K] -> [M, N] (repeats its own), or None: torch's kernel
 
     def __post_init__(self):
         self.fast = accel.dispatch("int4_linear", _no_kernel, self)
@@ -147,11 +147,11 @@ class PackedLinear:
         if rows > self.max_rows or x.dtype != self.scale_zero.dtype:
             return F.linear(x, self.dense)
         flat = x.reshape(rows, x.shape[-1])
+        if self.fast is not None and not torch.compiler.is_compiling():  # the input as it is (the kernel reads repeats)
+            return self.fast(flat).view(*x.shape[:-1], self.out_features)
         if self.repeat > 1:
             flat = flat.repeat(1, self.repeat)
-        if self.fast is not None and not torch.compiler.is_compiling():
-            out = self.fast(flat)
-        elif self.kind == "int4":
+        if self.kind == "int4":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), self.packed, GROUP, self.scale_zero)
         else:
             out = torch.ops.aten._weight_int8pack_mm(flat.contiguous(), self.packed, self.scale_zero)
