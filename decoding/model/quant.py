@@ -23,7 +23,9 @@ bfloat16: a 3072x576 projection takes 98 us as int4 against 142 us dense at one 
 vs 232 at eight), but a whole forward streams every weight from memory and the dense weights are four times the
 bytes: the bundled model's step over a 300-token cache (2 threads) costs 19-23 ms from one to four tokens on the
 packed path, and 31 / 36 / 46 / 55 ms at 5 / 8 / 12 / 16 tokens, against 47 / 45 / 62 / 60 ms on the dense one.
-Verification blocks of up to 16 tokens therefore stay packed (``MAX_ROWS``); prefill chunks go dense.
+Verification blocks of up to 16 tokens therefore stay packed (``MAX_ROWS``); prefill chunks go dense. Where
+``kernels.install()`` registered a faster kernel for the same weights (``kernels/cpu_int4.py`` on AVX512-BF16 CPUs:
+bfloat16 dot products, the Q8_0 head in one 8-bit pass), a packed linear runs that (``PackedLinear.fast``).
 
 ``quant`` (a ``SpecConfig`` field):
 
