@@ -154,9 +154,10 @@ def linear(packed, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor
     """
     if packed is None:
         return F.linear(x, weight)
+    fast = packed.fast is not None and x.shape[0] <= accel.FAST_MAX_ROWS and x.dtype == packed.scale_zero.dtype
+    if fast and not torch.compiler.is_compiling():
+        return packed.fast(x)
     if packed.repeat == 1 and x.shape[0] <= packed.max_rows and x.dtype == packed.scale_zero.dtype:
-        if packed.fast is not None and not torch.compiler.is_compiling():
-            return packed.fast(x)
         if packed.kind == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed.packed, packed.group, packed.scale_zero)
         return torch.ops.aten._weight_int8pack_mm(x, packed.packed, packed.scale_zero)
@@ -320,6 +321,13 @@ def attention(q, k, v, scale: float, mask, own: bool, causal: bool, kv_heads: in
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal, enable_gqa=True)
 
 
+def attend_own_max() -> int:
+    """Queries per row up to which a 16-bit CPU stack attends by :func:`_attend_own` (wider blocks: SDPA). With the CPU
+    kernel registered (``kernels/cpu_int4.py``) every block of up to ``accel.FAST_MAX_ROWS`` tokens attends query by
+    query, as a decoding token does: a chain's or a token tree's tokens get the bits they get decoded alone."""
+    return accel.FAST_MAX_ROWS if accel.has("attend_cpu") else ATTEND_MAX
+
+
 def _attend_own(q, k, v, scale: float, mask) -> torch.Tensor:
     """:func:`_attend` with ``attention``'s mask (``attend_cpu`` in ``decoding.accel``: ``kernels/cpu_int4.py`` where
     registered, the same arithmetic with each query over its own slots only)."""
@@ -394,7 +402,7 @@ def run_layers(stack: LayerStack, hidden, first: int, last: int, cos_sin, mask, 
     bsz, t, width = hidden.shape
     cos, sin = cos_sin[0].unsqueeze(1), signed_sin(cos_sin[1]).unsqueeze(1)  # [B, 1, T, D]
     causal = mask is None and t > 1
-    own = stack.attend_own and t <= ATTEND_MAX and not causal
+    own = stack.attend_own and not causal and t <= attend_own_max()
     hidden = hidden.reshape(bsz * t, width)  # activations stay 2-D [B*T, hidden]
     for index in range(first, last):
         w = stack.weights[index]

@@ -146,11 +146,11 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [.., K] -> [.., N]
         rows = x.numel() // x.shape[-1]
+        if self.fast is not None and rows <= accel.FAST_MAX_ROWS and x.dtype == self.scale_zero.dtype and not torch.compiler.is_compiling():
+            return self.fast(x.reshape(rows, x.shape[-1])).view(*x.shape[:-1], self.out_features)  # it reads repeats itself
         if rows > self.max_rows or x.dtype != self.scale_zero.dtype:
             return F.linear(x, self.dense)
         flat = x.reshape(rows, x.shape[-1])
-        if self.fast is not None and not torch.compiler.is_compiling():  # the input as it is (the kernel reads repeats)
-            return self.fast(flat).view(*x.shape[:-1], self.out_features)
         if self.repeat > 1:
             flat = flat.repeat(1, self.repeat)
         if self.kind == "int4":

@@ -13,6 +13,7 @@ from decoding.loop.metrics import chi_square_pvalue
 from decoding.model.adapter import ModelAdapter
 from decoding.model.loading import model_fingerprint
 from decoding.trees.shapes import Dynamic, Tree
+from kernels import cpu_int4
 from tests.decoding.loop.test_loop import N_TOKENS, PROMPT, SAMPLING, exact_joint, sample_counts
 
 KNOBS = {
@@ -261,7 +262,8 @@ def test_a_trained_drafter_runs_packed_like_its_packed_target(tmp_path, recipe, 
 
     want = mode if len(packed.module.model.layers) == 1 else "int8"
     assert packed.module.specray_quant.mode == want and getattr(dense.module, "specray_quant", None) is None
-    assert ModelAdapter(packed.module).implementation == f"layers-f32kv-{want}-dense"
+    fast = "-fast" if want == "q4" and cpu_int4.extension() is not None else ""  # 4-bit on the CPU kernel where built
+    assert ModelAdapter(packed.module).implementation == f"layers-f32kv-{want}-dense{fast}"
     assert isinstance(packed.module.lm_head.packed, PackedLinear) and dense.module.lm_head.packed is None
     if isinstance(packed.module, EagleNet):
         assert set(packed.module.packed) == {"fc_features", "fc_in"}

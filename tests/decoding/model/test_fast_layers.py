@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_llama
 
 from decoding.model.adapter import ModelAdapter
-from decoding.model.fast_layers import ATTEND_MAX, LayerStack, _attend, supported
+from decoding.model.fast_layers import ATTEND_MAX, LayerStack, _attend, attend_own_max, supported
 from decoding.trees.shapes import Tree
 
 
@@ -63,13 +63,14 @@ def test_ragged_rows_match_the_modules(tiny_model):
 
 
 def test_bfloat16_prefill_and_wide_blocks_are_bit_identical_to_the_modules(tiny_model):
-    """A causal prefill from slot 0 and blocks wider than ATTEND_MAX run SDPA as the modules do: the same bits."""
+    """A causal prefill from slot 0 and blocks wider than attend_own_max() run SDPA as the modules do: the same bits."""
     model = copy.deepcopy(tiny_model).to(torch.bfloat16)
     fast, modules = pair(model)
     g = torch.Generator().manual_seed(3)
     blocks = [dict(start=0, input_ids=torch.randint(fast.vocab_size, (1, 9), generator=g))]
-    blocks.append(dict(start=9, input_ids=torch.randint(fast.vocab_size, (1, ATTEND_MAX + 3), generator=g)))  # a chunk after a prefix
-    out, _ = run_both(fast, modules, blocks, max_len=64)
+    wide = attend_own_max() + 3  # a chunk after a prefix
+    blocks.append(dict(start=9, input_ids=torch.randint(fast.vocab_size, (1, wide), generator=g)))
+    out, _ = run_both(fast, modules, blocks, max_len=16 + wide)
     assert all(torch.equal(a, b) for a, b in out)  # fused projections give the very same products
     # the projections are views of the fused matrices: no weight is stored twice
     layer = model.model.layers[0]
