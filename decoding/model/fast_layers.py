@@ -154,8 +154,7 @@ def linear(packed, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor
     """
     if packed is None:
         return F.linear(x, weight)
-    fast = packed.fast is not None and x.shape[0] <= accel.FAST_MAX_ROWS and x.dtype == packed.scale_zero.dtype
-    if fast and not torch.compiler.is_compiling():
+    if packed.runs_fast(x, x.shape[0]):
         return packed.fast(x)
     if packed.repeat == 1 and x.shape[0] <= packed.max_rows and x.dtype == packed.scale_zero.dtype:
         if packed.kind == "int4":

@@ -144,9 +144,15 @@ class PackedLinear:
     def out_features(self) -> int:
         return self.dense.shape[0]
 
+    def runs_fast(self, x: torch.Tensor, rows: int) -> bool:
+        """Whether ``rows`` rows of ``x`` go to :attr:`fast`: up to ``accel.FAST_MAX_ROWS`` rows in the kernel's dtype,
+        outside a forward being compiled (which calls torch's kernels)."""
+        fits = self.fast is not None and rows <= accel.FAST_MAX_ROWS and x.dtype == self.scale_zero.dtype
+        return fits and not torch.compiler.is_compiling()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [.., K] -> [.., N]
         rows = x.numel() // x.shape[-1]
-        if self.fast is not None and rows <= accel.FAST_MAX_ROWS and x.dtype == self.scale_zero.dtype and not torch.compiler.is_compiling():
+        if self.runs_fast(x, rows):
             return self.fast(x.reshape(rows, x.shape[-1])).view(*x.shape[:-1], self.out_features)  # it reads repeats itself
         if rows > self.max_rows or x.dtype != self.scale_zero.dtype:
             return F.linear(x, self.dense)
