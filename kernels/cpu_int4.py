@@ -96,17 +96,17 @@ def repack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
     return pairs.reshape(n // 16, k // 4, 32).contiguous()
 
 
-class Int4Kernel:
-    """``x [M, K'] -> [M, N]`` for one packed linear (its weights repacked once)."""
+class PackedKernel:
+    """``x [M, K] -> [M, N]`` for one packed linear: a kernel of the extension and the weights it was repacked into once
+    (``int4_mm``: 4-bit values, scales, zeros; ``int8_mm``: the Q8_0 head's 8-bit values, scales)."""
 
-    __slots__ = ("packed", "scale", "zero", "op")
+    __slots__ = ("op", "weights")
 
-    def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, op):
-        self.packed, self.op = packed, op
-        self.scale, self.zero = scale_zero[..., 0].contiguous(), scale_zero[..., 1].contiguous()
+    def __init__(self, op, *weights: torch.Tensor):
+        self.op, self.weights = op, weights
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.op(x, self.packed, self.scale, self.zero)
+        return self.op(x, *self.weights)
 
 
 def repack_q8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
@@ -128,19 +128,7 @@ def repack_q8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
     return q.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32).contiguous()
 
 
-class Int8Kernel:
-    """``x [M, K] -> [M, N]`` for the Q8_0 head (un-repeated input: its 8-bit values in one pass, not two halves)."""
-
-    __slots__ = ("packed", "scale", "op")
-
-    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, op):
-        self.packed, self.scale, self.op = packed, scale, op
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.op(x, self.packed, self.scale)
-
-
-def prepare(linear) -> Int4Kernel | Int8Kernel | None:
+def prepare(linear) -> PackedKernel | None:
     """This kernel for a ``decoding.model.quant.PackedLinear`` (None where it does not apply: not int4, not bfloat16,
     not on a CPU, rows not in blocks of 64, or the kernel unavailable)."""
     if linear.kind != "int4" or linear.scale_zero.dtype != torch.bfloat16 or linear.packed.device.type != "cpu":
@@ -149,11 +137,13 @@ def prepare(linear) -> Int4Kernel | Int8Kernel | None:
     ext = extension()
     if linear.repeat == 2 and ext is not None:  # the Q8_0 head's halves: scales [16 d | d], the second half's are d
         mine = repack_q8(linear.packed, n, k // 2)
-        return None if mine is None else Int8Kernel(mine, linear.scale_zero[k // 2 // linear.group :, :, 0].contiguous(), ext.int8_mm)
+        return None if mine is None else PackedKernel(ext.int8_mm, mine, linear.scale_zero[k // 2 // linear.group :, :, 0].contiguous())
     if linear.repeat != 1:
         return None
     mine = repack(linear.packed, n, k) if ext is not None else None
-    return None if mine is None else Int4Kernel(mine, linear.scale_zero, ext.int4_mm)
+    if mine is None:
+        return None
+    return PackedKernel(ext.int4_mm, mine, linear.scale_zero[..., 0].contiguous(), linear.scale_zero[..., 1].contiguous())
 
 
 _EVERY_SLOT = torch.empty(0, dtype=torch.bool)

@@ -24,7 +24,7 @@ def _linear(n: int, k: int, seed: int = 0):
 def test_registered_and_chosen_for_packed_linears():
     assert "int4_linear" in accel.registered() and "attend_cpu" in accel.registered()  # tests/conftest.py installed
     linear = _linear(128, 64)
-    assert isinstance(linear.fast, cpu_int4.Int4Kernel)
+    assert isinstance(linear.fast, cpu_int4.PackedKernel) and linear.fast.op is cpu_int4.extension().int4_mm
     assert pack_dense(torch.randn(128, 64).float(), "q4").fast is None  # float32 weights: torch's kernel
 
 
@@ -59,7 +59,7 @@ def test_q8_head_as_halves_runs_the_kernel():
     d = (torch.rand(256, 2) * 0.01).half().float().numpy()
     dense = torch.from_numpy(q.astype("float32").reshape(256, 2, 32) * d[..., None]).reshape(256, 64).bfloat16()
     head = pack_q8_as_q4(q, d, dense)
-    assert head.fast is not None and head.repeat == 2
+    assert head.fast.op is cpu_int4.extension().int8_mm and head.repeat == 2  # its 8-bit values in one pass
     x = torch.randn(3, 64).bfloat16()
     ref = x.double() @ reference_weight(head).double().T
     assert (head(x).double() - ref).abs().max() <= 8e-3 * ref.abs().max()
