@@ -15,7 +15,8 @@ STATIC = "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]"
 METHODS = {
     "ngram": dict(method="ngram", k=4, adaptive_k=False),
     "suffix": dict(method="suffix"),  # its token trees, k=auto
-    "eagle": dict(method="eagle"),
+    "eagle": dict(method="eagle", k=3, adaptive_k=False),
+    "eagle-auto": dict(method="eagle"),  # k=auto: how far it drafts depends on this machine's timings
     "eagle-tree": dict(method="eagle", tree="dyspec", tree_budget=12, k=4, adaptive_k=False),
     "sps-static-tree": dict(method="sps", draft_layers=8, tree="static", tree_paths=STATIC, adaptive_k=False),
     "hybrid": dict(method="hybrid"),
@@ -55,9 +56,10 @@ def test_bfloat16_method_is_token_identical_to_ar(name, ar_outputs):
         ref = ar_outputs[q["question_id"]]
         assert out.token_ids == ref, f"{name} diverged from AR in bfloat16 on {q['question_id']}: {_divergence(out, ref)}"
         forwards, tokens = forwards + out.stats.target_forwards, tokens + out.stats.new_tokens
-    assert tokens / forwards > 1.05, (
-        f"{name}: too little accepted ({tokens / forwards:.2f} tokens a forward) for the identity to prove much"
-    )
+    if METHODS[name].get("adaptive_k") is False:  # k=auto may rightly draft little on a loaded machine
+        assert tokens / forwards > 1.05, (
+            f"{name}: too little accepted ({tokens / forwards:.2f} tokens a forward) for the identity to prove much"
+        )
 
 
 @pytest.mark.parametrize("method", ["ar", "ngram", "suffix"])
