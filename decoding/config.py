@@ -118,7 +118,11 @@ recycling / suffix / hybrid (decoding/drafters/recycling.py, suffix.py, hybrid.p
     ``suffix_factor``: draft nodes per matched token; ``suffix_min_prob``:
     the least path probability a suffix draft keeps; ``suffix_depth``: the
     suffix tries' depth (longest substring counted); ``suffix_cache_tokens``:
-    tokens of earlier outputs the global suffix cache keeps.
+    tokens of earlier outputs the global suffix cache keeps;
+    ``suffix_corpus``: the model's own answers written ahead of time
+    (``specray distill``'s folder) searched as a third source
+    (decoding/drafters/suffix_corpus.py): ``auto`` (this checkout's
+    ``data/distill/<model>`` when there is one), ``none``, or a folder.
     ``draft_memory``: ``warm`` (the adjacency matrix and suffix cache live
     with the decoder across requests) or ``cold`` (reset every request, for
     fair per-prompt benchmarks). ``tree_fit``: ``measured`` (tree size by
@@ -244,6 +248,7 @@ class SpecConfig:
     suffix_min_prob: float = 0.1
     suffix_depth: int = 24
     suffix_cache_tokens: int = 16384
+    suffix_corpus: str = "auto"
     draft_memory: str = "warm"
     # the stop head (decoding/drafters/stop_head.py): stop a chain once the predicted probability that one of its drafts
     # is rejected passes stop_threshold (0 = off); stop_head: an artifact (default: the one shipped for the drafter)

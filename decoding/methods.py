@@ -84,7 +84,7 @@ OPTION_GROUPS: dict[str, tuple[str, ...]] = {
         "triforce_schedule",
     ),
     "recycling": ("recycle_width",),
-    "suffix": ("suffix_factor", "suffix_min_prob", "suffix_depth", "suffix_cache_tokens"),
+    "suffix": ("suffix_factor", "suffix_min_prob", "suffix_depth", "suffix_cache_tokens", "suffix_corpus"),
     "memory": ("draft_memory",),
     "stop": ("stop_threshold", "stop_head"),  # SpecDec++'s acceptance-prediction stop (decoding/drafters/stop_head.py)
     "swift": ("swift_skip", "swift_trials"),

@@ -11,6 +11,7 @@ from decoding.drafters.hybrid import HybridDrafter
 from decoding.drafters.ngram import NgramDrafter
 from decoding.drafters.recycling import RecyclingDrafter
 from decoding.drafters.suffix import SuffixDrafter
+from decoding.drafters.suffix_corpus import corpus_folder, load_corpus
 from decoding.errors import ConfigError
 from decoding.model.adapter import ModelAdapter
 from decoding.trees.hardware import chooser_for
@@ -41,6 +42,7 @@ def build_model_free(cfg: SpecConfig, target, memory=None) -> Drafter:
         memory=recycling.memory,
         cold=cold,
         chooser=chooser,
+        corpus=_corpus(cfg),
     )
     if cfg.method == "suffix":
         return suffix
@@ -52,6 +54,13 @@ def build_model_free(cfg: SpecConfig, target, memory=None) -> Drafter:
         head = eagle_drafter(cfg.replace(tree="dyspec"), target)
         head.chooser = None  # the hybrid sizes the merged tree
     return HybridDrafter(recycling, suffix, NgramDrafter(cfg.ngram_max, cfg.ngram_min), cfg.tree_budget, chooser, head)
+
+
+def _corpus(cfg: SpecConfig):
+    folder = corpus_folder(cfg.suffix_corpus, cfg.model)
+    if folder is None and cfg.suffix_corpus not in ("auto", "none"):
+        raise ConfigError("suffix_corpus", f"no self-distillation shards (phase-*/shard-*.parquet) under {cfg.suffix_corpus}")
+    return None if folder is None else load_corpus(folder)
 
 
 @builds("recycling", "suffix", "hybrid")

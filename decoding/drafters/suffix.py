@@ -271,10 +271,12 @@ class SuffixDrafter(Drafter):
         memory=None,
         cold: bool = False,
         chooser=None,
+        corpus=None,
     ):
         from decoding.drafters.draft_memory import DraftMemory
 
         self.chooser = chooser  # hardware.TreeChooser: verify the prefix of the draft that pays best on this host
+        self.corpus = corpus  # suffix_corpus.CorpusIndex: the model's answers written ahead of time, or None
 
         self.budget, self.factor, self.min_prob = budget, factor, min_prob
         self.depth, self.max_match, self.cache_tokens, self.cold = depth, min(max_match, depth - 1), cache_tokens, cold
@@ -311,7 +313,8 @@ class SuffixDrafter(Drafter):
         self._fed += len(seq)
 
     def draft(self, context: list[int], k: int, budget: int | None = None) -> tuple[list[int], list[int], list[float], int]:
-        """(tokens, parents, path probabilities, match length) of the better of the local and global trees."""
+        """(tokens, parents, path probabilities, match length) of the best of the local and global trees and the
+        corpus's (the larger expected accepted length wins)."""
         cap = self.max_nodes(k) if budget is None else budget
         best = ([], [], [], 0)
         if k <= 0 or cap <= 0:
@@ -325,6 +328,10 @@ class SuffixDrafter(Drafter):
             toks, pars, probs = best_first(node, min(k, self.depth - node.depth), n, self.min_prob)
             if sum(probs) > sum(best[2]):
                 best = (toks, pars, probs, m)
+        if self.corpus is not None:
+            found = self.corpus.tree(context, min(k, self.depth), cap, self.max_match, self.min_prob, self.factor)
+            if sum(found[2]) > sum(best[2]):
+                best = found
         return best
 
     def propose(self, state: DecodeState, k: int) -> Proposal:

@@ -1,0 +1,207 @@
+"""A static corpus for suffix decoding: the model's own earlier answers (its self-distillation data), searched with a
+suffix array, so a request's draft can continue text the model wrote for other prompts before this process started.
+
+SuffixDecoding's global tree holds the outputs of earlier requests; a process that just started has none. The
+bundled model's self-distillation data (``data/distill/<model>``, about 2.3M answer tokens in its train split) is
+such a history, written ahead of time. A trie over it would take gigabytes of nodes; a suffix array over the
+concatenated answers takes two int32 arrays (about 19 MB) and answers the same two questions:
+
+* the longest suffix of the context (up to ``max_match`` tokens) that occurs in the corpus with a continuation:
+  the suffixes starting with a pattern are one contiguous range of the array, found by binary search;
+* the tree of its most probable continuations: within that range the suffixes are sorted by the tokens after the
+  pattern too, so every child of a tree node is a contiguous sub-range and its count is the sub-range's length.
+
+>>> idx = CorpusIndex.from_texts([[1, 2, 3, 4], [1, 2, 3, 5], [7, 1, 2, 9]])
+>>> idx.longest_match([8, 8, 1, 2], max_match=4)      # "1 2" occurs three times, "8 1 2" never
+(2, 3)
+>>> toks, parents, probs, m = idx.tree([8, 8, 1, 2], depth=2, budget=3, max_match=4, min_prob=0.1, factor=1.5)
+>>> toks, parents, [round(p, 2) for p in probs], m    # 3 in two of three, then 9; under 3, 4 and 5 (one each)
+([3, 9, 4], [0, 0, 1], [0.67, 0.33, 0.33], 2)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import math
+import os
+from bisect import bisect_left, bisect_right
+from pathlib import Path
+
+import numpy as np
+
+from decoding.paths import PROJECT, specray_home
+
+END = -1  # between two texts: no match or continuation spans it
+SAMPLE = 2048  # a tree node over more suffixes than this counts its children on an even sample of them
+
+
+def suffix_array(text: np.ndarray, depth: int = 64) -> np.ndarray:
+    """The start positions of ``text``'s suffixes in sorted order, by prefix doubling (numpy sorts, O(n log n)).
+    Suffixes that agree on their first ``depth`` tokens keep text order: no lookup compares further."""
+    n = len(text)
+    rank = np.unique(text, return_inverse=True)[1].astype(np.int64)
+    sa, k = np.argsort(rank, kind="stable"), 1
+    while k < depth:
+        second = np.full(n, -1, np.int64)
+        second[: n - k] = rank[k:]
+        sa = np.lexsort((second, rank))
+        key_a, key_b = rank[sa], second[sa]
+        new = np.empty(n, np.int64)
+        new[sa] = np.concatenate([[0], np.cumsum((key_a[1:] != key_a[:-1]) | (key_b[1:] != key_b[:-1]))])
+        rank, k = new, 2 * k
+        if rank[sa[-1]] == n - 1:  # every suffix ranked apart
+            break
+    return sa.astype(np.int32)
+
+
+class CorpusIndex:
+    """``text`` (int32 token ids, texts separated by ``END``, padded with ``END``) and its suffix array."""
+
+    def __init__(self, text: np.ndarray, sa: np.ndarray, pad: int = 64):
+        self.text, self.sa, self.pad = text, sa, pad
+        self._text_list = None
+
+    @classmethod
+    def from_texts(cls, texts, pad: int = 64) -> CorpusIndex:
+        parts = []
+        for t in texts:
+            parts += [np.asarray(t, np.int32), np.array([END], np.int32)]
+        body = np.concatenate(parts) if parts else np.array([END], np.int32)
+        sa = suffix_array(body)
+        return cls(np.concatenate([body, np.full(pad, END, np.int32)]), sa, pad)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.sa)
+
+    def _range(self, pattern: list[int]) -> tuple[int, int]:
+        """The suffix-array range of the suffixes that start with ``pattern``."""
+        text, sa, m = self.text, self.sa, len(pattern)
+
+        def key(i):
+            return text[sa[i] : sa[i] + m].tolist()
+
+        lo = bisect_left(range(len(sa)), pattern, key=key)
+        return lo, bisect_right(range(lo, len(sa)), pattern, key=key) + lo
+
+    def _continued(self, lo: int, hi: int, m: int) -> bool:
+        """Whether a suffix in the range has a token (not ``END``) after its first ``m``."""
+        step = max(1, (hi - lo) // SAMPLE)
+        return bool((self.text[self.sa[lo:hi:step] + m] != END).any())
+
+    def longest_match(self, context: list[int], max_match: int) -> tuple[int, int]:
+        """(m, occurrences): the longest suffix of ``context`` (at most ``max_match`` tokens) that occurs with a
+        continuation, and how often; (0, 0) when not even its last token does."""
+        m, lo, hi = self._longest(context, max_match)
+        return m, hi - lo
+
+    def _longest(self, context: list[int], max_match: int) -> tuple[int, int, int]:
+        """(m, lo, hi): the longest match and its range. A binary search over m: a suffix that occurs has every
+        shorter one occur too."""
+        best, lo_m, hi_m = (0, 0, 0), 1, min(max_match, len(context), self.pad - 1)
+        while lo_m <= hi_m:
+            m = (lo_m + hi_m) // 2
+            lo, hi = self._range(context[-m:])
+            if lo < hi and self._continued(lo, hi, m):
+                best, lo_m = (m, lo, hi), m + 1
+            else:
+                hi_m = m - 1
+        return best
+
+    def _children(self, lo: int, hi: int, at: int) -> list[tuple[int, int]]:
+        """(token, count) of the continuations at offset ``at`` of the suffixes in [lo, hi) (sorted there by it),
+        counted on an even sample of the range when it is large."""
+        keys = self.text[self.sa[lo : hi : max(1, (hi - lo) // SAMPLE)] + at]
+        keys = keys[keys != END]
+        if not len(keys):
+            return []
+        cuts = np.concatenate([[0], np.flatnonzero(keys[1:] != keys[:-1]) + 1, [len(keys)]])
+        return list(zip(keys[cuts[:-1]].tolist(), np.diff(cuts).tolist(), strict=True))
+
+    def _bounds(self, lo: int, hi: int, at: int, tok: int) -> tuple[int, int]:
+        """The sub-range of [lo, hi) whose token at offset ``at`` is ``tok``."""
+        text, sa = self.text, self.sa
+
+        def key(i):
+            return int(text[sa[i] + at])
+
+        a = bisect_left(range(lo, hi), tok, key=key) + lo
+        return a, bisect_right(range(a, hi), tok, key=key) + a
+
+    def tree(self, context: list[int], depth: int, budget: int, max_match: int, min_prob: float, factor: float = 1.0):
+        """(tokens, parents, path probabilities, match length) of the ``min(budget, ceil(factor * m))`` most probable
+        continuations (depth <= ``depth``) of the context's longest match, best first; parents index [root, nodes...]
+        (0 = the pending token), as ``suffix.best_first``."""
+        m, lo, hi = self._longest(context, max_match)
+        if m == 0:
+            return [], [], [], 0
+        n = min(budget, max(1, math.ceil(factor * m)))
+        tokens, parents, probs, heap, tie = [], [], [], [], itertools.count()
+
+        def offer(lo, hi, index, p, d):
+            kids = self._children(lo, hi, m + d) if d < depth else []
+            total = sum(c for _, c in kids)
+            for tok, c in kids:
+                if p * c / total >= min_prob:
+                    heapq.heappush(heap, (-p * c / total, next(tie), tok, *self._bounds(lo, hi, m + d, tok), index, d + 1))
+
+        offer(lo, hi, 0, 1.0, 0)
+        while heap and len(tokens) < n:
+            neg, _, tok, a, b, parent, d = heapq.heappop(heap)
+            tokens.append(tok)
+            parents.append(parent)
+            probs.append(-neg)
+            offer(a, b, len(tokens), -neg, d)
+        return tokens, parents, probs, m
+
+
+def fingerprint(files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+    return h.hexdigest()[:16]
+
+
+_LOADED: dict[str, CorpusIndex] = {}  # by fingerprint: the decoders of one process share an index
+
+
+def corpus_folder(source: str, model: str) -> Path | None:
+    """The self-distillation folder ``source`` names: ``none`` -> None; ``auto`` -> this checkout's
+    ``data/distill/<model>`` when there is one (the bundled model's is), else None; else the folder given."""
+    if source == "none":
+        return None
+    folder = PROJECT / "data" / "distill" / model if source == "auto" else Path(source).expanduser()
+    return folder if any(folder.glob("phase-*/shard-*.parquet")) else None
+
+
+def load_corpus(folder: Path) -> CorpusIndex:
+    """The index over the train-split answers of ``folder``'s shards (``specray distill``'s layout), built once and
+    kept under ``$SPECRAY_HOME/cache/suffix-corpus`` (building it takes a few seconds; loading it, milliseconds)."""
+    files = sorted(folder.glob("phase-*/shard-*.parquet"))
+    key = fingerprint(files)
+    if key in _LOADED:
+        return _LOADED[key]
+    cached = specray_home() / "cache" / "suffix-corpus" / f"{key}.npz"
+    try:
+        with np.load(cached) as z:
+            index = CorpusIndex(z["text"], z["sa"])
+    except (OSError, KeyError, ValueError):
+        index = CorpusIndex.from_texts(_answers(files))
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp.npz")
+        np.savez(tmp, text=index.text, sa=index.sa)
+        os.replace(tmp, cached)
+    return _LOADED.setdefault(key, index)
+
+
+def _answers(files: list[Path]):
+    import pyarrow.parquet as pq
+
+    for f in files:
+        rows = pq.read_table(f, columns=["split", "answer_ids"]).to_pydict()
+        for split, ids in zip(rows["split"], rows["answer_ids"], strict=True):
+            if split != "heldout" and ids:  # held-out answers stay out: they measure the drafters
+                yield ids
