@@ -283,6 +283,7 @@ class SuffixDrafter(Drafter):
         self.memory = memory if memory is not None else DraftMemory()
         self.local: SuffixTrie | None = None
         self._fed = 0  # tokens of the request fed into the local trie
+        self._corpus_hint = (0, -1)
         self._prompt_len = 0
         self._last: DecodeState | None = None  # the running request (its output goes to the global cache at the next start)
 
@@ -302,6 +303,7 @@ class SuffixDrafter(Drafter):
         if self.cold:
             self.cache.reset()
         self.local = SuffixTrie(self.depth)
+        self._corpus_hint = (0, -1)  # (the corpus match's length, tokens fed then): none yet
         self._prompt_len = state.tokens.shape[1] - 1  # the first generated token is already committed
         self._fed = 0
         self.catch_up(state)
@@ -329,7 +331,11 @@ class SuffixDrafter(Drafter):
             if sum(probs) > sum(best[2]):
                 best = (toks, pars, probs, m)
         if self.corpus is not None:
-            found = self.corpus.tree(context, min(k, self.depth), cap, self.max_match, self.min_prob, self.factor)
+            # a match now is at most the last one plus the tokens fed since: searching no longer saves half the lookups
+            m_prev, fed_prev = self._corpus_hint
+            bound = min(self.max_match, m_prev + self._fed - fed_prev) if 0 <= fed_prev <= self._fed else self.max_match
+            found = self.corpus.tree(context, min(k, self.depth), cap, bound, self.min_prob, self.factor)
+            self._corpus_hint = (found[3], self._fed)
             if sum(found[2]) > sum(best[2]):
                 best = found
         return best
