@@ -24,6 +24,7 @@ tree has the larger expected accepted length (the sum of its nodes' path probabi
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from array import array
 from collections import deque
@@ -192,29 +193,25 @@ class Node:
         return {tok: Node(self.trie, child) for tok, child in self.trie.children(self.id)}
 
 
-def best_first(node: Node, depth: int, budget: int, min_prob: float) -> tuple[list[int], list[int], list[float]]:
-    """The ``budget`` most probable continuations under ``node`` (depth <= ``depth``), as a tree.
+def grow(kids, root, depth: int, budget: int, min_prob: float) -> tuple[list[int], list[int], list[float]]:
+    """The ``budget`` most probable continuations under ``root`` (depth <= ``depth``, none under ``min_prob``), best
+    first, as a tree: ``kids(node)`` lists a node's children as (token, count, child), and a child's probability is
+    its count over its siblings' times its parent's. A trie's nodes (:func:`best_first`) or a suffix array's ranges
+    (``suffix_corpus.CorpusIndex``).
 
     Returns (tokens, parents, probs); parents index [root, nodes...] (0 = the pending token).
     """
-    trie = node.trie
-    tokens, parents, probs = [], [], []
-    heap: list = []
-    tie = 0
+    tokens, parents, probs, heap, tie = [], [], [], [], itertools.count()
 
-    def offer(n: int, index: int, p: float, d: int):
-        nonlocal tie
-        kids = list(trie.children(n)) if d < depth else []
-        if not kids:
-            return
-        total = sum(trie.count[c] for _, c in kids)
-        for tok, child in kids:
-            q = p * trie.count[child] / total
+    def offer(node, index: int, p: float, d: int):
+        children = kids(node) if d < depth else []
+        total = sum(c for _, c, _ in children)
+        for tok, c, child in children:
+            q = p * c / total
             if q >= min_prob:
-                tie += 1
-                heapq.heappush(heap, (-q, tie, tok, child, index, d + 1))
+                heapq.heappush(heap, (-q, next(tie), tok, child, index, d + 1))
 
-    offer(node.id, 0, 1.0, 0)
+    offer(root, 0, 1.0, 0)
     while heap and len(tokens) < budget:
         neg, _, tok, child, parent, d = heapq.heappop(heap)
         tokens.append(tok)
@@ -222,6 +219,12 @@ def best_first(node: Node, depth: int, budget: int, min_prob: float) -> tuple[li
         probs.append(-neg)
         offer(child, len(tokens), -neg, d)
     return tokens, parents, probs
+
+
+def best_first(node: Node, depth: int, budget: int, min_prob: float) -> tuple[list[int], list[int], list[float]]:
+    """:func:`grow` over a trie from ``node``."""
+    trie = node.trie
+    return grow(lambda n: [(tok, trie.count[c], c) for tok, c in trie.children(n)], node.id, depth, budget, min_prob)
 
 
 class SuffixCache:
@@ -331,7 +334,7 @@ class SuffixDrafter(Drafter):
             if sum(probs) > sum(best[2]):
                 best = (toks, pars, probs, m)
         if self.corpus is not None:
-            # a match now is at most the last one plus the tokens fed since: searching no longer saves half the lookups
+            # a match now is at most the last one plus the tokens fed since: a shorter search, the same match
             m_prev, fed_prev = self._corpus_hint
             bound = min(self.max_match, m_prev + self._fed - fed_prev) if 0 <= fed_prev <= self._fed else self.max_match
             found = self.corpus.tree(context, min(k, self.depth), cap, bound, self.min_prob, self.factor)

@@ -22,8 +22,6 @@ concatenated answers takes two int32 arrays (about 19 MB) and answers the same t
 from __future__ import annotations
 
 import hashlib
-import heapq
-import itertools
 import math
 import os
 from bisect import bisect_left, bisect_right
@@ -31,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from decoding.drafters.suffix import grow
 from decoding.paths import PROJECT, specray_home
 
 END = -1  # between two texts: no match or continuation spans it
@@ -61,7 +60,6 @@ class CorpusIndex:
 
     def __init__(self, text: np.ndarray, sa: np.ndarray, pad: int = 64):
         self.text, self.sa, self.pad = text, sa, pad
-        self._text_list = None
 
     @classmethod
     def from_texts(cls, texts, pad: int = 64) -> CorpusIndex:
@@ -132,29 +130,21 @@ class CorpusIndex:
 
     def tree(self, context: list[int], depth: int, budget: int, max_match: int, min_prob: float, factor: float = 1.0):
         """(tokens, parents, path probabilities, match length) of the ``min(budget, ceil(factor * m))`` most probable
-        continuations (depth <= ``depth``) of the context's longest match, best first; parents index [root, nodes...]
-        (0 = the pending token), as ``suffix.best_first``."""
+        continuations (depth <= ``depth``) of the context's longest match, best first (``suffix.grow``); parents
+        index [root, nodes...] (0 = the pending token). A node is (its parent's range, the offset of its token, its
+        token): its own range is found when it is expanded."""
         m, lo, hi = self._longest(context, max_match)
         if m == 0:
             return [], [], [], 0
-        n = min(budget, max(1, math.ceil(factor * m)))
-        tokens, parents, probs, heap, tie = [], [], [], [], itertools.count()
 
-        def offer(lo, hi, index, p, d):
-            kids = self._children(lo, hi, m + d) if d < depth else []
-            total = sum(c for _, c in kids)
-            for tok, c in kids:
-                if p * c / total >= min_prob:
-                    heapq.heappush(heap, (-p * c / total, next(tie), tok, *self._bounds(lo, hi, m + d, tok), index, d + 1))
+        def kids(node):
+            lo, hi, at, tok = node
+            if tok is not None:
+                lo, hi = self._bounds(lo, hi, at, tok)
+                at += 1
+            return [(t, c, (lo, hi, at, t)) for t, c in self._children(lo, hi, at)]
 
-        offer(lo, hi, 0, 1.0, 0)
-        while heap and len(tokens) < n:
-            neg, _, tok, a, b, parent, d = heapq.heappop(heap)
-            tokens.append(tok)
-            parents.append(parent)
-            probs.append(-neg)
-            offer(a, b, len(tokens), -neg, d)
-        return tokens, parents, probs, m
+        return *grow(kids, (lo, hi, m, None), depth, min(budget, max(1, math.ceil(factor * m))), min_prob), m
 
 
 def fingerprint(files: list[Path]) -> str:
