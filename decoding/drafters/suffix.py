@@ -221,6 +221,16 @@ def grow(kids, root, depth: int, budget: int, min_prob: float) -> tuple[list[int
     return tokens, parents, probs
 
 
+def draft_size(matched: int, factor: float, cap: int) -> int:
+    """Nodes a draft from a match of ``matched`` tokens may have: ``factor`` per matched token (rounded up, at least
+    one), at most ``cap`` (longer matches earn bigger drafts).
+
+    >>> draft_size(3, 1.5, 16), draft_size(1, 0.1, 16), draft_size(20, 1.0, 16)
+    (5, 1, 16)
+    """
+    return min(cap, max(1, math.ceil(factor * matched)))
+
+
 def best_first(node: Node, depth: int, budget: int, min_prob: float) -> tuple[list[int], list[int], list[float]]:
     """:func:`grow` over a trie from ``node``."""
     trie = node.trie
@@ -329,7 +339,7 @@ class SuffixDrafter(Drafter):
         for node, m in found:
             if node is None:
                 continue
-            n = min(cap, max(1, math.ceil(self.factor * m)))
+            n = draft_size(m, self.factor, cap)
             toks, pars, probs = best_first(node, min(k, self.depth - node.depth), n, self.min_prob)
             if sum(probs) > sum(best[2]):
                 best = (toks, pars, probs, m)

@@ -22,14 +22,13 @@ concatenated answers takes two int32 arrays (about 19 MB) and answers the same t
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 from bisect import bisect_left, bisect_right
 from pathlib import Path
 
 import numpy as np
 
-from decoding.drafters.suffix import grow
+from decoding.drafters.suffix import draft_size, grow
 from decoding.paths import PROJECT, specray_home
 
 END = -1  # between two texts: no match or continuation spans it
@@ -129,7 +128,7 @@ class CorpusIndex:
         return a, bisect_right(range(a, hi), tok, key=key) + a
 
     def tree(self, context: list[int], depth: int, budget: int, max_match: int, min_prob: float, factor: float = 1.0):
-        """(tokens, parents, path probabilities, match length) of the ``min(budget, ceil(factor * m))`` most probable
+        """(tokens, parents, path probabilities, match length) of the ``suffix.draft_size(m, factor, budget)`` most probable
         continuations (depth <= ``depth``) of the context's longest match, best first (``suffix.grow``); parents
         index [root, nodes...] (0 = the pending token). A node is (its parent's range, the offset of its token, its
         token): its own range is found when it is expanded."""
@@ -144,7 +143,7 @@ class CorpusIndex:
                 at += 1
             return [(t, c, (lo, hi, at, t)) for t, c in self._children(lo, hi, at)]
 
-        return *grow(kids, (lo, hi, m, None), depth, min(budget, max(1, math.ceil(factor * m))), min_prob), m
+        return *grow(kids, (lo, hi, m, None), depth, draft_size(m, factor, budget), min_prob), m
 
 
 def fingerprint(files: list[Path]) -> str:
