@@ -108,9 +108,10 @@ swift_skip / swift_trials: for ``swift`` (decoding/drafters/swift.py), the
     share of the skippable layers (all but the first and last) a draft
     skips, and the trials of the search for which ones.
 ead_threshold / ead_window: for ``ead`` (lossy; decoding/drafters/ead.py),
-    the small model writes while the mean entropy (nats) of its last
-    ``ead_window`` predictions stays at or under ``ead_threshold``; ``k``
-    caps one run of it.
+    the small model writes while the mean entropy (nats) of the last
+    ``ead_window`` positions' predictions (each from the model that wrote
+    it) stays at or under ``ead_threshold``, the target otherwise; ``k``
+    caps one run of the small model.
 recycling / suffix / hybrid (decoding/drafters/recycling.py, suffix.py, hybrid.py):
     model-free tree drafters, ``k`` is the tree depth. ``recycle_width``:
     candidates kept per token in Token Recycling's adjacency matrix (1 =
@@ -257,8 +258,8 @@ class SpecConfig:
     # method=swift (decoding/drafters/swift.py): the share of the skippable layers a draft skips, trials of the search
     swift_skip: float = 0.2  # SWIFT's paper skips 45% of a 13B model's layers; a 135M model has less to spare
     swift_trials: int = 16
-    # method=ead (decoding/drafters/ead.py, lossy): the small model writes while the mean entropy (nats) of its last
-    # ead_window predictions stays at or under ead_threshold
+    # method=ead (decoding/drafters/ead.py, lossy): the small model writes while the mean entropy (nats) of the last
+    # ead_window positions' predictions (each from the model that wrote it) stays at or under ead_threshold
     ead_threshold: float = 1.5
     ead_window: int = 4
     # placement=actors (and pearl): see cluster/placement.py; None = chosen from the cluster's resources

@@ -403,7 +403,7 @@ METHOD_TABLE: dict[str, Method] = {
         Method(
             "ead",
             "EAD (LOSSY): a small model (the distilled draft, draft_model or the target's first draft_layers layers) "
-            "generates while the rolling entropy of its predictions stays under ead_threshold, the target above it; no "
+            "generates while the rolling entropy of the writers' predictions stays under ead_threshold, the target above it; no "
             "verification",
             (
                 KnobSpec("ead_threshold", "float", 0.25, 4.0, step=0.25),
