@@ -203,6 +203,64 @@ void attend_row(const float* q, const float* k, const float* v, int64_t stride, 
     _mm256_storeu_si256((__m256i*)(out + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[c], w)));
 }
 
+// G query rows (G <= 4) of one kv head at one query position, head dim 64: attend_row's arithmetic for each row, in
+// the same order, with each key and value row loaded once for the G rows (the queries and the G weighted sums stay in
+// registers). A row's result is bit for bit attend_row's: it does not depend on the rows beside it.
+template <int G>
+void attend_rows64(const float* const* q, const float* k, const float* v, int64_t stride, const int32_t* idx, int64_t n,
+                   float scale, float* buf, uint16_t* const* out) {
+  __m512 qv[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) qv[g][c] = _mm512_loadu_ps(q[g] + 16 * c);
+  float top[G];
+  for (int g = 0; g < G; ++g) top[g] = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* kr = k + idx[i] * stride;
+    const __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16), k2 = _mm512_loadu_ps(kr + 32), k3 = _mm512_loadu_ps(kr + 48);
+    for (int g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(qv[g][0], k0);
+      acc = _mm512_fmadd_ps(qv[g][1], k1, acc);
+      acc = _mm512_fmadd_ps(qv[g][2], k2, acc);
+      acc = _mm512_fmadd_ps(qv[g][3], k3, acc);
+      const float s = _mm512_reduce_add_ps(acc) * scale;
+      buf[g * n + i] = s;
+      top[g] = s > top[g] ? s : top[g];
+    }
+  }
+  float inv[G];
+  for (int g = 0; g < G; ++g) {
+    float* b = buf + g * n;
+    const __m512 m = _mm512_set1_ps(top[g]);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 live = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+      const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, b + i), m)));
+      _mm512_mask_storeu_ps(b + i, live, p);
+      total = _mm512_add_ps(total, p);
+    }
+    inv[g] = 1.0f / _mm512_reduce_add_ps(total);
+  }
+  __m512 o[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) o[g][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const float* vr = v + idx[i] * stride;
+    const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16), v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(buf[g * n + i]);
+      o[g][0] = _mm512_fmadd_ps(p, v0, o[g][0]);
+      o[g][1] = _mm512_fmadd_ps(p, v1, o[g][1]);
+      o[g][2] = _mm512_fmadd_ps(p, v2, o[g][2]);
+      o[g][3] = _mm512_fmadd_ps(p, v3, o[g][3]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 w = _mm512_set1_ps(inv[g]);
+    for (int c = 0; c < 4; ++c)
+      _mm256_storeu_si256((__m256i*)(out[g] + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[g][c], w)));
+  }
+}
+
 }  // namespace
 
 // q [B, H, T, D] bfloat16; k, v [B, KV, S, D] float32 with D contiguous; allowed [B or 1, T, S] bool (or empty: every
@@ -227,11 +285,14 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, double s
   const int64_t G = H / KV;
   const int64_t kb = k.stride(0), kh = k.stride(1), vb = v.stride(0), vh = v.stride(1), rs = k.stride(2);
   TORCH_CHECK(v.stride(2) == rs, "k, v: one slot stride");
-  at::parallel_for(0, B * T * H, 1, [&](int64_t r0, int64_t r1) {
+  const bool grouped = D == 64 && G >= 2 && G <= 4;  // a query position's kv head as one piece of work
+  const int64_t per = grouped ? G : 1;
+  at::parallel_for(0, B * T * H / per, 1, [&](int64_t r0, int64_t r1) {
     std::vector<int32_t> idx(S);
-    std::vector<float> buf(S + 16);
+    std::vector<float> buf(4 * (S + 16));
     int64_t listed = -1, n = 0;  // the (b, t) whose slots idx lists
-    for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t piece = r0; piece < r1; ++piece) {
+      const int64_t r = piece * per;  // its first row
       const int64_t bt = r / H, h = r % H, b = bt / T, t = bt % T;
       if (bt != listed) {
         const bool* a = masked ? ap + ((mb == 1 ? 0 : b) * T + t) * S : nullptr;
@@ -240,13 +301,27 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, double s
           if (!masked || a[s]) idx[n++] = (int32_t)s;
         listed = bt;
       }
-      uint16_t* o = op + ((b * H + h) * T + t) * D;
+      const float* qs[4];
+      uint16_t* os[4];
+      for (int64_t g = 0; g < per; ++g) {
+        qs[g] = qp + ((b * H + h + g) * T + t) * D;
+        os[g] = op + ((b * H + h + g) * T + t) * D;
+      }
       if (n == 0) {  // a query that may see nothing (a padded row): zeros, not NaN
-        std::fill(o, o + D, (uint16_t)0);
+        for (int64_t g = 0; g < per; ++g) std::fill(os[g], os[g] + D, (uint16_t)0);
         continue;
       }
-      attend_row(qp + ((b * H + h) * T + t) * D, kp + b * kb + (h / G) * kh, vp + b * vb + (h / G) * vh, rs, idx.data(),
-                 n, D, (float)scale, buf.data(), o);
+      const float* kh0 = kp + b * kb + (h / G) * kh;
+      const float* vh0 = vp + b * vb + (h / G) * vh;
+      if (!grouped) {
+        attend_row(qs[0], kh0, vh0, rs, idx.data(), n, D, (float)scale, buf.data(), os[0]);
+      } else if (G == 2) {
+        attend_rows64<2>(qs, kh0, vh0, rs, idx.data(), n, (float)scale, buf.data(), os);
+      } else if (G == 3) {
+        attend_rows64<3>(qs, kh0, vh0, rs, idx.data(), n, (float)scale, buf.data(), os);
+      } else {
+        attend_rows64<4>(qs, kh0, vh0, rs, idx.data(), n, (float)scale, buf.data(), os);
+      }
     }
   });
   return out;

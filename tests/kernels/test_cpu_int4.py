@@ -100,6 +100,23 @@ def test_attention_of_a_query_is_its_own():
         assert torch.equal(alone[:, :, 0], together[:, :, i])
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (8, 4), (12, 3)])
+def test_heads_sharing_a_kv_head_get_the_bits_of_each_head_alone(heads, kv_heads):
+    """The kernel reads each key and value row once for the query heads of its KV head (groups of 2-4 at head dim
+    64); each head's arithmetic is its own: attending one head at a time (one query head per KV head, the per-head
+    path) gives the same bits."""
+    gen = torch.Generator().manual_seed(5)
+    t, s, group = 3, 150, heads // kv_heads
+    q = torch.randn(2, heads, t, 64, generator=gen).bfloat16()
+    k, v = (torch.randn(2, kv_heads, s, 64, generator=gen).bfloat16().float() for _ in range(2))
+    visible = (torch.rand(2, t, s, generator=gen) > 0.2)[:, None]
+    together = cpu_int4.attend(q, k, v, 0.125, visible)
+    for h in range(heads):
+        kv = h // group
+        alone = cpu_int4.attend(q[:, h : h + 1], k[:, kv : kv + 1], v[:, kv : kv + 1], 0.125, visible)
+        assert torch.equal(alone[:, 0], together[:, h]), h
+
+
 def test_a_query_that_sees_nothing_gives_zeros():
     q, k, v = _qkv(2, 10)
     visible = torch.zeros(1, 1, 2, 10, dtype=torch.bool)
