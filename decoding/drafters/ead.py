@@ -19,9 +19,11 @@ entropy at those positions is not needed, and its cache catches up on them in on
 the paper's cost model (the small model's tokens replace the large model's; the small model costs nothing while the
 large one writes), and what keeps EAD from paying for a small model it does not use. The large model's entropies
 come from the logits its step computed anyway, read only for the positions in the window when the small model is
-next asked. A refusal at a run's start (the small model unsure at once) backs off: the small model sits out the next
-1, 2, 4, ... large-model positions (at most :data:`MAX_BACKOFF`, back to 1 once it writes), so a small model that is
-rarely sure costs little. One host read per small-model token (the switch decision) and per large-model entropy read.
+next asked. A check that fails backs off: where the window is still above the threshold, or the small model is asked
+and unsure at once (refused before writing a token), the small model sits out the next 1, 2, 4, ... large-model
+positions (at most :data:`MAX_BACKOFF`, back to 1 once it writes), so a small model that is rarely sure, or a large
+one that is rarely sure, costs little (each ask costs the small model's catch-up forward, each check an entropy over
+the vocabulary). One host read per small-model token (the switch decision) and per large-model entropy read.
 
 >>> rule = EntropySwitch(threshold=1.0, window=2)
 >>> sure, unsure = torch.tensor([[9.0, 0, 0, 0]]), torch.zeros(1, 4)     # entropies ~0.004 and log 4 = 1.39 nats
@@ -30,6 +32,12 @@ rarely sure costs little. One host read per small-model token (the switch decisi
 >>> rule.large_wrote(unsure[0]), rule.small_may_write()                    # the large model unsure too: it goes on
 (None, False)
 >>> rule.large_wrote(sure[0]), rule.small_may_write()                      # mean 0.70 again: the small model's turn
+(None, True)
+>>> rule.large_wrote(unsure[0]), rule.large_wrote(unsure[0]), rule.small_may_write(), rule.wait   # failed again: 2 to sit out
+(None, None, False, 2)
+>>> rule.large_wrote(sure[0]), rule.small_may_write()                      # mean 0.70, but 1 position still to sit out
+(None, False)
+>>> rule.large_wrote(sure[0]), rule.small_may_write()
 (None, True)
 """
 
@@ -44,7 +52,7 @@ from decoding.drafters.base import DecodeState, Proposal
 from decoding.drafters.draft_model import DraftModelDrafter
 from decoding.drafters.drafting import StopRule
 
-MAX_BACKOFF = 16  # the most large-model positions the small model sits out after refusals at a run's start
+MAX_BACKOFF = 32  # the most large-model positions the small model sits out after failed checks
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -62,7 +70,7 @@ class EntropySwitch(StopRule):
     def __init__(self, threshold: float, window: int):
         self.threshold = threshold
         self.window: deque[float | torch.Tensor] = deque(maxlen=window)  # a large-model entry: its logits until read
-        self.backoff = 1  # large-model positions to wait after the next refusal at a run's start
+        self.backoff = 1  # large-model positions to wait after the next failed check
         self.wait = 0  # large-model positions left before the small model is asked again
 
     def _over(self, e: float | None = None) -> bool:
@@ -78,8 +86,8 @@ class EntropySwitch(StopRule):
     def stop(self, logits: torch.Tensor, i: int) -> bool:
         e = float(entropy(logits))  # one host read per small-model position
         if self._over(e):
-            if i == 0:  # asked and refused before writing anything: ask less often (doubling, to MAX_BACKOFF)
-                self.wait, self.backoff = self.backoff, min(2 * self.backoff, MAX_BACKOFF)
+            if i == 0:  # asked and refused before writing anything: ask less often
+                self._back_off()
             return True  # the position is the large model's; its entropy enters the window (large_wrote)
         self.window.append(e)
         self.backoff = 1
@@ -88,7 +96,16 @@ class EntropySwitch(StopRule):
     def small_may_write(self) -> bool:
         """Whether the small model is asked for the next position: the window's mean is at or under the threshold
         and no back-off is running."""
-        return self.wait == 0 and not self._over()
+        if self.wait > 0:
+            return False
+        if self._over():
+            self._back_off()
+            return False
+        return True
+
+    def _back_off(self) -> None:
+        """A failed check: the small model sits out the next ``backoff`` large-model positions, doubling to MAX_BACKOFF."""
+        self.wait, self.backoff = self.backoff, min(2 * self.backoff, MAX_BACKOFF)
 
     def large_wrote(self, logits: torch.Tensor) -> None:
         """The large model wrote a position from these logits [V] or [B, V] (read when the window is next needed)."""

@@ -182,8 +182,9 @@ def ead_reference(model, small, prompt, n, threshold, window, k):
         ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))  # the prefill's token is the target's
         run, large, sat_out = 0, 1, 0
         while len(ids) - prompt.shape[1] < n:
-            sat_out += run < k and not switch.small_may_write()
-            if run < k and switch.small_may_write():
+            ask = run < k and switch.small_may_write()  # a check that fails backs off: asked once a position
+            sat_out += run < k and not ask
+            if ask:
                 logits = small(torch.tensor([ids]))[-1:]  # [1, V]
                 if not switch.stop(logits, run):
                     ids.append(int(logits.argmax()))
@@ -204,12 +205,12 @@ def small_of(model, layers):
 def test_ead_matches_the_token_by_token_reference(tiny_model):
     target = ModelAdapter(tiny_model)
     sat_outs = []
-    for threshold in (1.0, 1.2, 1.4):
+    for threshold in (1.2, 1.4):
         drafter = EadDrafter(ModelAdapter(tiny_model, num_layers=1), threshold, window=3)
         out = generate(target, PROMPT, drafter=drafter, k=6, max_new_tokens=60)
         ref, large, sat_out = ead_reference(tiny_model, small_of(tiny_model, 1), PROMPT, 60, threshold, 3, 6)
         assert out.token_ids[:50] == ref[:50], threshold  # the last step's run is cut by max_new_tokens, the reference's is not
-        assert 10 <= large <= 55, (threshold, large)  # both models wrote a fair share: the switch went both ways
+        assert 10 <= large <= 50, (threshold, large)  # both models wrote a fair share: the switch went both ways
         sat_outs.append(sat_out)
     assert sum(sat_outs) >= 10, sat_outs  # positions where the small model was not asked (asked, it could have written them)
 
