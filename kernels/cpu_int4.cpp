@@ -167,6 +167,19 @@ inline __m512 exp_ps(__m512 x) {  // e^x for x <= 0 (Cephes' polynomial; about 1
   return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(y, fx));
 }
 
+// a row's scores buf[0..n) -> e^(score - top) in place; returns 1 / their sum (summed sixteen lanes at a time)
+inline float exp_in_place(float* buf, int64_t n, float top) {
+  const __m512 m = _mm512_set1_ps(top);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 live = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+    const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, buf + i), m)));
+    _mm512_mask_storeu_ps(buf + i, live, p);
+    total = _mm512_add_ps(total, p);
+  }
+  return 1.0f / _mm512_reduce_add_ps(total);
+}
+
 // one query row: q [D] float, the keys/values of its kv head at the slots idx[0..n) (ascending), out [D] bfloat16
 void attend_row(const float* q, const float* k, const float* v, int64_t stride, const int32_t* idx, int64_t n, int64_t D,
                 float scale, float* buf, uint16_t* out) {
@@ -182,15 +195,7 @@ void attend_row(const float* q, const float* k, const float* v, int64_t stride, 
     buf[i] = s;
     top = s > top ? s : top;
   }
-  const __m512 m = _mm512_set1_ps(top);
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 live = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-    const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, buf + i), m)));
-    _mm512_mask_storeu_ps(buf + i, live, p);
-    total = _mm512_add_ps(total, p);
-  }
-  const float inv = 1.0f / _mm512_reduce_add_ps(total);
+  const float inv = exp_in_place(buf, n, top);
   __m512 o[16];
   for (int64_t c = 0; c < chunks; ++c) o[c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
@@ -228,18 +233,7 @@ void attend_rows64(const float* const* q, const float* k, const float* v, int64_
     }
   }
   float inv[G];
-  for (int g = 0; g < G; ++g) {
-    float* b = buf + g * n;
-    const __m512 m = _mm512_set1_ps(top[g]);
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 live = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-      const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, b + i), m)));
-      _mm512_mask_storeu_ps(b + i, live, p);
-      total = _mm512_add_ps(total, p);
-    }
-    inv[g] = 1.0f / _mm512_reduce_add_ps(total);
-  }
+  for (int g = 0; g < G; ++g) inv[g] = exp_in_place(buf + g * n, n, top[g]);
   __m512 o[G][4];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < 4; ++c) o[g][c] = _mm512_setzero_ps();
