@@ -39,9 +39,26 @@ def registered() -> list[str]:
     return sorted(_IMPLS)
 
 
+def registered_impl(name: str) -> tuple[Callable[..., bool], Callable] | None:
+    """(applies, fn) as registered for ``name``, or None (a test that unregisters it puts it back with this)."""
+    return _IMPLS.get(name)
+
+
 def has(name: str) -> bool:
     """Whether an implementation of ``name`` is registered (it may still not apply to given arguments)."""
     return name in _IMPLS
+
+
+def pick(name: str, reference: Callable, *args) -> Callable:
+    """What :func:`dispatch` would call for these arguments, chosen once for many calls alike (a forward's layers).
+
+    >>> register("double", lambda x: 2 * x, applies=lambda x: x > 10)
+    >>> pick("double", abs, 20)(3), pick("double", abs, -3)(-3)
+    (6, 3)
+    >>> unregister("double")
+    """
+    impl = _IMPLS.get(name)
+    return impl[1] if impl is not None and impl[0](*args) else reference
 
 
 def dispatch(name: str, reference: Callable, *args):

@@ -44,7 +44,9 @@ import torch
 
 log = logging.getLogger("specray")
 SOURCE = Path(__file__).with_name("cpu_int4.cpp")
-FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]  # OpenMP: at::parallel_for runs on the torch threads
+# OpenMP: at::parallel_for runs on the torch threads; no contraction: a multiply and an add stay two roundings where the
+# kernels reproduce torch's arithmetic (rms_norm)
+FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-ffp-contract=off"]
 
 
 def cpu_supported() -> bool:
@@ -72,7 +74,7 @@ def extension():
         from torch.utils.cpp_extension import load_inline
 
         log.info("loading the AVX512-BF16 CPU kernels (built once per machine, about 20 s)")
-        functions = ["int4_mm", "int8_mm", "attend"]
+        functions = ["int4_mm", "int8_mm", "attend", "rope_attend", "rms_norm", "add_rms_norm"]
         return load_inline("specray_cpu_int4", cpp_sources=SOURCE.read_text(), functions=functions, extra_cflags=FLAGS)
     except Exception as e:  # no compiler, no ninja, an old compiler without AVX512-BF16: torch's kernel runs
         log.warning("the AVX512-BF16 int4 kernel did not build (%s); torch's int4 kernel runs", str(e).splitlines()[0][:200])
@@ -157,11 +159,11 @@ _EVERY_SLOT = torch.empty(0, dtype=torch.bool)
 
 
 def attend_applies(q, k, v, scale, mask) -> bool:
-    """The attention kernel takes this call: bfloat16 queries over a float32 cache on a CPU, heads of 16-multiple
-    sizes up to 256, not inside a forward being compiled, and the kernel built."""
+    """The attention kernel takes this call: bfloat16 queries over a float32 or bfloat16 cache on a CPU, heads of
+    16-multiple sizes up to 256, not inside a forward being compiled, and the kernel built."""
     return (
         q.dtype == torch.bfloat16
-        and k.dtype == torch.float32
+        and k.dtype in (torch.float32, torch.bfloat16)
         and q.device.type == "cpu"
         and q.shape[-1] % 16 == 0
         and q.shape[-1] <= 256
@@ -172,8 +174,58 @@ def attend_applies(q, k, v, scale, mask) -> bool:
 
 def attend(q, k, v, scale: float, mask) -> torch.Tensor:
     """``decoding.model.fast_layers._attend_own`` with each query over its own allowed slots only, in ascending order
-    (``cpu_int4.cpp``): q [B, H, T, D] bfloat16 against k/v [B, KV, S, D] float32, ``mask`` None or bool
+    (``cpu_int4.cpp``): q [B, H, T, D] bfloat16 against k/v [B, KV, S, D] float32 or bfloat16, ``mask`` None or bool
     [B|1, 1, T, S] (True: may attend). A query's result depends on nothing but its slots, so a token verified in a
     chain or a tree gets the bits it gets decoded alone."""
     allowed = _EVERY_SLOT if mask is None else mask.squeeze(1).contiguous()
     return extension().attend(q, k, v, float(scale), allowed)
+
+
+def norm_applies(x, weight, eps) -> bool:
+    """The RMSNorm kernels take this call: bfloat16 rows on a CPU (2-D, each row contiguous), a bfloat16 weight, not
+    inside a forward being compiled, and the kernel built."""
+    return (
+        x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and x.stride(-1) == 1
+        and not torch.compiler.is_compiling()
+        and extension() is not None
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``decoding.model.fast_layers.rms_norm`` (``F.rms_norm(x, (N,), None, eps) * weight``) bit for bit, in one call:
+    the squares summed in the order of torch's CPU reduction (``cpu_int4.cpp``). torch runs it as about ten
+    operations (10 us for a row of 576 here, against 0.8), and a SmolLM2 step has 61 of them."""
+    return extension().rms_norm(x, weight, float(eps))
+
+
+def add_rms_norm(h: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``decoding.model.fast_layers.add_rms_norm`` bit for bit: the residual sum ``h + d`` and its norm, in one call."""
+    total, normed = extension().add_rms_norm(h, d, weight, float(eps))
+    return total, normed
+
+
+def rope_attend_applies(hidden, k_layer) -> bool:
+    """The fused rotation, cache write and attention take a forward: bfloat16 activations on a CPU over a float32 or
+    bfloat16 cache, not inside a forward being compiled, and the kernel built."""
+    return (
+        hidden.dtype == torch.bfloat16
+        and hidden.device.type == "cpu"
+        and k_layer.device.type == "cpu"
+        and k_layer.dtype in (torch.float32, torch.bfloat16)
+        and k_layer.shape[-1] % 16 == 0
+        and k_layer.shape[-1] <= 256
+        and not torch.compiler.is_compiling()
+        and extension() is not None
+    )
+
+
+def rope_attend(qkv, cos, sin, k, v, rows, slots, end: int, allowed, scale: float, heads: int, kv_heads: int) -> torch.Tensor:
+    """``decoding.model.fast_layers.fused_attention``'s call: one layer's keys and queries rotated (``_rotate``'s three
+    bfloat16 roundings), keys and values written at ``slots`` of cache rows ``rows``, then :func:`attend`'s
+    arithmetic over slots ``[0, end)``, returned as [B*T, heads * head_dim] (``cpu_int4.cpp``). The same bits as
+    the separate operations, in one call where they took about twenty."""
+    return extension().rope_attend(qkv, cos, sin, k, v, rows, slots, end, allowed, float(scale), heads, kv_heads)

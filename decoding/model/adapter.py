@@ -178,8 +178,6 @@ class ModelAdapter:
         # the layers' own math in fewer operations (decoding.model.fast_layers); None: call the modules
         self.stack = LayerStack.of(self.layers, self.config, self.dtype, self.device, self.quant) if fast else None
         self.head = self.quant.head if self.quant is not None and self.stack is not None else None
-        # the KV caches' dtype: the stack's (float32 under 16-bit weights on a CPU, fast_layers' docstring), else the model's
-        self.cache_dtype = self.stack.cache_dtype if self.stack is not None else self.dtype
         # compile=True: the whole stack compiled for one row per width bucket (decoding.model.compiled); eager elsewhere
         self.compiled = None
         if compile and self.stack is not None and self.num_layers == depth:
@@ -188,6 +186,9 @@ class ModelAdapter:
             self.compiled = CompiledStack(self.stack, self.dtype, self.device)
         elif compile:
             logging.getLogger("specray").warning("specray: compile=True needs the fast layers over the whole model; running eager")
+        # the KV caches' dtype: the stack's (float32 where 16-bit queries attend by torch's matmuls on a CPU, fast_layers'
+        # docstring), else the model's
+        self.cache_dtype = self.stack.kv_dtype(compiled=self.compiled is not None) if self.stack is not None else self.dtype
         # graphs (default: on a CUDA device): forwards replayed from CUDA graphs per shape (decoding.model.graphs), over
         # caches from a pool (a cache's storage is baked into its graphs)
         self.graphs = None

@@ -20,10 +20,11 @@ SmolLM2 step is a few dozen milliseconds, that overhead and slow attention kerne
   against 0.95, 0.27 against 0.40, 0.60 against 0.67); from 32 queries on the two cost the same and
   prefill chunks, causal prefills from slot 0 and float32 use SDPA, as transformers does. ``P @ V`` runs in
   float32 too and only its result is rounded to the dtype (``tests/decoding/model/test_fast_layers.py`` bounds
-  the error against float64). Such a stack keeps its KV cache in float32 (:attr:`LayerStack.cache_dtype`):
-  the keys and values are the 16-bit projections' values, stored exactly, so attention reads them without
+  the error against float64). Such a stack keeps its KV cache in float32 (:meth:`LayerStack.kv_dtype`): the
+  keys and values are the 16-bit projections' values, stored exactly, so attention reads them without
   converting the whole cache twice a layer (0.7 ms of a 8 ms SmolLM2 step at 300 slots), and every result is
-  the same bit for bit as over a 16-bit cache; SDPA's blocks convert them back (exactly).
+  the same bit for bit as over a 16-bit cache; SDPA's blocks convert them back (exactly). Where the CPU kernel
+  attends (``kernels/cpu_int4.py``), the cache stays 16-bit: the kernel widens each value as it reads it.
 
 Only layer classes whose math is exactly this (Llama, Mistral without a sliding window) and whose
 projections carry no bias are run here; ``LayerStack.of`` returns None for anything else and the adapter
@@ -275,15 +276,33 @@ def layer_weights(layer, fuse: bool, packed: dict) -> LayerWeights:
     )
 
 
-def layer_step(w: LayerWeights, hidden: torch.Tensor, bsz: int, t: int, cos, sin, shape, attend) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm's rounding, bit for bit: ``F.rms_norm`` without a weight (float32 statistics, the result rounded to
+    the dtype), times the weight (``rms_norm`` in ``decoding.accel``: ``kernels/cpu_int4.py``'s, in one call, where
+    registered)."""
+    return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
+
+
+def add_rms_norm(h: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual sum and its norm: ``(h + d, rms_norm(h + d, weight, eps))`` (``add_rms_norm`` in ``decoding.accel``)."""
+    h = h + d
+    return h, rms_norm(h, weight, eps)
+
+
+def layer_step(w: LayerWeights, hidden: torch.Tensor, bsz: int, t: int, cos, sin, shape, attend, norms=None, fused=None) -> torch.Tensor:
     """One decoder layer on activations ``hidden`` [B*T, H] (2-D: the linears take them as they are): the layers'
     own math (the module docstring). ``attend(q, k, v) -> [B, heads, T, D]`` writes the block's keys and values
     and attends (the cache's part, which differs between the eager, compiled and captured forwards); ``shape``:
-    (heads, kv_heads, head_dim)."""
+    (heads, kv_heads, head_dim); ``norms``: :func:`rms_norm` and :func:`add_rms_norm`, or implementations of
+    them chosen for the forward (:func:`layer_norms`); ``fused(w, qkv) -> [B*T, heads * head_dim]``, where given
+    (:func:`fused_attention`), rotates, writes and attends in one call, with the same bits."""
+    norm, add_norm = norms or (rms_norm, add_rms_norm)
     heads, kv_heads, hd = shape
-    width = hidden.shape[-1]
     nq, nkv = heads * hd, kv_heads * hd
-    x = F.rms_norm(hidden, (width,), None, w.eps_in) * w.norm_in  # LlamaRMSNorm's rounding, bit for bit
+    x = norm(hidden, w.norm_in, w.eps_in)
+    if fused is not None and len(w.qkv) == 1:  # rotation, cache write and attention in one call, [B*T, nq] back
+        attended = linear(w.packed.get("o"), fused(w, linear(w.packed.get("qkv"), x, w.qkv[0])), w.o)
+        return _mlp(w, *add_norm(hidden, attended, w.norm_post, w.eps_post))
     if len(w.qkv) == 1:
         qk, v = linear(w.packed.get("qkv"), x, w.qkv[0]).split([nq + nkv, nkv], dim=-1)
         # q and k rotate together: the same elementwise arithmetic as one by one, in half the operations
@@ -293,13 +312,26 @@ def layer_step(w: LayerWeights, hidden: torch.Tensor, bsz: int, t: int, cos, sin
         q = _rotate(q.view(bsz, t, -1, hd).transpose(1, 2), cos, sin)
         k = _rotate(k.view(bsz, t, -1, hd).transpose(1, 2), cos, sin)
     out = attend(q, k, v.view(bsz, t, -1, hd).transpose(1, 2))
-    hidden = hidden + linear(w.packed.get("o"), out.transpose(1, 2).reshape(bsz * t, nq).contiguous(), w.o)
-    x = F.rms_norm(hidden, (width,), None, w.eps_post) * w.norm_post
+    attended = linear(w.packed.get("o"), out.transpose(1, 2).reshape(bsz * t, nq).contiguous(), w.o)
+    return _mlp(w, *add_norm(hidden, attended, w.norm_post, w.eps_post))
+
+
+def _mlp(w: LayerWeights, hidden: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The layer's SiLU MLP on ``x`` (the normed ``hidden``), added to ``hidden``."""
     if len(w.gate_up) == 1:
         gate, up = linear(w.packed.get("gate_up"), x, w.gate_up[0]).chunk(2, dim=-1)
     else:
         gate, up = (F.linear(x, wt) for wt in w.gate_up)
     return hidden + linear(w.packed.get("down"), F.silu(gate) * up, w.down)
+
+
+def layer_norms(hidden: torch.Tensor, w: LayerWeights) -> tuple:
+    """The implementations of :func:`rms_norm` and :func:`add_rms_norm` for a forward over activations like ``hidden``
+    (chosen once, not at each of its 2 x layers calls: ``decoding.accel.pick``)."""
+    return (
+        accel.pick("rms_norm", rms_norm, hidden, w.norm_in, w.eps_in),
+        accel.pick("add_rms_norm", add_rms_norm, hidden, hidden, w.norm_in, w.eps_in),
+    )
 
 
 def attention(q, k, v, scale: float, mask, own: bool, causal: bool, kv_heads: int) -> torch.Tensor:
@@ -310,7 +342,7 @@ def attention(q, k, v, scale: float, mask, own: bool, causal: bool, kv_heads: in
     bsz, _, t, hd = q.shape
     if own:
         return accel.dispatch("attend_cpu", _attend_own, q, k, v, scale, mask)
-    if k.dtype != q.dtype:  # a float32 cache of 16-bit values (LayerStack.cache_dtype): back to 16 bits, exactly
+    if k.dtype != q.dtype:  # a float32 cache of 16-bit values (LayerStack.kv_dtype): back to 16 bits, exactly
         k, v = k.to(q.dtype), v.to(q.dtype)
     if t == 1 and mask is not None:  # one masked query: its heads grouped by kv head, as transformers does
         grouped = q.reshape(bsz, kv_heads, -1, hd)
@@ -344,11 +376,20 @@ class LayerStack:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.shape = (self.heads, self.kv_heads, self.head_dim)
         self.fuse = dtype in SIXTEEN_BIT
+        self.dtype = dtype
         self.attend_own = dtype in SIXTEEN_BIT and torch.device(device).type == "cpu"
-        # the dtype of the KV caches this stack attends over: float32 where queries attend in float32 (the module
-        # docstring); the keys and values written are the 16-bit projections', so nothing is rounded differently
-        self.cache_dtype = torch.float32 if self.attend_own else dtype
         self.weights = [self._weights(i) for i in range(len(layers))]
+
+    def kv_dtype(self, compiled: bool) -> torch.dtype:
+        """The dtype of the KV caches this stack attends over. Where 16-bit queries attend in float32 by torch's
+        matmuls (the module docstring; a ``compiled`` forward always does), float32, so the cache is not converted
+        twice a layer; where the CPU kernel attends (``attend_cpu`` registered), the model's 16-bit dtype: the kernel
+        widens each value it reads, exactly, and reads half the bytes (over 800 cached tokens, 30 layers' attention
+        of one token took 0.47 ms against 0.84 over a float32 cache). The keys and values written are the 16-bit
+        projections' either way, so every result is the same bit for bit."""
+        if self.attend_own and (compiled or not accel.has("attend_cpu")):
+            return torch.float32
+        return self.dtype
 
     def _weights(self, index: int) -> LayerWeights:
         packed = self.quant.layers[index] if self.quant is not None else _DENSE
@@ -391,10 +432,10 @@ class LayerStack:
             def write(index, k, v):
                 return cache.update(k, v, index)
 
-        return run_layers(self, hidden, first, last, cos_sin, mask, write, captured)
+        return run_layers(self, hidden, first, last, cos_sin, mask, write, captured, (cache, place) if plain else None)
 
 
-def run_layers(stack: LayerStack, hidden, first: int, last: int, cos_sin, mask, write, captured: dict | None = None):
+def run_layers(stack: LayerStack, hidden, first: int, last: int, cos_sin, mask, write, captured: dict | None = None, plain=None):
     """Layers [first, last) of ``stack`` on ``hidden`` [B, T, H]: the one copy of the layer math, whoever runs it
     (the eager stack, its compiled form, a captured graph). ``write(cache_index, k, v) -> (keys, values)`` stores
     the block's keys/values [B, KV, T, D] and returns the slots to attend to; ``mask`` as :meth:`LayerStack.run`."""
@@ -403,6 +444,8 @@ def run_layers(stack: LayerStack, hidden, first: int, last: int, cos_sin, mask, 
     causal = mask is None and t > 1
     own = stack.attend_own and not causal and t <= attend_own_max()
     hidden = hidden.reshape(bsz * t, width)  # activations stay 2-D [B*T, hidden]
+    norms = layer_norms(hidden, stack.weights[first]) if last > first else None
+    fused = fused_attention(stack, hidden, plain, cos_sin, mask) if own and plain is not None and stack.fuse else None
     for index in range(first, last):
         w = stack.weights[index]
 
@@ -410,16 +453,42 @@ def run_layers(stack: LayerStack, hidden, first: int, last: int, cos_sin, mask, 
             k, v = write(w.cache_index, k, v)
             return attention(q, k, v, w.scale, mask, own, causal, stack.kv_heads)
 
-        hidden = layer_step(w, hidden, bsz, t, cos, sin, stack.shape, attend)
+        hidden = layer_step(w, hidden, bsz, t, cos, sin, stack.shape, attend, norms, fused)
         if captured is not None and index + 1 in captured:
             captured[index + 1] = hidden.view(bsz, t, width)
     return hidden.view(bsz, t, width)
 
 
+_NO_ROWS = torch.empty(0, dtype=torch.long)
+_EVERY_SLOT = torch.empty(0, dtype=torch.bool)
+
+
+def fused_attention(stack: LayerStack, hidden: torch.Tensor, plain, cos_sin, mask):
+    """``fused(w, qkv)`` for :func:`layer_step`: a layer's rotation, cache write (at ``place``) and attention in one
+    call (``rope_attend`` in ``decoding.accel``: ``kernels/cpu_int4.py``'s, where registered and it applies), the
+    forward's arguments prepared once for all its layers; None where no implementation applies (the layers then
+    rotate, write and attend op by op)."""
+    cache, place = plain
+    k_all, v_all = (cache.k_all, cache.v_all) if hasattr(cache, "k_all") else (cache.k, cache.v)
+    impl = accel.pick("rope_attend", None, hidden, k_all[0])
+    if impl is None:
+        return None
+    cos, sin = cos_sin[0].contiguous(), signed_sin(cos_sin[1]).contiguous()  # [B|1, T, D]
+    rows = _NO_ROWS if place.rows is None else place.rows.reshape(-1).contiguous()
+    slots = place.slots.contiguous()
+    allowed = _EVERY_SLOT if mask is None else mask.squeeze(1).contiguous()
+    heads, kv_heads, _ = stack.shape
+
+    def fused(w: LayerWeights, qkv: torch.Tensor) -> torch.Tensor:
+        return impl(qkv, cos, sin, k_all[w.cache_index], v_all[w.cache_index], rows, slots, place.end, allowed, w.scale, heads, kv_heads)
+
+    return fused
+
+
 def write_and_read(cache, index: int, k: torch.Tensor, v: torch.Tensor, place: Placement):
     """Write the block's keys/values [B, KV, T, D] of layer ``index`` where ``place`` says; return the slots read."""
     k_all, v_all = (cache.k_all[index], cache.v_all[index]) if hasattr(cache, "k_all") else (cache.k[index], cache.v[index])
-    k, v = k.to(k_all.dtype), v.to(v_all.dtype)  # a float32 cache of 16-bit values (LayerStack.cache_dtype); else no-ops
+    k, v = k.to(k_all.dtype), v.to(v_all.dtype)  # a float32 cache of 16-bit values (LayerStack.kv_dtype); else no-ops
     if place.start is not None:
         k_all[:, :, place.start : place.start + k.shape[2]] = k
         v_all[:, :, place.start : place.start + k.shape[2]] = v

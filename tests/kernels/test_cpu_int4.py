@@ -128,3 +128,166 @@ def test_a_query_that_sees_nothing_gives_zeros():
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("SPECRAY_KERNELS", "0")
     assert not cpu_int4.cpu_supported()
+
+
+# ---- RMSNorm, the fused rotation + cache write + attention, a 16-bit cache ------------------------------------------
+
+
+@pytest.mark.parametrize("n", [576, 64, 100, 17, 960, 2048, 3072, 8192])
+def test_rms_norm_is_torchs_bit_for_bit(n):
+    """The squares summed in torch's order: sizes under one cascade level (576), with leftover vectors (100) and a
+    scalar tail (17), and sizes where the reduction's cascade of levels runs (960 and up)."""
+    from decoding.model.fast_layers import add_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(n)
+    for trial in range(12):
+        x = (torch.randn(1 + trial % 4, n, generator=g) * (0.05 + trial)).bfloat16()
+        d = torch.randn(x.shape, generator=g).bfloat16()
+        w, eps = torch.randn(n, generator=g).bfloat16(), [1e-5, 1e-6][trial % 2]
+        assert torch.equal(cpu_int4.rms_norm(x, w, eps), rms_norm(x, w, eps))
+        assert all(torch.equal(a, b) for a, b in zip(cpu_int4.add_rms_norm(x, d, w, eps), add_rms_norm(x, d, w, eps), strict=True))
+
+
+def test_rms_norm_catches_a_changed_order():
+    """The bit-for-bit check above can fail: the same squares summed one by one (float32, in order) give another
+    result somewhere in a hundred rows of 8,192."""
+    import numpy as np
+
+    from decoding.model.fast_layers import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(100, 8192, generator=g).bfloat16(), torch.randn(8192, generator=g).bfloat16()
+    xf = x.float()
+    squares = (xf * xf).numpy()
+    total = np.add.accumulate(squares, axis=1, dtype=np.float32)[:, -1]  # one by one, in order
+    r = 1 / torch.sqrt(torch.from_numpy(total)[:, None] / 8192 + 1e-5)
+    assert not torch.equal((xf * r).bfloat16() * w, rms_norm(x, w, 1e-5))
+    assert torch.equal(cpu_int4.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5))
+
+
+def _cache(rows: int, kv: int, slots: int, d: int, dtype, g):
+    k = torch.randn(rows, kv, slots, d, generator=g).bfloat16().to(dtype)
+    return k, torch.randn(rows, kv, slots, d, generator=g).bfloat16().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_over_a_bfloat16_cache_is_the_float32_caches(dtype):
+    """The cache holds bfloat16 values either way; the kernel widens them as it reads: the same bits."""
+    g = torch.Generator().manual_seed(3)
+    for t, s, heads, kv in [(1, 300, 9, 3), (4, 77, 8, 2), (3, 40, 4, 4)]:
+        q = torch.randn(2, heads, t, 64, generator=g).bfloat16()
+        k, v = _cache(2, kv, s, 64, torch.bfloat16, g)
+        allowed = torch.rand(2, t, s, generator=g) > 0.3
+        assert torch.equal(
+            cpu_int4.attend(q, k.to(dtype), v.to(dtype), 0.125, allowed[:, None]),
+            cpu_int4.attend(q, k.float(), v.float(), 0.125, allowed[:, None]),
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows_given", [False, True])
+def test_fused_rotation_write_and_attention_are_the_separate_operations(dtype, rows_given):
+    """rope_attend against fast_layers' own steps: rotate q and k, write k and v at the slots of the rows, attend."""
+    from decoding.model.fast_layers import _rotate, signed_sin
+
+    g = torch.Generator().manual_seed(int(rows_given) + 2 * (dtype == torch.float32))
+    for b, t, heads, kv, d in [(1, 1, 9, 3, 64), (2, 3, 8, 2, 64), (3, 2, 4, 4, 32), (1, 5, 6, 1, 64)]:
+        cache_rows, slots_n, prefix = 4, 40, 20
+        k_all, v_all = _cache(cache_rows, kv, slots_n, d, dtype, g)
+        k_ref, v_ref = k_all.clone(), v_all.clone()
+        qkv = torch.randn(b * t, (heads + 2 * kv) * d, generator=g).bfloat16()
+        cos, sin = torch.randn(b, t, d, generator=g).bfloat16(), torch.randn(b, t, d, generator=g).bfloat16()
+        rows = torch.randperm(cache_rows, generator=g)[:b] if rows_given else torch.arange(b)
+        slots = prefix + torch.stack([torch.randperm(6, generator=g)[:t] for _ in range(b)])
+        end = prefix + 6
+        allowed = torch.rand(b, t, end, generator=g) > 0.2
+        # the separate operations
+        x = qkv.view(b, t, heads + kv + kv, d).transpose(1, 2)
+        qk = _rotate(x[:, : heads + kv], cos[:, None], signed_sin(sin)[:, None])
+        q, k = qk[:, :heads], qk[:, heads:]
+        for i in range(b):
+            for j in range(t):
+                k_ref[rows[i], :, slots[i, j]] = k[i, :, j].to(dtype)
+                v_ref[rows[i], :, slots[i, j]] = x[i, heads + kv :, j].to(dtype)
+        want = cpu_int4.attend(q, k_ref[rows, :, :end], v_ref[rows, :, :end], 0.125, allowed[:, None])
+        got = cpu_int4.rope_attend(
+            qkv,
+            cos,
+            signed_sin(sin).contiguous(),
+            k_all,
+            v_all,
+            rows if rows_given else torch.empty(0, dtype=torch.long),
+            slots,
+            end,
+            allowed,
+            0.125,
+            heads,
+            kv,
+        )
+        assert torch.equal(k_all, k_ref) and torch.equal(v_all, v_ref)
+        assert torch.equal(got, want.transpose(1, 2).reshape(b * t, heads * d))
+
+
+def test_a_slot_outside_the_cache_is_refused():
+    k, v = _cache(1, 1, 8, 64, torch.bfloat16, torch.Generator().manual_seed(0))
+    qkv, cos = torch.zeros(1, 3 * 64).bfloat16(), torch.zeros(1, 1, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="slot outside"):
+        cpu_int4.rope_attend(
+            qkv, cos, cos, k, v, torch.empty(0, dtype=torch.long), torch.tensor([[9]]), 8, torch.empty(0, dtype=torch.bool), 0.1, 1, 1
+        )
+
+
+def _steps(vocab: int):
+    from decoding.trees.shapes import Tree
+
+    g = torch.Generator().manual_seed(1)
+    tree = Tree.from_parents([-1, 0, 0, 1, 2])
+    one = [
+        dict(start=0, input_ids=torch.randint(vocab, (1, 9), generator=g)),  # a causal prefill from slot 0
+        dict(start=9, input_ids=torch.randint(vocab, (1, 1), generator=g)),  # one token
+        dict(start=10, input_ids=torch.randint(vocab, (1, 4), generator=g)),  # a chain after a prefix
+        dict(start=14, input_ids=torch.randint(vocab, (1, 5), generator=g), positions=tree.positions(14)[None], tree_mask=tree.mask),
+    ]
+    rows = [  # two rows at their own lengths (indexed writes)
+        dict(start=0, input_ids=torch.randint(vocab, (2, 12), generator=g)),
+        dict(start=torch.tensor([7, 11]), input_ids=torch.randint(vocab, (2, 3), generator=g)),
+        dict(start=torch.tensor([10, 14]), input_ids=torch.randint(vocab, (2, 1), generator=g)),
+    ]
+    return [(1, one), (2, rows)]
+
+
+def test_the_fused_forward_gives_the_op_by_op_forwards_bits():
+    """A 16-bit Llama with 64-wide heads: every kind of step (one token, a chain, a tree, rows at their own lengths)
+    gives the same hidden states and cache with the norm and fused kernels registered and without them."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from decoding.model.adapter import ModelAdapter
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1
+    )
+    model = LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
+    names = ("rms_norm", "add_rms_norm", "rope_attend")
+    saved = {n: accel.registered_impl(n) for n in names}
+    assert all(saved.values())
+    results = []
+    try:
+        for on in (True, False):
+            for n in names:
+                if on:
+                    accel.register(n, saved[n][1], applies=saved[n][0])
+                else:
+                    accel.unregister(n)
+            fast = ModelAdapter(copy.deepcopy(model))
+            for batch, steps in _steps(fast.vocab_size):
+                cache = fast.new_cache(batch, 64)
+                results.append(([fast.forward(cache, **step) for step in steps], cache.k_all.clone(), cache.v_all.clone()))
+    finally:
+        for n in names:
+            accel.register(n, saved[n][1], applies=saved[n][0])
+    half = len(results) // 2
+    for (a, ka, va), (b, kb, vb) in zip(results[:half], results[half:], strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)) and torch.equal(ka, kb) and torch.equal(va, vb)

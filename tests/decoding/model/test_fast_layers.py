@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 
+from decoding import accel
 from decoding.model.adapter import ModelAdapter
 from decoding.model.fast_layers import ATTEND_MAX, LayerStack, _attend, attend_own_max, supported
 from decoding.trees.shapes import Tree
@@ -79,19 +80,29 @@ def test_bfloat16_prefill_and_wide_blocks_are_bit_identical_to_the_modules(tiny_
 
 
 def test_a_float32_cache_of_bfloat16_values_changes_no_bit(tiny_model):
-    """On a CPU a 16-bit stack keeps its KV cache in float32 (its attention reads float32): every kind of step gives
-    the same hidden states as over a bfloat16 cache, and the cache holds the same values."""
-    fast = ModelAdapter(copy.deepcopy(tiny_model).to(torch.bfloat16))
-    assert fast.cache_dtype == torch.float32 and fast.new_cache(1, 8).k_all.dtype == torch.float32
-    assert "f32kv" in fast.implementation  # the cost models' calibrations are kept per implementation
-    caches = [fast.new_cache(1, 64)]
-    fast.cache_dtype = torch.bfloat16
-    caches.append(fast.new_cache(1, 64))
-    for step in steps_of_every_kind(fast.vocab_size):
-        a, b = (fast.forward(c, **step) for c in caches)
-        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b)
-    assert torch.equal(caches[0].k_all[:, :, :, :20], caches[1].k_all[:, :, :, :20].float())
-    assert torch.equal(caches[0].v_all[:, :, :, :20], caches[1].v_all[:, :, :, :20].float())
+    """On a CPU a 16-bit stack keeps its KV cache in float32 where torch's matmuls attend (they read float32), and in
+    bfloat16 where the CPU kernel does (it widens what it reads): every kind of step gives the same hidden states
+    over either cache, with the kernel and without it, and the caches hold the same values."""
+    kernel = accel.registered_impl("attend_cpu")
+    for registered in ([True, False] if kernel else [False]):
+        if not registered:
+            accel.unregister("attend_cpu")
+        try:
+            fast = ModelAdapter(copy.deepcopy(tiny_model).to(torch.bfloat16))
+            assert fast.cache_dtype == (torch.bfloat16 if registered else torch.float32) == fast.new_cache(1, 8).k_all.dtype
+            assert ("f32kv" in fast.implementation) != registered  # the cost models' calibrations are kept per implementation
+            fast.cache_dtype = torch.float32
+            caches = [fast.new_cache(1, 64)]
+            fast.cache_dtype = torch.bfloat16
+            caches.append(fast.new_cache(1, 64))
+            for step in steps_of_every_kind(fast.vocab_size):
+                a, b = (fast.forward(c, **step) for c in caches)
+                assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b)
+            assert torch.equal(caches[0].k_all[:, :, :, :20], caches[1].k_all[:, :, :, :20].float())
+            assert torch.equal(caches[0].v_all[:, :, :, :20], caches[1].v_all[:, :, :, :20].float())
+        finally:
+            if kernel:
+                accel.register("attend_cpu", kernel[1], applies=kernel[0])
 
 
 def test_bfloat16_narrow_steps_are_as_close_to_float32_as_the_modules():

@@ -17,6 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as GT
 
+from decoding import accel
 from decoding.config import SpecConfig
 from decoding.errors import ConfigError
 from decoding.model.adapter import ModelAdapter
@@ -147,10 +148,12 @@ def test_quantised_tiny_model_decodes_like_its_dense_twin(tiny_model, mode):
     assert all(set(layer) == {"qkv", "o", "gate_up", "down"} for layer in weights.layers)
     model.specray_quant = weights
     packed = ModelAdapter(model)
-    # on a CPU, 16-bit weights attend over a float32 cache; 4-bit linears run kernels/cpu_int4.py where it is built
+    # on a CPU, 16-bit weights attend over a float32 cache unless the CPU kernel attends (over a 16-bit one); 4-bit
+    # linears run kernels/cpu_int4.py where it is built
     fast = "-fast" if weights.layers[0]["qkv"].fast is not None else ""
     assert fast == ("-fast" if mode == "q4" and cpu_int4.extension() is not None else "")
-    assert packed.implementation == f"layers-f32kv-{mode}-dense{fast}"
+    kv = "" if accel.has("attend_cpu") else "-f32kv"
+    assert packed.implementation == f"layers{kv}-{mode}-dense{fast}"
     modules = ModelAdapter(model, fast=False)
     ids = torch.tensor([[1, 5, 3, 7, 2, 9, 4, 1, 5, 3]])
     a = packed.logits(packed.forward(packed.new_cache(1, 32), 0, input_ids=ids[:, :1]))
