@@ -84,7 +84,7 @@ def test_a_float32_cache_of_bfloat16_values_changes_no_bit(tiny_model):
     bfloat16 where the CPU kernel does (it widens what it reads): every kind of step gives the same hidden states
     over either cache, with the kernel and without it, and the caches hold the same values."""
     kernel = accel.registered_impl("attend_cpu")
-    for registered in ([True, False] if kernel else [False]):
+    for registered in [True, False] if kernel else [False]:
         if not registered:
             accel.unregister("attend_cpu")
         try:
