@@ -23,6 +23,7 @@ import logging
 
 import torch
 
+from decoding import accel
 from decoding.model.fast_layers import LayerStack, Placement, write_and_read
 
 
@@ -227,6 +228,8 @@ class ModelAdapter:
         name = ("compiled" if self.compiled is not None else "layers") if self.stack is not None else "modules"
         if self.cache_dtype != self.dtype:
             name += "-f32kv"
+        elif self.stack is not None and self.stack.attend_own and accel.has("rope_attend"):
+            name += "-fused"  # the CPU kernels' norms and fused attention (decoding.model.fast_layers.fused_attention)
         if self.graphs is not None:
             name += "-graphs"
         return f"{name}-{self.quant.implementation}" if self.stack is not None and self.quant is not None else name

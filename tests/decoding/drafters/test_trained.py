@@ -264,7 +264,7 @@ def test_a_trained_drafter_runs_packed_like_its_packed_target(tmp_path, recipe, 
     want = mode if len(packed.module.model.layers) == 1 else "int8"
     assert packed.module.specray_quant.mode == want and getattr(dense.module, "specray_quant", None) is None
     fast = "-fast" if want == "q4" and cpu_int4.extension() is not None else ""  # 4-bit on the CPU kernel where built
-    kv = "" if accel.has("attend_cpu") else "-f32kv"  # a float32 cache unless the CPU kernel attends
+    kv = "-fused" if accel.has("attend_cpu") else "-f32kv"  # a float32 cache unless the CPU kernels attend
     assert ModelAdapter(packed.module).implementation == f"layers{kv}-{want}-dense{fast}"
     assert isinstance(packed.module.lm_head.packed, PackedLinear) and dense.module.lm_head.packed is None
     if isinstance(packed.module, EagleNet):

@@ -152,7 +152,7 @@ def test_quantised_tiny_model_decodes_like_its_dense_twin(tiny_model, mode):
     # linears run kernels/cpu_int4.py where it is built
     fast = "-fast" if weights.layers[0]["qkv"].fast is not None else ""
     assert fast == ("-fast" if mode == "q4" and cpu_int4.extension() is not None else "")
-    kv = "" if accel.has("attend_cpu") else "-f32kv"
+    kv = "-fused" if accel.has("attend_cpu") else "-f32kv"
     assert packed.implementation == f"layers{kv}-{mode}-dense{fast}"
     modules = ModelAdapter(model, fast=False)
     ids = torch.tensor([[1, 5, 3, 7, 2, 9, 4, 1, 5, 3]])
