@@ -1,4 +1,4 @@
-"""CPU kernels for the shipped model (AVX512-BF16): its 4-bit linears, its 8-bit LM head, and attention.
+"""CPU kernels for the shipped model (AVX512-BF16): its 4-bit linears, its 8-bit LM head, RMSNorm and attention.
 
 The bundled SmolLM2 runs its decoder layers as 4-bit groups and its LM head as 8-bit ones (``decoding.model.quant``).
 torch's int4 kernel widens each weight to float32 and multiplies it by one input row at a time: it is bound by the
@@ -25,11 +25,19 @@ SmolLM2's forward (the fastest of 6 alternating timings, ``ModelAdapter``, 2 thr
 7.31 -> 7.07 ms at one token, 10.00 -> 9.43 at four, 14.46 -> 13.17 at eight; over 1,600: 8.32 -> 7.95, 12.66 -> 11.44,
 19.18 -> 16.17; over 100, unchanged (5.4-5.5, 7.4, 10.1).
 
+Attention reads a float32 or a bfloat16 cache (the same values: the keys and values are bfloat16 projections);
+where it is registered the 16-bit stacks keep a bfloat16 cache (``LayerStack.kv_dtype``), half the bytes to read.
+``rms_norm`` and ``add_rms_norm`` are ``F.rms_norm(x) * w`` (and the residual sum before it) in one call, with torch's
+bits: the squares are summed in the order of torch's CPU reduction. ``rope_attend`` rotates a layer's queries and
+keys from its fused projection, writes the keys and values at their slots and attends, in one call where the
+separate operations took about twenty, with the same bits (``decoding.model.fast_layers.fused_attention``). With
+them a one-token step over 100 cached tokens went 4.07 -> 3.11 ms, over 800 4.84 -> 3.58 (docs/benchmarks.md).
+
 It needs AVX512-BF16 (AMD Zen 4, Intel Cooper Lake and later) and a C++ compiler; it is built on first use into
 torch's extension cache (about 20 s, once per machine). Elsewhere, or with ``SPECRAY_KERNELS=0``, torch's kernels
 run. ``kernels.install()`` registers :func:`prepare` (``int4_linear``: a packed linear made after it runs here,
-``decoding.model.quant.PackedLinear.fast``) and :func:`attend` (``attend_cpu``) with ``decoding.accel``; a forward
-being compiled runs torch's.
+``decoding.model.quant.PackedLinear.fast``), :func:`attend` (``attend_cpu``), :func:`rms_norm`, :func:`add_rms_norm`
+and :func:`rope_attend` with ``decoding.accel``; a forward being compiled runs torch's.
 """
 
 from __future__ import annotations
