@@ -62,6 +62,29 @@ def test_match_and_tree_equal_a_suffix_trie_over_the_same_texts(seed):
         assert all(p == pytest.approx(_path_prob(trie, context[-m:], path)) for path, p in zip(paths.values(), probs, strict=True))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_fast_searches_find_what_the_plain_ones_do(seed, monkeypatch):
+    """The packed heads of the suffixes (numpy's binary search for a pattern's first tokens), and small ranges
+    searched and counted in Python or numpy, give the same matches and trees as the plain binary searches in Python:
+    every branch of each search, on the same contexts, some longer than the heads."""
+    texts = _texts(seed, n=200, vocab=5 + seed)
+    rng = random.Random(seed)
+    contexts = [[rng.randrange(5 + seed) for _ in range(rng.randrange(1, 9))] for _ in range(60)]
+
+    def trees(heads: bool, few: int, gather: int):
+        monkeypatch.setattr(suffix_corpus, "FEW", few)
+        monkeypatch.setattr(suffix_corpus, "GATHER", gather)
+        index = CorpusIndex.from_texts(texts)
+        if not heads:
+            index.heads = None  # the plain search (as for token ids too large to pack)
+        return [(index.longest_match(c, 6), index.tree(c, depth=4, budget=8, max_match=6, min_prob=0.02, factor=3.0)) for c in contexts]
+
+    plain = trees(False, 0, 0)
+    assert any(t[1][0] for t in plain) and any(m[0] > suffix_corpus.HEAD for m, _ in plain)  # trees, and matches past the heads
+    for heads, few, gather in [(True, 0, 0), (True, 64, 4096), (True, 10**9, 0), (False, 64, 10**9)]:
+        assert trees(heads, few, gather) == plain
+
+
 def _path_prob(trie, pattern, path):
     node = trie.match(pattern, max_match=len(pattern))[0]
     p = 1.0
