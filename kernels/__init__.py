@@ -63,10 +63,21 @@ def install() -> bool:
     # the CPU's 4-bit kernel (AVX512-BF16; built on first use): packed linears made from now on run it
     accel.register("int4_linear", _lazy("kernels.cpu_int4", "prepare"), applies=lambda linear: _cpu_int4_applies())
     if _cpu_int4_applies():
-        from kernels.cpu_int4 import add_rms_norm, attend, attend_applies, norm_applies, rms_norm, rope_attend, rope_attend_applies
+        from kernels.cpu_int4 import (
+            add_rms_norm,
+            attend,
+            attend_applies,
+            layer,
+            layer_applies,
+            norm_applies,
+            rms_norm,
+            rope_attend,
+            rope_attend_applies,
+        )
 
         accel.register("attend_cpu", attend, applies=attend_applies)
         accel.register("rope_attend", rope_attend, applies=rope_attend_applies)
+        accel.register("layer_cpu", layer, applies=layer_applies)
         accel.register("rms_norm", rms_norm, applies=norm_applies)
         accel.register("add_rms_norm", add_rms_norm, applies=lambda h, d, weight, eps: norm_applies(h, weight, eps))
     if not triton_available():

@@ -577,3 +577,20 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor d, torch:
   for (; c < total; ++c) sp[c] = c10::BFloat16(bf16_value(hp[c]) + bf16_value(dp[c])).x;
   return {sum, rms_norm(sum, w, eps)};
 }
+
+// ---- one decoder layer in one call (kernels/cpu_int4.py: layer) ------------------------------------------------------
+// fast_layers.layer_step with rope_attend, the norm kernels and int4_mm for its four linears ({packed, scale, zero}
+// each), the SiLU and the residual sums by torch's own operations: the same operations in the same order, so the same
+// bits, without a return to Python between them.
+torch::Tensor layer(torch::Tensor hidden, torch::Tensor norm_in, double eps_in, torch::Tensor norm_post, double eps_post,
+                    std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o, std::vector<torch::Tensor> gate_up,
+                    std::vector<torch::Tensor> down, torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
+                    torch::Tensor rows, torch::Tensor slots, int64_t end, torch::Tensor allowed, double scale, int64_t H,
+                    int64_t KV) {
+  TORCH_CHECK(qkv.size() == 3 && o.size() == 3 && gate_up.size() == 3 && down.size() == 3, "linears: {packed, scale, zero}");
+  auto x = rms_norm(hidden, norm_in, eps_in);
+  auto attended = rope_attend(int4_mm(x, qkv[0], qkv[1], qkv[2]), cos, sin, k, v, rows, slots, end, allowed, scale, H, KV);
+  auto sum_norm = add_rms_norm(hidden, int4_mm(attended, o[0], o[1], o[2]), norm_post, eps_post);
+  auto halves = int4_mm(sum_norm[1], gate_up[0], gate_up[1], gate_up[2]).chunk(2, -1);
+  return sum_norm[0] + int4_mm(at::silu(halves[0]) * halves[1], down[0], down[1], down[2]);
+}

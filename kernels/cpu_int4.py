@@ -82,7 +82,7 @@ def extension():
         from torch.utils.cpp_extension import load_inline
 
         log.info("loading the AVX512-BF16 CPU kernels (built once per machine, about 20 s)")
-        functions = ["int4_mm", "int8_mm", "attend", "rope_attend", "rms_norm", "add_rms_norm"]
+        functions = ["int4_mm", "int8_mm", "attend", "rope_attend", "rms_norm", "add_rms_norm", "layer"]
         return load_inline("specray_cpu_int4", cpp_sources=SOURCE.read_text(), functions=functions, extra_cflags=FLAGS)
     except Exception as e:  # no compiler, no ninja, an old compiler without AVX512-BF16: torch's kernel runs
         log.warning("the AVX512-BF16 int4 kernel did not build (%s); torch's int4 kernel runs", str(e).splitlines()[0][:200])
@@ -237,3 +237,33 @@ def rope_attend(qkv, cos, sin, k, v, rows, slots, end: int, allowed, scale: floa
     arithmetic over slots ``[0, end)``, returned as [B*T, heads * head_dim] (``cpu_int4.cpp``). The same bits as
     the separate operations, in one call where they took about twenty."""
     return extension().rope_attend(qkv, cos, sin, k, v, rows, slots, end, allowed, float(scale), heads, kv_heads)
+
+
+_LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+def layer_applies(stack, hidden) -> bool:
+    """One call per layer (:func:`layer`) takes a forward: what :func:`rope_attend_applies` asks, at most
+    ``accel.FAST_MAX_ROWS`` rows, and every layer's four linears on this extension's int4 kernel."""
+    from decoding import accel
+
+    ext = extension()
+    if ext is None or hidden.dtype != torch.bfloat16 or hidden.shape[0] > accel.FAST_MAX_ROWS or torch.compiler.is_compiling():
+        return False
+    for w in stack.weights:
+        for name in _LINEARS:
+            fast = getattr(w.packed.get(name), "fast", None)
+            if not isinstance(fast, PackedKernel) or fast.op is not ext.int4_mm:
+                return False
+    return True
+
+
+def layer(w, hidden, cos, sin, k, v, rows, slots, end: int, allowed, heads: int, kv_heads: int) -> torch.Tensor:
+    """``decoding.model.fast_layers.layer_step`` for one layer, with the fused attention (``fused_attention``'s
+    arguments), in one call (``cpu_int4.cpp``: the same kernels and torch operations in the same order, so the same
+    bits, without returning to Python between them)."""
+    p = w.packed
+    return extension().layer(
+        hidden, w.norm_in, w.eps_in, w.norm_post, w.eps_post, *(p[name].fast.weights for name in _LINEARS),
+        cos, sin, k, v, rows, slots, end, allowed, w.scale, heads, kv_heads,
+    )  # fmt: skip

@@ -445,7 +445,7 @@ def run_layers(stack: LayerStack, hidden, first: int, last: int, cos_sin, mask, 
     own = stack.attend_own and not causal and t <= attend_own_max()
     hidden = hidden.reshape(bsz * t, width)  # activations stay 2-D [B*T, hidden]
     norms = layer_norms(hidden, stack.weights[first]) if last > first else None
-    fused = fused_attention(stack, hidden, plain, cos_sin, mask) if own and plain is not None and stack.fuse else None
+    fused, whole = fused_attention(stack, hidden, plain, cos_sin, mask) if own and plain is not None and stack.fuse else (None, None)
     for index in range(first, last):
         w = stack.weights[index]
 
@@ -453,7 +453,10 @@ def run_layers(stack: LayerStack, hidden, first: int, last: int, cos_sin, mask, 
             k, v = write(w.cache_index, k, v)
             return attention(q, k, v, w.scale, mask, own, causal, stack.kv_heads)
 
-        hidden = layer_step(w, hidden, bsz, t, cos, sin, stack.shape, attend, norms, fused)
+        if whole is not None:  # the layer in one call (the same bits)
+            hidden = whole(w, hidden)
+        else:
+            hidden = layer_step(w, hidden, bsz, t, cos, sin, stack.shape, attend, norms, fused)
         if captured is not None and index + 1 in captured:
             captured[index + 1] = hidden.view(bsz, t, width)
     return hidden.view(bsz, t, width)
@@ -464,25 +467,36 @@ _EVERY_SLOT = torch.empty(0, dtype=torch.bool)
 
 
 def fused_attention(stack: LayerStack, hidden: torch.Tensor, plain, cos_sin, mask):
-    """``fused(w, qkv)`` for :func:`layer_step`: a layer's rotation, cache write (at ``place``) and attention in one
-    call (``rope_attend`` in ``decoding.accel``: ``kernels/cpu_int4.py``'s, where registered and it applies), the
-    forward's arguments prepared once for all its layers; None where no implementation applies (the layers then
-    rotate, write and attend op by op)."""
+    """``(fused, whole)`` for a forward's layers, its arguments prepared once for all of them; ``(None, None)`` where no
+    implementation applies (the layers then rotate, write and attend op by op).
+
+    ``fused(w, qkv) -> [B*T, heads * head_dim]`` (:func:`layer_step`'s): a layer's rotation, cache write (at the
+    placement of ``plain = (cache, place)``) and attention in one call (``rope_attend`` in ``decoding.accel``:
+    ``kernels/cpu_int4.py``'s, where registered and it applies). ``whole(w, hidden)``, where ``layer_cpu`` applies
+    too: the whole of :func:`layer_step` in one call; else None."""
     cache, place = plain
     k_all, v_all = (cache.k_all, cache.v_all) if hasattr(cache, "k_all") else (cache.k, cache.v)
     impl = accel.pick("rope_attend", None, hidden, k_all[0])
     if impl is None:
-        return None
+        return None, None
     cos, sin = cos_sin[0].contiguous(), signed_sin(cos_sin[1]).contiguous()  # [B|1, T, D]
     rows = _NO_ROWS if place.rows is None else place.rows.reshape(-1).contiguous()
     slots = place.slots.contiguous()
     allowed = _EVERY_SLOT if mask is None else mask.squeeze(1).contiguous()
     heads, kv_heads, _ = stack.shape
+    end = place.end
 
     def fused(w: LayerWeights, qkv: torch.Tensor) -> torch.Tensor:
-        return impl(qkv, cos, sin, k_all[w.cache_index], v_all[w.cache_index], rows, slots, place.end, allowed, w.scale, heads, kv_heads)
+        return impl(qkv, cos, sin, k_all[w.cache_index], v_all[w.cache_index], rows, slots, end, allowed, w.scale, heads, kv_heads)
 
-    return fused
+    layer = accel.pick("layer_cpu", None, stack, hidden)
+    if layer is None:
+        return fused, None
+
+    def whole(w: LayerWeights, hidden: torch.Tensor) -> torch.Tensor:
+        return layer(w, hidden, cos, sin, k_all[w.cache_index], v_all[w.cache_index], rows, slots, end, allowed, heads, kv_heads)
+
+    return fused, whole
 
 
 def write_and_read(cache, index: int, k: torch.Tensor, v: torch.Tensor, place: Placement):

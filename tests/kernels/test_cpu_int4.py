@@ -256,38 +256,48 @@ def _steps(vocab: int):
     return [(1, one), (2, rows)]
 
 
-def test_the_fused_forward_gives_the_op_by_op_forwards_bits():
-    """A 16-bit Llama with 64-wide heads: every kind of step (one token, a chain, a tree, rows at their own lengths)
-    gives the same hidden states and cache with the norm and fused kernels registered and without them."""
+@pytest.mark.parametrize("quantised", [False, True])
+def test_the_fused_forward_gives_the_op_by_op_forwards_bits(quantised):
+    """A 16-bit Llama with 64-wide heads, dense or with 4-bit linears: every kind of step (one token, a chain, a tree,
+    rows at their own lengths) gives the same hidden states and cache with the norm, fused-attention and whole-layer
+    kernels registered and without them; with 4-bit linears the whole-layer call is what ran."""
     import copy
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from decoding.model.adapter import ModelAdapter
+    from decoding.model.quant import quantize_model
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=64, hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1
     )
     model = LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
-    names = ("rms_norm", "add_rms_norm", "rope_attend")
+    names = ("rms_norm", "add_rms_norm", "rope_attend", "layer_cpu")
     saved = {n: accel.registered_impl(n) for n in names}
     assert all(saved.values())
+    calls = []
     results = []
     try:
         for on in (True, False):
             for n in names:
                 if on:
-                    accel.register(n, saved[n][1], applies=saved[n][0])
+                    fn = saved[n][1]
+                    impl = (lambda *a, fn=fn: calls.append(1) or fn(*a)) if n == "layer_cpu" else fn
+                    accel.register(n, impl, applies=saved[n][0])
                 else:
                     accel.unregister(n)
-            fast = ModelAdapter(copy.deepcopy(model))
+            twin = copy.deepcopy(model)
+            if quantised:
+                twin.specray_quant = quantize_model(twin, "q4")
+            fast = ModelAdapter(twin)
             for batch, steps in _steps(fast.vocab_size):
                 cache = fast.new_cache(batch, 64)
                 results.append(([fast.forward(cache, **step) for step in steps], cache.k_all.clone(), cache.v_all.clone()))
     finally:
         for n in names:
             accel.register(n, saved[n][1], applies=saved[n][0])
+    assert bool(calls) == quantised  # the whole-layer call takes only 4-bit linears on this kernel
     half = len(results) // 2
     for (a, ka, va), (b, kb, vb) in zip(results[:half], results[half:], strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)) and torch.equal(ka, kb) and torch.equal(va, vb)
