@@ -30,14 +30,17 @@ where it is registered the 16-bit stacks keep a bfloat16 cache (``LayerStack.kv_
 ``rms_norm`` and ``add_rms_norm`` are ``F.rms_norm(x) * w`` (and the residual sum before it) in one call, with torch's
 bits: the squares are summed in the order of torch's CPU reduction. ``rope_attend`` rotates a layer's queries and
 keys from its fused projection, writes the keys and values at their slots and attends, in one call where the
-separate operations took about twenty, with the same bits (``decoding.model.fast_layers.fused_attention``). With
-them a one-token step over 100 cached tokens went 4.07 -> 3.11 ms, over 800 4.84 -> 3.58 (docs/benchmarks.md).
+separate operations took about twenty, with the same bits (``decoding.model.fast_layers.fused_attention``). ``layer``
+runs a whole decoder layer in one call where its four linears are on the int4 kernel: the same kernels and torch
+operations in the same order. With them a one-token step over 100 cached tokens went 4.07 -> 3.11 ms (norms and
+fused attention), then 3.35 -> 3.01 (the layer; another run), and over 800 4.84 -> 3.58, 4.05 -> 3.47
+(docs/benchmarks.md).
 
 It needs AVX512-BF16 (AMD Zen 4, Intel Cooper Lake and later) and a C++ compiler; it is built on first use into
 torch's extension cache (about 20 s, once per machine). Elsewhere, or with ``SPECRAY_KERNELS=0``, torch's kernels
 run. ``kernels.install()`` registers :func:`prepare` (``int4_linear``: a packed linear made after it runs here,
-``decoding.model.quant.PackedLinear.fast``), :func:`attend` (``attend_cpu``), :func:`rms_norm`, :func:`add_rms_norm`
-and :func:`rope_attend` with ``decoding.accel``; a forward being compiled runs torch's.
+``decoding.model.quant.PackedLinear.fast``), :func:`attend` (``attend_cpu``), :func:`rms_norm`, :func:`add_rms_norm`,
+:func:`rope_attend` and :func:`layer` (``layer_cpu``) with ``decoding.accel``; a forward being compiled runs torch's.
 """
 
 from __future__ import annotations
