@@ -18,7 +18,16 @@ import time
 import torch
 
 from decoding.drafters.base import DecodeState, Drafter, Proposal
-from decoding.loop.goodput import Acceptance, DraftCost, RowPlan, TreeGain, catch_up_pays, choose_width, probe_catch_up_allowed
+from decoding.loop.goodput import (
+    Acceptance,
+    DraftCost,
+    ProposeGate,
+    RowPlan,
+    TreeGain,
+    catch_up_pays,
+    choose_width,
+    probe_catch_up_allowed,
+)
 from decoding.loop.output import Generation, Output, StepCallback
 from decoding.loop.prefill import PREFILL_CHUNK, Prefill, check_context, chunk_of, first_token
 from decoding.loop.step import Workspace, propose, truncate, verify_step
@@ -85,6 +94,7 @@ class Sequence(Output):
         self.draft_cost = DraftCost()  # what its drafter's proposals cost, by length
         self.captured_s = 0.0  # seconds its drafter's last proposal spent capturing CUDA graphs (once per shape)
         self.tree_gain = TreeGain()  # accepted drafts of its whole trees, by tree size
+        self.gate = ProposeGate()  # whether its model-free drafter proposes at all this step (alone in its step)
         self.fill: Prefill | None = None  # its prompt's prefill while it joins a batch
         self.unfed = prompt_ids.shape[1]  # tokens committed since its drafter last proposed (a model drafter catches up)
         self.error: Exception | None = None  # why it could not start (its drafter failed to), if so
@@ -333,6 +343,8 @@ class Batch:
         )
         if self.cost is not None:
             self.cost.observe(len(rows), width, results[0].record.verify_s)
+            if len(rows) == 1 and rows[0].drafter.model_free and rows[0].adaptive:
+                self._gate(rows[0], results[0], width)
         for seq, res, budget in zip(list(rows), results, budgets, strict=True):
             res.record.k = budget
             seq.acceptance.observe(res.record.drafted, res.num_accepted)
@@ -372,7 +384,10 @@ class Batch:
         plans = []
         for s, cap in zip(rows, caps, strict=True):
             model_free = s.drafter.model_free
-            if model_free and cap > 0:
+            if model_free and cap > 0 and len(rows) == 1 and s.adaptive and not s.gate.proposes:
+                early[id(s)] = (Proposal.empty(1, s.state.tokens.device), 0.0)  # its proposals cost more than they save
+                avail, alpha, tree_gain = 0, s.acceptance.alpha, None
+            elif model_free and cap > 0:
                 early[id(s)] = self._propose(s, cap)
                 p = early[id(s)][0]
                 avail, alpha = p.size, (s.acceptance.alpha if p.kind is None else s.kind_acceptance(p.kind).alpha)
@@ -415,6 +430,14 @@ class Batch:
             else:
                 pairs.append(self._propose(s, budget))
         return [p for p, _ in pairs], [t for _, t in pairs], budgets
+
+    def _gate(self, seq: Sequence, res, width: int) -> None:
+        """Tell a lone row's :class:`ProposeGate` what its model-free drafter's proposal saved and cost this step (no
+        proposal: an idle step)."""
+        proposed = res.record.draft_s > 0.0  # a row the gate held back spent no time proposing
+        plain = self.cost(1, 1)
+        saved = res.num_accepted * plain - (self.cost(1, width) - plain) if res.record.drafted else 0.0
+        seq.gate.observe(proposed, saved, res.record.draft_s, plain)
 
     def _catches_up(self, seq: Sequence, plan: RowPlan, budget: int, probing: bool) -> bool:
         """Whether ``seq``'s model drafter should catch up on the tokens it has not seen (``Sequence.unfed``) to draft

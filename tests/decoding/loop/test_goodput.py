@@ -73,3 +73,29 @@ def test_a_model_drafter_that_does_not_pay_stays_off(seed):
 
 def test_a_model_drafter_that_clearly_pays_drafts_nearly_always():
     assert min(drafted_share(0.5, model_free=False, seed=seed) for seed in range(3)) > 0.95
+
+
+def test_a_costly_proposer_that_does_not_pay_stops_and_probes_ever_more_rarely():
+    """The gate over a drafter whose proposals take 0.4 ms of a 4 ms step: drafts that save 0.1 ms stop it after its
+    first proposals; probes that do not pay double the wait, up to its most; one that pays turns it back on. A drafter
+    whose proposals cost 0.02 ms is never stopped, whatever its drafts save."""
+    from decoding.loop.goodput import PROBE_EVERY, ProposeGate
+
+    gate, plain, proposed_at = ProposeGate(), 0.004, []
+    for step in range(400):
+        if gate.proposes:
+            proposed_at.append(step)
+            gate.observe(True, saved=0.0001, spent=0.0004, plain_s=plain)
+        else:
+            gate.observe(False, 0.0, 0.0, plain)
+    gaps = [b - a for a, b in zip(proposed_at, proposed_at[1:], strict=False)]
+    judge = gate.judge
+    assert proposed_at[:judge] == list(range(judge)) and len(proposed_at) < judge + 20
+    assert gaps[judge - 1] == PROBE_EVERY + 1 and max(gaps) == gate.most + 1 and gaps == sorted(gaps)
+    gate.idle = gate.probe_every
+    gate.observe(True, saved=0.02, spent=0.0004, plain_s=plain)  # a probe whose drafts saved five steps' worth
+    assert gate.proposes and gate.probe_every == PROBE_EVERY
+    cheap = ProposeGate()
+    for _ in range(50):
+        cheap.observe(True, saved=-0.001, spent=0.00002, plain_s=plain)
+    assert cheap.proposes
