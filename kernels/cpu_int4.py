@@ -253,12 +253,16 @@ def layer_applies(stack, hidden) -> bool:
     ext = extension()
     if ext is None or hidden.dtype != torch.bfloat16 or hidden.shape[0] > accel.FAST_MAX_ROWS or torch.compiler.is_compiling():
         return False
-    for w in stack.weights:
-        for name in _LINEARS:
-            fast = getattr(w.packed.get(name), "fast", None)
-            if not isinstance(fast, PackedKernel) or fast.op is not ext.int4_mm:
-                return False
-    return True
+    known = getattr(stack, "_int4_layers", None)  # (its weights list, the answer): asked at every forward
+    if known is None or known[0] is not stack.weights:
+        every = all(_on_int4(w.packed.get(name), ext) for w in stack.weights for name in _LINEARS)
+        known = stack._int4_layers = (stack.weights, every)
+    return known[1]
+
+
+def _on_int4(linear, ext) -> bool:
+    fast = getattr(linear, "fast", None)
+    return isinstance(fast, PackedKernel) and fast.op is ext.int4_mm
 
 
 def layer(w, hidden, cos, sin, k, v, rows, slots, end: int, allowed, heads: int, kv_heads: int) -> torch.Tensor:
