@@ -444,8 +444,8 @@ def run_layers(stack: LayerStack, hidden, first: int, last: int, cos_sin, mask, 
     causal = mask is None and t > 1
     own = stack.attend_own and not causal and t <= attend_own_max()
     hidden = hidden.reshape(bsz * t, width)  # activations stay 2-D [B*T, hidden]
-    norms = layer_norms(hidden, stack.weights[first]) if last > first else None
     fused, whole = fused_attention(stack, hidden, plain, cos_sin, mask) if own and plain is not None and stack.fuse else (None, None)
+    norms = layer_norms(hidden, stack.weights[first]) if last > first and whole is None else None
     for index in range(first, last):
         w = stack.weights[index]
 
@@ -475,7 +475,7 @@ def fused_attention(stack: LayerStack, hidden: torch.Tensor, plain, cos_sin, mas
     ``kernels/cpu_int4.py``'s, where registered and it applies). ``whole(w, hidden)``, where ``layer_cpu`` applies
     too: the whole of :func:`layer_step` in one call; else None."""
     cache, place = plain
-    k_all, v_all = (cache.k_all, cache.v_all) if hasattr(cache, "k_all") else (cache.k, cache.v)
+    k_all, v_all = _cache_tensors(cache)
     impl = accel.pick("rope_attend", None, hidden, k_all[0])
     if impl is None:
         return None, None
@@ -499,9 +499,15 @@ def fused_attention(stack: LayerStack, hidden: torch.Tensor, plain, cos_sin, mas
     return fused, whole
 
 
+def _cache_tensors(cache):
+    """A plain cache's keys and values, indexed by layer (the adapter's KVCache: [layers, B, KV, S, D] each)."""
+    return (cache.k_all, cache.v_all) if hasattr(cache, "k_all") else (cache.k, cache.v)
+
+
 def write_and_read(cache, index: int, k: torch.Tensor, v: torch.Tensor, place: Placement):
     """Write the block's keys/values [B, KV, T, D] of layer ``index`` where ``place`` says; return the slots read."""
-    k_all, v_all = (cache.k_all[index], cache.v_all[index]) if hasattr(cache, "k_all") else (cache.k[index], cache.v[index])
+    k_layers, v_layers = _cache_tensors(cache)
+    k_all, v_all = k_layers[index], v_layers[index]
     k, v = k.to(k_all.dtype), v.to(v_all.dtype)  # a float32 cache of 16-bit values (LayerStack.kv_dtype); else no-ops
     if place.start is not None:
         k_all[:, :, place.start : place.start + k.shape[2]] = k
