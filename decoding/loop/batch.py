@@ -26,7 +26,7 @@ from decoding.loop.goodput import (
     TreeGain,
     catch_up_pays,
     choose_width,
-    probe_catch_up_allowed,
+    probe_allowed,
 )
 from decoding.loop.output import Generation, Output, StepCallback
 from decoding.loop.prefill import PREFILL_CHUNK, Prefill, check_context, chunk_of, first_token
@@ -441,14 +441,15 @@ class Batch:
 
     def _catches_up(self, seq: Sequence, plan: RowPlan, budget: int, probing: bool) -> bool:
         """Whether ``seq``'s model drafter should catch up on the tokens it has not seen (``Sequence.unfed``) to draft
-        ``budget`` tokens now: a probe only within ``goodput.probe_catch_up_allowed`` (about a plain step, more the
-        longer the row has not drafted), a draft only where drafting saves that much over the tokens that remain
+        ``budget`` tokens now: a probe only where all it costs fits ``goodput.probe_allowed`` (a share of the plain
+        steps the row waited), a draft only where drafting saves that much over the tokens that remain
         (``goodput.catch_up_pays``). Nothing is known before its first catch-up: it drafts, and measures."""
         seconds = seq.draft_cost.catch_up(seq.fed_next)
         if seconds is None:
             return True
         if probing:
-            return probe_catch_up_allowed(seconds, self.cost(1, 1), seq.acceptance.idle)
+            wider = self.cost(1, budget + 1) - self.cost(1, 1)
+            return probe_allowed(seconds + seq.draft_cost(budget) + wider, self.cost(1, 1), seq.acceptance.idle)
         width = plan.avail + 1 if plan.tree_gain is not None else budget + 1  # a tree is drafted whole
         return catch_up_pays(plan, self.cost, width, seq.remaining, seconds)
 
