@@ -304,7 +304,7 @@ void attend_all(const Attention& a) {
   // its keys and values come from memory once for all the positions (in the order (position, kv head) both threads
   // read every key of a layer: a second verified token cost 27 us a layer over 800 cached tokens, not 6)
   at::parallel_for(0, B * pieces * T, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<int32_t> idx(T * S);  // row b's allowed slots per position t: idx[t * S ..), n[t] of them (-1: not listed)
+    std::vector<int32_t> idx(T * S);  // row b's allowed slots per position t: idx[t * S ..), count[t] of them (-1: not listed)
     std::vector<int64_t> count(T, -1);
     std::vector<float> buf(4 * (S + 16));
     int64_t listed = -1;  // the row whose slots idx lists

@@ -176,18 +176,17 @@ class CostModel:
         Each point is the fastest of its timed forwards (the least disturbed by other work): ``repeats`` rounds, after
         one that warms up, each taking every width in another order, ``BURST`` forwards a width, the first of them
         untimed (after a 64-token forward a one-token one took 4.5-4.7 ms here, the fourth 3.7); and no point costs more
-        than a wider one of its rows (:func:`monotone`). One timing a point put two tokens at 1.16x a plain step on
-        this CPU, where they cost 1.08x over 30 timings; :meth:`observe` corrects an underestimate as soon as the width
-        is drafted, but never an overestimate (a width it does not try). Timed point after point, the first points
-        after the prefill ran slow: one token measured as dear as two (1.006x, kept in the calibration file), where two
-        cost 1.09-1.12x in rounds and 1.06-1.14x inside generation, so SpS drafted one token at every step where it
-        lost 6% (the premium never shows while a row drafts at every step: :meth:`observe` corrects a width's shape
-        only near a plain step). One row is
-        also timed at ``tree_widths``: the token trees a drafter sizes by this model (``decoding.trees.hardware``). The
-        ``context`` is about a generation's (a prompt and an answer): over 128 tokens SmolLM2's 5 and 8 tokens cost
-        1.65-1.68x and 1.74-1.76x a plain step here, over 256 1.77x and 1.88x, and the steps of a run cost more than
-        the 128-token grid said (k=auto's learned shapes: 1.06-1.13x it). ``progress``: a bar on a terminal (a
-        model's first measurement takes a minute or two on a small CPU, and said nothing before).
+        than a wider one of its rows (:func:`monotone`). One timing a point put two tokens at 1.16x a plain step on this
+        CPU, where they cost 1.08x over 30 timings; :meth:`observe` corrects an underestimate as soon as the width is
+        drafted, but never an overestimate (a width it does not try). Timed point after point, the first points after
+        the prefill ran slow: two tokens measured at 1.006x one (kept in the calibration file), where they cost
+        1.09-1.15x in rounds and 1.06-1.15x inside generation, so SpS drafted one token at every step where it lost 6%
+        (the premium never shows while a row drafts at every step: :meth:`observe` corrects a width's shape only near a
+        plain step). One row is also timed at ``tree_widths``: the token trees a drafter sizes by this model
+        (``decoding.trees.hardware``). The ``context`` is about a generation's (a prompt and an answer): over 128 tokens
+        SmolLM2's 5 and 8 tokens cost 1.65-1.68x and 1.74-1.76x a plain step here, over 256 1.77x and 1.88x, and the
+        steps of a run cost more than the 128-token grid said (k=auto's learned shapes: 1.06-1.13x it). ``progress``: a
+        bar on a terminal (a model's first measurement takes a minute or two on a small CPU, and said nothing before).
         """
         from tqdm.auto import tqdm
 
