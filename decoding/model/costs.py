@@ -27,7 +27,7 @@ CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32)
 # tokens per row the start-up calibration times. The int4 kernel of this kind of CPU works on 4 rows of a matrix at a
 # time: SmolLM2's forward costs 8.7 ms at 1 token, 11.4-12.4 at 2-4, 15.2-16.2 at 5-8, 21.7 at 9; the ends of those
 # steps are measured, so k=auto sees that a fourth or an eighth token costs little more than the one before it
-CALIBRATION_WIDTHS = (1, 2, 3, 4, 5, 8, 9)  # 42 points x 2 forwards at 32 rows: about 7 s for SmolLM2-135M on 2 cores
+CALIBRATION_WIDTHS = (1, 2, 3, 4, 5, 8, 9)  # SmolLM2-135M on 2 cores: one row 2.5 s, rows up to 32 25 s (once, then cached)
 GPU_WIDTHS = (17, 33, 65)  # also measured on a GPU, where verifying 64 tokens costs about what one does
 TREE_WIDTHS = (12, 16, 24, 32, 48, 64)  # one row also at these: token trees (nodes, the root included) up to 64
 # how a grid is measured: the fastest of 3 rounds x 2 timings a point over 256 tokens, monotone in width,
