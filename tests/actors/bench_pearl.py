@@ -43,6 +43,7 @@ def main():
 
     from tests_support import spec_bench_prompts
 
+    import kernels
     from actors.driver import ActorDecoder
     from cluster.placement import place_workers
     from cluster.runtime import connect
@@ -50,6 +51,7 @@ def main():
     from decoding.in_process import SpecDecoder
     from evaluation.workloads import load_prompts
 
+    kernels.install()  # the in-process decoders run the kernels the actors run (actors.model_actor), as users' do
     base = SpecConfig(dtype=args.dtype, max_new_tokens=args.max_new_tokens, k=args.k, draft_layers=args.draft_layers)
     connect(num_cpus=2)
     if args.method == "pearl":
