@@ -27,10 +27,13 @@ CONFIGS = {
 
 
 def main(argv=None) -> int:
+    import kernels
     from decoding.config import SpecConfig
     from decoding.in_process import SpecDecoder
     from decoding.model.graphs import LoopGraphs
     from evaluation.workloads import load_prompts
+
+    kernels.install()  # the kernels users' decoders run (jobs.common), on this device
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
