@@ -448,8 +448,9 @@ class Batch:
         if seconds is None:
             return True
         if probing:
-            wider = self.cost(1, budget + 1) - self.cost(1, 1)
-            return probe_allowed(seconds + seq.draft_cost(budget) + wider, self.cost(1, 1), seq.acceptance.idle)
+            plain = self.cost(1, 1)
+            wider = self.cost(1, budget + 1) - plain
+            return probe_allowed(seconds + seq.draft_cost(budget) + wider, plain, seq.acceptance.idle)
         width = plan.avail + 1 if plan.tree_gain is not None else budget + 1  # a tree is drafted whole
         return catch_up_pays(plan, self.cost, width, seq.remaining, seconds)
 
