@@ -34,6 +34,8 @@ TREE_WIDTHS = (12, 16, 24, 32, 48, 64)  # one row also at these: token trees (no
 # one row up to 64 tokens; a new grid or way of measuring is measured anew, not read from an old file
 CALIBRATION_FORMAT = "m6"
 BURST = 3  # forwards a width runs at a time in a round, the first one not timed
+# a stored table is checked when a process first reads it: a plain step and one of CHECK_WIDTH tokens, timed again
+CHECK_WIDTH, CHECK_TOLERANCE = 4, 0.1
 log = logging.getLogger(__name__)
 _COSTS: dict[tuple, CostModel] = {}
 _COSTS_LOCK = threading.Lock()
@@ -44,7 +46,9 @@ def forward_costs(target, model: str, dtype: str, max_rows: int = 1) -> CostMode
 
     Measured once per model, dtype, threads, device and forward implementation, and kept in the process and under
     ``$SPECRAY_HOME/calibration`` (delete the file to measure again). Every caller with the same key gets the same
-    object, which the loop refreshes from the steps it runs.
+    object, which the loop refreshes from the steps it runs. A process that reads the file first times a plain step and
+    one of ``CHECK_WIDTH`` tokens again (about 20 forwards) and measures the grid anew where the file no longer holds
+    (:func:`stale`).
     """
     rows = tuple(r for r in CALIBRATION_ROWS if r <= max(1, max_rows))
     key = (model, dtype, torch.get_num_threads(), device_name(target.device), rows, target.implementation)
@@ -58,6 +62,11 @@ def forward_costs(target, model: str, dtype: str, max_rows: int = 1) -> CostMode
             cost = CostModel.from_dict(json.loads(path.read_text()))
         except (OSError, ValueError, KeyError, TypeError):
             cost = None
+        if cost is not None:  # a plain step and a wider one timed again: does the file still hold on this machine?
+            why = stale(cost, CostModel.measure(target, rows=(1,), widths=(1, CHECK_WIDTH), tree_widths=(), repeats=2, progress=False))
+            if why:
+                log.warning("specray: the stored forward costs %s do not hold on this machine now (%s): measuring again", path, why)
+                cost = None
         if cost is None:
             log.info("specray: measuring the target's forward cost by rows and tokens (once per model, dtype, threads)")
             cost = CostModel.measure(target, rows=rows)
@@ -94,11 +103,18 @@ class CostModel:
         self.scale = 1.0  # observed / measured level (see observe)
         self.residual: dict[tuple[int, int], float] = {}  # (rows, width > 1) -> observed / predicted shape (see observe)
         self.since_plain = self.FRESH + 1  # steps since the last plain one (none yet)
+        self._interpolated: dict[tuple[int, int], float] = {}  # the table does not change: each size interpolated once
 
     def __call__(self, rows: int, width: int) -> float:
         return self._interp(rows, width) * self.scale * self.residual.get((rows, width), 1.0)
 
     def _interp(self, rows: int, width: int) -> float:
+        seconds = self._interpolated.get((rows, width))
+        if seconds is None:  # k=auto asks for every width at every step: a dict read, not an interpolation, each time
+            seconds = self._interpolated[(rows, width)] = self._interpolate(rows, width)
+        return seconds
+
+    def _interpolate(self, rows: int, width: int) -> float:
         def along(points, x, value):
             i = bisect.bisect_left(points, x)
             if i < len(points) and points[i] == x:
@@ -218,6 +234,34 @@ class CostModel:
                     bar.update()
         bar.close()
         return cls(monotone(table))
+
+
+def stale(stored: CostModel, fresh: CostModel, tolerance: float = CHECK_TOLERANCE) -> str | None:
+    """Why a stored table does not describe the machine now, from a ``fresh`` measurement of a plain step and a wider
+    one (None: it holds). A table measured while other work shared the machine stays wrong for good: on this CPU one
+    measured beside a test run put a plain step at 4.65 ms and four tokens at 1.13x it, where alone they cost 3.4 ms
+    and 1.42x, so k=auto saw a wider verification as nearly free and drafted where it lost. So: a plain step that now
+    runs more than ``tolerance`` faster than stored (the table was measured under load), or, at the stored level, a
+    wider step whose premium over a plain one moved by more than ``tolerance``. A machine busier now than when it was
+    measured keeps its table: the quieter measurement is the truer one.
+
+    >>> quiet = CostModel({(1, 1): 0.0034, (1, 4): 0.0048})
+    >>> loaded = CostModel({(1, 1): 0.00465, (1, 4): 0.00526})
+    >>> stale(loaded, quiet)
+    'a plain step now 3.40 ms, stored 4.65 ms'
+    >>> stale(quiet, loaded) is None, stale(quiet, CostModel({(1, 1): 0.0035, (1, 4): 0.0050})) is None
+    (True, True)
+    >>> stale(CostModel({(1, 1): 0.0034, (1, 4): 0.0039}), quiet)
+    '4 tokens now 1.41x a plain step, stored 1.15x'
+    """
+    plain, now = stored._interp(1, 1), fresh._interp(1, 1)
+    if now < plain * (1 - tolerance):
+        return f"a plain step now {now * 1e3:.2f} ms, stored {plain * 1e3:.2f} ms"
+    width = max(t for r, t in fresh.table if r == 1)
+    was, new = stored._interp(1, width) / plain, fresh._interp(1, width) / now
+    if now <= plain * (1 + tolerance) and abs(new / was - 1) > tolerance:
+        return f"{width} tokens now {new:.2f}x a plain step, stored {was:.2f}x"
+    return None
 
 
 def monotone(table: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:

@@ -206,10 +206,12 @@ def test_trees_and_k_auto_read_one_measured_cost_of_the_forward(tiny_model, tmp_
     files = list((tmp_path / "calibration").glob(f"tiny-float32-*-{costs.CALIBRATION_FORMAT}.json"))
     assert len(files) == 1
 
-    def fail(*a, **k):
-        raise AssertionError("measured again instead of reading the cache")
+    def check_only(target, rows=None, widths=None, **kw):  # the file is read, and checked by a plain and a wider step only
+        if widths != (1, costs.CHECK_WIDTH):
+            raise AssertionError("measured again instead of reading the cache")
+        return costs.CostModel(model.table)  # the machine as it was measured: the file holds
 
-    monkeypatch.setattr(costs.CostModel, "measure", fail)
+    monkeypatch.setattr(costs.CostModel, "measure", check_only)
     monkeypatch.setattr(costs, "_COSTS", {})  # a new process: read from the file
     again = costs.forward_costs(adapter, "tiny", "float32")
     assert again.table == model.table
@@ -220,6 +222,32 @@ def test_trees_and_k_auto_read_one_measured_cost_of_the_forward(tiny_model, tmp_
     assert chooser.cost(8) / chooser.cost(1) > before  # the chooser sees the correction
     with pytest.raises(ValueError, match="no verification costs"):
         hardware.TreeChooser({})
+
+
+def test_a_calibration_stored_under_load_is_measured_again(tiny_model, tmp_path, monkeypatch, one_thread, caplog):
+    """A table measured while other work shared the machine (every plain step 3x as slow, wider ones as measured) would
+    make k=auto see wider verifications as nearly free for good: the next process that reads it times a plain and a
+    wider step, finds the plain one far faster than stored, warns, measures the grid again and stores it."""
+    import json
+    import logging
+
+    from decoding.model import costs
+
+    monkeypatch.setenv("SPECRAY_HOME", str(tmp_path))
+    monkeypatch.setattr(costs, "_COSTS", {})
+    adapter = ModelAdapter(tiny_model)
+    costs.forward_costs(adapter, "tiny", "float32")
+    (path,) = (tmp_path / "calibration").glob("tiny-float32-*.json")
+    points = json.loads(path.read_text())["points"]
+    loaded = [[r, t, s * 3 if t == 1 else s] for r, t, s in points]
+    path.write_text(json.dumps({"points": loaded}))
+    monkeypatch.setattr(costs, "_COSTS", {})  # a new process
+    with caplog.at_level(logging.WARNING, logger="decoding.model.costs"):
+        again = costs.forward_costs(adapter, "tiny", "float32")
+    assert "do not hold on this machine now (a plain step now" in caplog.text
+    stored = {(r, t): s for r, t, s in json.loads(path.read_text())["points"]}
+    assert stored == again.table and again.table[(1, 1)] < 0.9 * 3 * points[0][2]  # measured anew and stored
+    assert costs.stale(costs.CostModel({(r, t): s for r, t, s in loaded}), again) is not None
 
 
 # ---- configuration ------------------------------------------------------------------------------------------------
