@@ -166,3 +166,39 @@ def test_every_project_import_resolves(tmp_path):
     stale = tmp_path / "stale.py"  # the check finds one
     stale.write_text("def f():\n    from decoding.model.models import load_model\n    import decoding.engine\n")
     assert missing_imports([stale]) == ["stale.py:2: decoding.model.models", "stale.py:3: decoding.engine"]
+
+
+def scripts_without_kernels(paths: list[Path]) -> list[str]:
+    """The scripts (a ``__main__`` block) that import the decoding code but never install the kernels the product runs:
+    neither ``kernels.install()`` nor ``jobs.common.run_cli`` (which calls it; ``jobs.common.command`` makes a job's
+    main of it). ``decoding/`` may not import
+    ``kernels`` (tests/test_layers.py), so every process installs them itself, and a script that forgets measures the
+    slow torch operations instead: ``tests/actors/bench_pearl.py`` compared AR at 86 tokens/s in-process against
+    actors on the kernels, and found PEARL's output identical to AR's on 2 prompts of 6."""
+    missing = []
+    for path in paths:
+        text = path.read_text()
+        if '__name__ == "__main__"' not in text:
+            continue
+        tree = ast.parse(text)
+        imports = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        imports |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        if not any(m == "decoding" or m.startswith("decoding.") for m in imports):
+            continue
+        calls = {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        installs = {"kernels.install"} | ({"run_cli", "command"} if "jobs.common" in imports else set())  # a job's main
+        if not calls & installs:
+            missing.append(rel(path) if path.is_relative_to(ROOT) else path.name)
+    return missing
+
+
+def test_every_script_that_decodes_installs_the_kernels(tmp_path):
+    """A script that builds decoders runs the kernels the CLI, the workers and Serve run, so what it measures is what
+    users get."""
+    missing = scripts_without_kernels(product_files() + sorted((ROOT / "tests").rglob("*.py")))
+    assert not missing, "scripts that decode without kernels.install() or jobs.common.run_cli:\n" + "\n".join(missing)
+    bare = tmp_path / "bare.py"  # the check finds one
+    bare.write_text('from decoding.in_process import SpecDecoder\n\nif __name__ == "__main__":\n    SpecDecoder(None)\n')
+    fixed = tmp_path / "fixed.py"
+    fixed.write_text("import kernels\n\nkernels.install()\n" + bare.read_text())
+    assert scripts_without_kernels([bare, fixed]) == ["bare.py"]
