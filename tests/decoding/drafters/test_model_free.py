@@ -386,6 +386,27 @@ def test_suffix_global_cache_serves_a_later_request(tiny_model, one_thread):
     assert cold.steps[0].drafted <= again.steps[0].drafted
 
 
+def test_suffix_scales_its_estimates_by_what_its_verified_trees_had_accepted(tiny_model, one_thread):
+    """Continuation frequencies expect more than the target accepts: the proposal's estimates (``Proposal.expected``,
+    which k=auto judges a tree by) are scaled by the drafter's record of verified trees, and a proposal k=auto drops
+    unverified teaches the record nothing."""
+    target = ModelAdapter(tiny_model)
+    d = drafters(DraftMemory())["suffix"]
+    prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])  # a repeated text: the trie continues it
+    out = generate(target, prompt, drafter=d, k=4, max_new_tokens=12)
+    verified = [s for s in out.steps if s.drafted]
+    accepted, expected = d.record
+    assert verified and accepted == sum(s.accepted for s in verified) and expected >= len(verified) * d.min_prob
+    state = SimpleNamespace(tokens=torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]]), last_logits=None)
+    d.start(state)
+    d.record[:] = [1.0, 9.0]  # its trees had a ninth of what they expected accepted (with the prior: 3 / 11)
+    raw = d.draft(state.tokens[0, -d.max_match :].tolist(), 4)[2]  # the frequencies, unscaled
+    proposal = d.propose(state, 4)
+    assert raw and proposal.expected == pytest.approx(sum(min(1.0, p * 3 / 11) for p in raw[: proposal.size]))
+    d.update(state, 0)  # no logits of the tree: k=auto dropped it
+    assert d.record == [1.0, 9.0]
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_sampled_distribution_matches_target(tiny_model, one_thread, name):
     drafter = drafters()[name]
