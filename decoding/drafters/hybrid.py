@@ -39,7 +39,7 @@ import torch
 from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.drafters.ngram import NgramDrafter
 from decoding.drafters.recycling import RecyclingDrafter, verified_nodes
-from decoding.drafters.suffix import SuffixDrafter
+from decoding.drafters.suffix import SuffixDrafter, record_scale
 from decoding.trees.shapes import Tree
 
 NGRAM_PRIOR = 0.6  # prompt lookup's per-token acceptance before any is measured
@@ -128,8 +128,7 @@ class HybridDrafter(Drafter):
         return self.recycling.memory.get("hybrid-calibration", dict)
 
     def scale(self, label: str) -> float:
-        accepted, predicted = self.calibration.get(label, (0.0, 0.0))
-        return (accepted + 2.0) / (predicted + 2.0)
+        return record_scale(*self.calibration.get(label, (0.0, 0.0)))
 
     def max_nodes(self, k: int) -> int:
         return self.chooser.max_budget if self.chooser is not None else self.budget

@@ -221,6 +221,17 @@ def grow(kids, root, depth: int, budget: int, min_prob: float) -> tuple[list[int
     return tokens, parents, probs
 
 
+def record_scale(accepted: float, expected: float) -> float:
+    """What a copying drafter's estimates are worth, from its record: drafts accepted over drafts expected, each side
+    with a prior of 2 (a source without a record keeps its estimates). Suffix decoding's trees and the hybrid's sources
+    are scaled by it.
+
+    >>> record_scale(0.0, 0.0), record_scale(1.0, 9.0)
+    (1.0, 0.2727272727272727)
+    """
+    return (accepted + 2.0) / (expected + 2.0)
+
+
 def draft_size(matched: int, factor: float, cap: int) -> int:
     """Nodes a draft from a match of ``matched`` tokens may have: ``factor`` per matched token (rounded up, at least
     one), at most ``cap`` (longer matches earn bigger drafts).
@@ -376,8 +387,7 @@ class SuffixDrafter(Drafter):
             tokens, parents, probs = tokens[:b], parents[:b], probs[:b]
         if not tokens:
             return Proposal.empty(1, state.tokens.device)
-        accepted, expected = self.record
-        scale = (accepted + 2.0) / (expected + 2.0)
+        scale = record_scale(*self.record)
         self._expected, self._nodes = sum(probs), len(tokens)
         ids = torch.tensor([tokens], dtype=torch.long, device=state.tokens.device)
         return Proposal(tokens=ids, tree=Tree.from_parents([-1] + parents), expected=sum(min(1.0, scale * p) for p in probs))
