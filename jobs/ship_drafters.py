@@ -39,6 +39,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--steps-scale", type=finite_float, default=1.0, help="multiply every drafter's steps (e.g. 0.1 for a quick run)")
     p.add_argument("--batch", type=int, help="sequences per step for every drafter but the stop heads (default: each one's own)")
     p.add_argument("--init", choices=["shipped"], help="shipped: train each drafter further from its shipped artifact (warm start)")
+    p.add_argument(
+        "--as-stored", action="store_true", help="train the weights as the artifact stores them (straight through the storage's rounding)"
+    )
     p.add_argument("--lr-scale", type=finite_float, default=1.0, help="multiply every drafter's learning rate (e.g. 0.5 with --init)")
     p.add_argument(
         "--max-minutes", type=finite_float, help="stop each drafter's training after M minutes; its artifact records the steps done"
@@ -96,7 +99,7 @@ def main_with_args(args) -> int:
         run = dataclasses.replace(run, steps=max(1, round(run.steps * args.steps_scale)), max_sequences=args.max_sequences)
         if args.batch is not None and run.recipe != "stop":
             run = dataclasses.replace(run, batch=args.batch)
-        run = dataclasses.replace(run, lr=run.lr * args.lr_scale)
+        run = dataclasses.replace(run, lr=run.lr * args.lr_scale, as_stored=run.as_stored or args.as_stored)
         if args.init == "shipped":
             if not (shipped / name / "drafter.json").is_file():
                 fail(f"--init shipped: {shipped / name} holds no artifact to start {name} from")

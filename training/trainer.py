@@ -12,6 +12,7 @@ uninterrupted one would have. Ray Train runs this same function per worker
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -24,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from decoding.drafters.artifacts import save_artifact, stored_copy
+from decoding.drafters.artifacts import base_state, save_artifact, stored_copy
 from decoding.drafters.eagle import VocabHead
-from decoding.drafters.storage import Storage
+from decoding.drafters.storage import Storage, as_stored, is_matrix
 from decoding.drafters.trained import Shared, get_recipe
 from training.objectives import LOSSES, Windows, agreement, objectives, vocab_order
 
@@ -51,6 +52,11 @@ class TrainSpec:
     # bound and padding is free, one at a time on a CPU, where the padding of windows of unlike lengths is compute
     # (`specray bench-training`: 0.76x batched on this 2-core CPU at 4 sequences a step)
     micro_batch: int = 0
+    # train the weights as the artifact stores them: every forward computes with each matrix rounded as its storage
+    # rounds it, and the gradient there moves the float weights (straight through). Trained in float and stored after,
+    # the eagle head lost 0.03 of held-out agreement to storage, and a warm start from stored weights lost most of what
+    # it learned when it was stored again (docs/drafters.md)
+    as_stored: bool = False
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -236,7 +242,7 @@ def train(
     _check_inputs(spec, examples)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    s = _session(spec, target_hf, examples, shard, features, eval_examples)
+    s = _session(spec, target_hf, examples, shard, features, eval_examples, storage)
     ckpt_path = out / "checkpoint.pt"
     step, history, before, earlier_s = _resume(s, ckpt_path)
     if before is None:
@@ -313,6 +319,29 @@ def _training(s: _Session, step: int, history: list, before, t0: float, extra: d
     }
 
 
+class StoredView:
+    """A module's matrices as an artifact in ``storage`` stores them (``decoding.drafters.storage.as_stored``), swapped in
+    for the forwards of a step and swapped out for its optimiser step: the forward and its gradient are computed at the
+    weights as stored, the update applied to the weights as trained (``TrainSpec.as_stored``)."""
+
+    def __init__(self, module: torch.nn.Module, recipe: str, knobs: dict, target_hf, storage: Storage | None):
+        state = module.state_dict(keep_vars=True)
+        self.bases = base_state(get_recipe(recipe), knobs, target_hf, {k: v.detach().cpu() for k, v in state.items()})
+        self.matrices = {k: v for k, v in state.items() if is_matrix(v)}
+        self.storage = storage or Storage()
+
+    @contextlib.contextmanager
+    def swapped(self):
+        trained = {name: t.data for name, t in self.matrices.items()}
+        try:
+            for name, t in self.matrices.items():
+                t.data = as_stored(t.data, self.bases.get(name), self.storage).to(device=t.device, dtype=t.dtype)
+            yield
+        finally:
+            for name, t in self.matrices.items():
+                t.data = trained[name]
+
+
 @dataclass
 class _Session:
     """What one call of :func:`train` trains and measures with (:func:`_session` builds it)."""
@@ -330,12 +359,19 @@ class _Session:
     module: torch.nn.Module
     opt: torch.optim.Optimizer
     chief: bool  # rank 0: writes checkpoints and the artifact
+    stored: StoredView | None = None  # TrainSpec.as_stored: the weights as stored, for every forward
 
     def evaluate(self, module: torch.nn.Module | None = None) -> list[float]:
-        """Held-out agreement of the module now (or of ``module``, e.g. its weights as the artifact stores them)."""
+        """Held-out agreement of the module now (as stored where it trains as stored), or of ``module`` (e.g. its weights
+        as the artifact stores them)."""
         s = self
         m = s.module if module is None else module.to(s.device).eval()
-        return evaluate(s.recipe, m, s.shared, s.eval_set, s.knobs, s.spec.window, s.device, s.prepare)
+        with s.view() if module is None else contextlib.nullcontext():
+            return evaluate(s.recipe, m, s.shared, s.eval_set, s.knobs, s.spec.window, s.device, s.prepare)
+
+    def view(self):
+        """The weights a forward computes with: as stored (``TrainSpec.as_stored``), else as trained."""
+        return self.stored.swapped() if self.stored is not None else contextlib.nullcontext()
 
     @property
     def prepare(self) -> Callable:
@@ -357,7 +393,9 @@ class _Session:
             self.module.train()
 
 
-def _session(spec: TrainSpec, target_hf, examples: list[dict], shard: tuple[int, int], features, eval_examples) -> _Session:
+def _session(
+    spec: TrainSpec, target_hf, examples: list[dict], shard: tuple[int, int], features, eval_examples, storage: Storage | None = None
+) -> _Session:
     """The recipe's module and optimiser, and the training and held-out sets of this worker (``shard``)."""
     recipe = get_recipe(spec.recipe)
     depth = target_hf.config.num_hidden_layers
@@ -396,7 +434,8 @@ def _session(spec: TrainSpec, target_hf, examples: list[dict], shard: tuple[int,
     else:
         train_shared = Shared(target_hf, vocab[: spec.train_vocab]) if spec.train_vocab else shared
     opt = torch.optim.AdamW(module.parameters(), lr=spec.lr, weight_decay=0.0)
-    return _Session(spec, recipe, knobs, shared, train_shared, vocab, train_set, eval_set, features, device, module, opt, rank == 0)
+    stored = StoredView(module, spec.recipe, knobs, target_hf, storage) if spec.as_stored else None
+    return _Session(spec, recipe, knobs, shared, train_shared, vocab, train_set, eval_set, features, device, module, opt, rank == 0, stored)
 
 
 def weights_as_trained(module: torch.nn.Module, checkpoint: Path, training: dict) -> bool:
@@ -435,15 +474,16 @@ def _optimiser_step(s: _Session, step: int, model, backward, opt_step, done: flo
     s.opt.zero_grad(set_to_none=True)
     total, agree = 0.0, 0.0
     size = spec.micro_batch or (len(idx) if s.device.type == "cuda" else 1)
-    for lo in range(0, len(idx), size):
-        part = idx[lo : lo + size]
-        ex = s.windows([s.train_set[i] for i in part], g)
-        with torch.autocast(s.device.type, dtype=torch.bfloat16, enabled=spec.autocast):
-            loss, head_agree = windows_loss(s.recipe, model, s.train_shared, ex, s.knobs, LOSSES[spec.loss])
-        share = len(part) / len(idx)
-        backward(loss * share)
-        total += float(loss.detach()) * share
-        agree += head_agree[0] * share
+    with s.view():  # the forwards and their gradients at the weights as stored, where it trains as stored
+        for lo in range(0, len(idx), size):
+            part = idx[lo : lo + size]
+            ex = s.windows([s.train_set[i] for i in part], g)
+            with torch.autocast(s.device.type, dtype=torch.bfloat16, enabled=spec.autocast):
+                loss, head_agree = windows_loss(s.recipe, model, s.train_shared, ex, s.knobs, LOSSES[spec.loss])
+            share = len(part) / len(idx)
+            backward(loss * share)
+            total += float(loss.detach()) * share
+            agree += head_agree[0] * share
     torch.nn.utils.clip_grad_norm_(s.module.parameters(), 1.0)
     opt_step()
     return total, agree, idx

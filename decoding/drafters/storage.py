@@ -129,6 +129,12 @@ def quantize(x: torch.Tensor, bits: int, group: int, grid: str = "uniform") -> t
     at exit layer 6). ``normal``: ``value = NORMAL_LEVELS[bits][q] * scale``, ``scale`` the group's root mean square,
     each value to its nearest level.
     """
+    q, scale = _codes(x, bits, group, grid)
+    return pack(q.flatten(), bits), scale
+
+
+def _codes(x: torch.Tensor, bits: int, group: int, grid: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize`'s choice, unpacked: (codes uint8 [G, group], scale float16 [G])."""
     if not has_grid(grid, bits):
         raise ValueError(f"grid: no {grid} grid of {bits} bits")
     flat = x.detach().float().flatten()
@@ -139,12 +145,17 @@ def quantize(x: torch.Tensor, bits: int, group: int, grid: str = "uniform") -> t
         s = scale.float()[:, None].clamp_min(1e-30)
         grid_values = torch.tensor(NORMAL_LEVELS[bits])
         edges = (grid_values[1:] + grid_values[:-1]) / 2  # a value goes to the level whose interval holds it
-        q = torch.bucketize((groups / s).contiguous(), edges)
-        return pack(q.to(torch.uint8).flatten(), bits), scale
+        return torch.bucketize((groups / s).contiguous(), edges).to(torch.uint8), scale
     scale = (2 * groups.abs().amax(1) / levels).to(torch.float16)  # [G]
     s = scale.float()[:, None]
     q = torch.where(s > 0, torch.round(groups / s.clamp_min(1e-30) + levels / 2), torch.full_like(groups, levels // 2))
-    return pack(q.clamp(0, levels).to(torch.uint8).flatten(), bits), scale
+    return q.clamp(0, levels).to(torch.uint8), scale
+
+
+def _values(q: torch.Tensor, scale: torch.Tensor, bits: int, grid: str) -> torch.Tensor:
+    """Codes [G, group] and their scales [G] -> the float32 values they stand for, [G, group]."""
+    values = torch.tensor(NORMAL_LEVELS[bits])[q.long()] if grid == "normal" else q.float() - (2**bits - 1) / 2
+    return values * scale.float()[:, None]
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int, group: int, shape, grid: str = "uniform") -> torch.Tensor:
@@ -157,8 +168,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int, group: int, 
     q = unpack(codes, bits).view(-1, group)  # [G, group]
     if q.shape[0] != scale.numel() or q.numel() < n or q.numel() - n >= group:
         raise StorageError(f"{codes.numel()} bytes of {bits}-bit codes and {scale.numel()} scales do not hold {list(shape)}")
-    values = torch.tensor(NORMAL_LEVELS[bits])[q.long()] if grid == "normal" else q.float() - (2**bits - 1) / 2
-    return (values * scale.float()[:, None]).flatten()[:n].view(*shape)
+    return _values(q, scale, bits, grid).flatten()[:n].view(*shape)
 
 
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -198,6 +208,34 @@ def base_hash(bases: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
+def _plan(t: torch.Tensor, base: torch.Tensor | None, storage: Storage) -> tuple[torch.Tensor, int, str, torch.Tensor | None]:
+    """How :func:`encode` stores one matrix ``t``: (the values it quantises, their bits, their grid, the base they are a
+    change from, rounded to bfloat16, or None). A change at least as large as the matrix stores the matrix itself."""
+    w = t.detach().cpu().float()
+    if base is not None:
+        base = base.detach().cpu().to(torch.bfloat16)
+        change = w - base.float()
+        if change.norm() < w.norm():
+            bits = storage.bits if change.norm() <= storage.max_change * w.norm() else storage.large_bits
+            return change, bits, storage.grid if bits == storage.bits else "uniform", base  # the small changes on the grid
+    return w, storage.own_bits, "uniform", None
+
+
+def as_stored(t: torch.Tensor, base: torch.Tensor | None, storage: Storage) -> torch.Tensor:
+    """The float32 matrix (on the CPU) that an artifact in ``storage`` loads back for ``t`` stored against ``base``:
+    :func:`decode` of :func:`encode`, one matrix at a time (training as stored computes with it).
+
+    >>> w, base = torch.tensor([[0.30, -0.10, 0.05, -0.30] * 2]), torch.tensor([[0.25, -0.10, 0.0, -0.25] * 2])
+    >>> tensors, meta = encode({"w": w}, {"w": base}, Storage(group=8))
+    >>> torch.equal(as_stored(w, base, Storage(group=8)), decode(tensors, meta, {"w": base})["w"])
+    True
+    """
+    x, bits, grid, used = _plan(t, base, storage)
+    q, scale = _codes(x, bits, storage.group, grid)  # what encode packs, unpacked
+    y = _values(q, scale, bits, grid).flatten()[: x.numel()].view(x.shape)
+    return y + used.float() if used is not None else y
+
+
 def encode(state: dict[str, torch.Tensor], bases: dict[str, torch.Tensor], storage: Storage) -> tuple[dict, dict]:
     """A module's state -> (tensors to write, metadata). ``bases``: for each matrix that has one, the tensor it started
     from (rounded to bfloat16 here; a change at least as large as the matrix stores the matrix itself)."""
@@ -209,15 +247,9 @@ def encode(state: dict[str, torch.Tensor], bases: dict[str, torch.Tensor], stora
             tensors[name] = t.to(torch.int32).contiguous() if ids else t.contiguous()
             layout[name] = {"plain": str(t.dtype).removeprefix("torch.")}
             continue
-        w = t.float()
-        x, bits, base = w, storage.own_bits, bases.get(name)
+        x, bits, grid, base = _plan(t, bases.get(name), storage)
         if base is not None:
-            base = base.detach().cpu().to(torch.bfloat16)
-            change = w - base.float()
-            if change.norm() < w.norm():
-                used[name], x = base, change
-                bits = storage.bits if change.norm() <= storage.max_change * w.norm() else storage.large_bits
-        grid = storage.grid if name in used and bits == storage.bits else "uniform"  # the small changes only
+            used[name] = base
         codes, scale = quantize(x, bits, storage.group, grid)
         tensors[name + ".q"], tensors[name + ".scale"] = codes, scale
         layout[name] = {"bits": bits, "group": storage.group, "shape": list(t.shape), "base": name in used}

@@ -263,3 +263,30 @@ def test_features_of_a_batch_are_each_windows_features(target):
         assert torch.allclose(batch.hidden[layer], alone.hidden[layer], rtol=1e-4, atol=1e-4), (
             (batch.hidden[layer] - alone.hidden[layer]).abs().max()
         )
+
+
+@pytest.mark.parametrize("recipe", ["eagle", "distill"])
+def test_training_as_stored_computes_with_the_stored_weights_and_updates_the_trained_ones(target, examples, recipe, tmp_path):
+    """``as_stored``: each forward sees the matrices as the artifact stores them, the optimiser moves the float weights,
+    and what training measured is what the artifact computes with."""
+    from decoding.drafters.artifacts import stored_copy
+    from decoding.drafters.storage import Storage
+    from training.trainer import StoredView
+
+    storage = Storage(group=8)
+    spec = TrainSpec(recipe, KNOBS[recipe], steps=24, batch=3, lr=1e-2, checkpoint_every=100, as_stored=True)
+    training = train(spec, target, examples, tmp_path, "tiny", progress=False, storage=storage)
+    history = json.loads((tmp_path / "history.json").read_text())
+    assert sum(h["loss"] for h in history[-4:]) < 0.8 * sum(h["loss"] for h in history[:4])
+    assert training["eval_agreement"] == training["eval_agreement_stored"]  # trained as stored: nothing lost to storage
+
+    module = load_artifact(str(tmp_path), target).module.float()
+    trained = torch.load(tmp_path / "checkpoint.pt", weights_only=False)["module"]
+    module.load_state_dict(trained)
+    view = StoredView(module, recipe, KNOBS[recipe], target, storage)
+    stored = stored_copy(module, recipe, KNOBS[recipe], target, storage).state_dict()
+    with view.swapped():
+        inside = {k: v.clone() for k, v in module.state_dict().items()}
+    moved = [k for k in view.matrices if not torch.equal(inside[k], trained[k])]
+    assert moved and all(torch.equal(inside[k], stored[k]) for k in inside)  # the forward's weights: the stored ones
+    assert all(torch.equal(v, trained[k]) for k, v in module.state_dict().items())  # and the trained ones back after it
