@@ -3,6 +3,7 @@
     specray ship-drafters                                   # every shipped drafter, from the committed data
     specray ship-drafters --only eagle --on-cluster         # one of them, under Ray Train
     specray ship-drafters --repack                          # rewrite the shipped artifacts in the current storage
+    specray ship-drafters --only eagle --init shipped --as-stored   # further, computing with the weights as stored
 
 Each drafter of ``training.runs.SHIPPED_RECIPES`` (the feature head ``eagle``, the distilled draft ``distill``,
 Kangaroo adapters ``kangaroo-l<exit layer>``) trains on the self-distillation data committed in
@@ -11,7 +12,9 @@ Kangaroo adapters ``kangaroo-l<exit layer>``) trains on the self-distillation da
 ``decoding/drafters/shipped/<model>/<name>`` (the methods' defaults) and the learning curves into ``--docs``.
 ``--repack`` trains nothing: it rewrites the shipped artifacts in the current storage (``decoding.drafters.storage``),
 from the weights as trained where their run's checkpoint is still in ``$SPECRAY_HOME/ship`` (else from the weights as
-stored), and measures their held-out agreement before and after on the data. Bad input prints one line and exits 2.
+stored), and measures their held-out agreement before and after on the data. ``--as-stored`` trains the weights as the
+artifact stores them (``training.trainer.StoredView``): what training measures is what the shipped drafter computes
+with, and a warm start from stored weights keeps what it learns. Bad input prints one line and exits 2.
 """
 
 from __future__ import annotations
