@@ -14,7 +14,9 @@ Kangaroo adapters ``kangaroo-l<exit layer>``) trains on the self-distillation da
 from the weights as trained where their run's checkpoint is still in ``$SPECRAY_HOME/ship`` (else from the weights as
 stored), and measures their held-out agreement before and after on the data. ``--as-stored`` trains the weights as the
 artifact stores them (``training.trainer.StoredView``): what training measures is what the shipped drafter computes
-with, and a warm start from stored weights keeps what it learns. Bad input prints one line and exits 2.
+with, and a warm start from stored weights keeps what it learns. A warm start draws its sequences and windows with its
+start's seed + 1 (``--seed`` sets it), so it does not see its start's first draws again. Bad input prints one line and
+exits 2.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--init", choices=["shipped"], help="shipped: train each drafter further from its shipped artifact (warm start)")
     p.add_argument(
         "--as-stored", action="store_true", help="train the weights as the artifact stores them (straight through the storage's rounding)"
+    )
+    p.add_argument(
+        "--seed", type=int, help="the seed of the draws of sequences and windows (default 0; with --init, its start's seed + 1)"
     )
     p.add_argument("--lr-scale", type=finite_float, default=1.0, help="multiply every drafter's learning rate (e.g. 0.5 with --init)")
     p.add_argument(
@@ -111,7 +116,12 @@ def main_with_args(args) -> int:
             shutil.copytree(shipped / name, start)
             if (ship_home / name / "checkpoint.pt").is_file():  # its run's weights as trained, used if they are its
                 shutil.copy2(ship_home / name / "checkpoint.pt", start / "checkpoint.pt")
-            run = dataclasses.replace(run, init=portable(start))
+            # a warm start draws other sequences and windows than the run it continues (the draws are a function of
+            # (seed, step), so with the same seed every warm start would see that run's first sequences again)
+            before = json.loads((start / "drafter.json").read_text()).get("training", {}).get("spec", {}).get("seed", run.seed)
+            run = dataclasses.replace(run, init=portable(start), seed=before + 1)
+        if args.seed is not None:
+            run = dataclasses.replace(run, seed=args.seed)
         work = ship_home / name
         print(f"{name}: {run.recipe} {run.knobs}, {run.steps} steps of {run.batch} sequences", file=sys.stderr)
         results[name] = train_on_data(

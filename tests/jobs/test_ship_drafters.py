@@ -83,7 +83,7 @@ def test_init_shipped_trains_the_shipped_drafter_further(tiny_data, tmp_path, ca
     assert second["agreement_before"] == pytest.approx(first["agreement_after"], abs=1e-6)  # the weights as trained
     from decoding.paths import specray_home
     from training.features import distill_training_set
-    from training.trainer import TrainSpec, _session
+    from training.trainer import TrainSpec, _session, draws
 
     start = json.loads((tmp_path / "shipped" / "eagle" / "drafter.json").read_text())["training"]["spec"]
     ckpt = torch.load(specray_home() / "ship" / model.name / "eagle-init" / "checkpoint.pt", weights_only=False)
@@ -98,6 +98,12 @@ def test_init_shipped_trains_the_shipped_drafter_further(tiny_data, tmp_path, ca
     desc = json.loads((tmp_path / "shipped" / "eagle" / "drafter.json").read_text())
     assert desc["training"]["spec"]["init"].endswith("eagle-init") and not desc["training"]["spec"]["init"].startswith("/")
     assert desc["training"]["spec"]["lr"] == pytest.approx(0.5e-3)
+    # each warm start draws other sequences than the run it continues: its start's seed + 1 (0, 1, 2), unless --seed
+    assert (start["seed"], desc["training"]["spec"]["seed"]) == (1, 2)
+    assert draws(TrainSpec(**start), 100, 0)[1] != draws(TrainSpec(**desc["training"]["spec"]), 100, 0)[1]
+    assert main([*argv, "--init", "shipped", "--seed", "7"]) == 0
+    capsys.readouterr()
+    assert json.loads((tmp_path / "shipped" / "eagle" / "drafter.json").read_text())["training"]["spec"]["seed"] == 7
     assert torch.equal(load_artifact(str(tmp_path / "shipped" / "eagle"), target).module.lm_head.vocab, vocab)
     code = main([*argv[:-6], "--shipped", str(tmp_path / "none"), "--docs", str(tmp_path / "docs"), "--init", "shipped"])
     assert_one_line_error(code, capsys.readouterr().err, "no artifact to start")
