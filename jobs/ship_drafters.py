@@ -47,9 +47,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument(
         "--as-stored", action="store_true", help="train the weights as the artifact stores them (straight through the storage's rounding)"
     )
-    p.add_argument(
-        "--seed", type=int, help="the seed of the draws of sequences and windows (default 0; with --init, its start's seed + 1)"
-    )
+    p.add_argument("--seed", type=int, help="the seed of the draws of sequences and windows (default 0; with --init, its start's seed + 1)")
     p.add_argument("--lr-scale", type=finite_float, default=1.0, help="multiply every drafter's learning rate (e.g. 0.5 with --init)")
     p.add_argument(
         "--max-minutes", type=finite_float, help="stop each drafter's training after M minutes; its artifact records the steps done"
