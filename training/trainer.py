@@ -327,7 +327,8 @@ class StoredView:
     def __init__(self, module: torch.nn.Module, recipe: str, knobs: dict, target_hf, storage: Storage | None):
         state = module.state_dict(keep_vars=True)
         bases = base_state(get_recipe(recipe), knobs, target_hf, {k: v.detach().cpu() for k, v in state.items()})
-        self.bases = {k: v.to(torch.bfloat16) for k, v in bases.items()}  # as storage rounds them, once (not every step)
+        # as storage rounds them, once (not every step), where the module trains (a GPU rounds its step there)
+        self.bases = {k: v.to(device=state[k].device, dtype=torch.bfloat16) for k, v in bases.items()}
         self.matrices = {k: v for k, v in state.items() if is_matrix(v)}
         self.storage = storage or Storage()
 

@@ -143,7 +143,7 @@ def _codes(x: torch.Tensor, bits: int, group: int, grid: str) -> tuple[torch.Ten
     if grid == "normal":
         scale = groups.pow(2).mean(1).sqrt().to(torch.float16)  # [G]
         s = scale.float()[:, None].clamp_min(1e-30)
-        grid_values = torch.tensor(NORMAL_LEVELS[bits])
+        grid_values = torch.tensor(NORMAL_LEVELS[bits], device=groups.device)
         edges = (grid_values[1:] + grid_values[:-1]) / 2  # a value goes to the level whose interval holds it
         return torch.bucketize((groups / s).contiguous(), edges).to(torch.uint8), scale
     scale = (2 * groups.abs().amax(1) / levels).to(torch.float16)  # [G]
@@ -154,7 +154,7 @@ def _codes(x: torch.Tensor, bits: int, group: int, grid: str) -> tuple[torch.Ten
 
 def _values(q: torch.Tensor, scale: torch.Tensor, bits: int, grid: str) -> torch.Tensor:
     """Codes [G, group] and their scales [G] -> the float32 values they stand for, [G, group]."""
-    values = torch.tensor(NORMAL_LEVELS[bits])[q.long()] if grid == "normal" else q.float() - (2**bits - 1) / 2
+    values = torch.tensor(NORMAL_LEVELS[bits], device=q.device)[q.long()] if grid == "normal" else q.float() - (2**bits - 1) / 2
     return values * scale.float()[:, None]
 
 
@@ -210,10 +210,11 @@ def base_hash(bases: dict[str, torch.Tensor]) -> str:
 
 def _plan(t: torch.Tensor, base: torch.Tensor | None, storage: Storage) -> tuple[torch.Tensor, int, str, torch.Tensor | None]:
     """How :func:`encode` stores one matrix ``t``: (the values it quantises, their bits, their grid, the base they are a
-    change from, rounded to bfloat16, or None). A change at least as large as the matrix stores the matrix itself."""
-    w = t.detach().cpu().float()
+    change from, rounded to bfloat16, or None). A change at least as large as the matrix stores the matrix itself. On
+    ``t``'s device (:func:`encode` passes CPU tensors; :func:`as_stored` on a GPU rounds there)."""
+    w = t.detach().float()
     if base is not None:
-        base = base.detach().cpu().to(torch.bfloat16)
+        base = base.detach().to(device=w.device, dtype=torch.bfloat16)
         change = w - base.float()
         if change.norm() < w.norm():
             bits = storage.bits if change.norm() <= storage.max_change * w.norm() else storage.large_bits
@@ -222,8 +223,10 @@ def _plan(t: torch.Tensor, base: torch.Tensor | None, storage: Storage) -> tuple
 
 
 def as_stored(t: torch.Tensor, base: torch.Tensor | None, storage: Storage) -> torch.Tensor:
-    """The float32 matrix (on the CPU) that an artifact in ``storage`` loads back for ``t`` stored against ``base``:
-    :func:`decode` of :func:`encode`, one matrix at a time (training as stored computes with it).
+    """The float32 matrix that an artifact in ``storage`` loads back for ``t`` stored against ``base``: :func:`decode`
+    of :func:`encode`, one matrix at a time (training as stored computes with it). On ``t``'s device: on a GPU a step's
+    rounding stays there (its reductions may round the last bit of a scale otherwise than the CPU's, so a rare code
+    differs from what the CPU stores).
 
     >>> w, base = torch.tensor([[0.30, -0.10, 0.05, -0.30] * 2]), torch.tensor([[0.25, -0.10, 0.0, -0.25] * 2])
     >>> tensors, meta = encode({"w": w}, {"w": base}, Storage(group=8))

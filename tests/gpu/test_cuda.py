@@ -6,6 +6,7 @@ Run on a GPU machine: ``PYTHONPATH=$PWD python -m pytest tests/gpu -q -s`` (prin
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -191,3 +192,18 @@ def test_drafter_training_on_cuda(tmp_path):
     spec = TrainSpec("medusa", {"num_heads": 2}, "kl", steps=20, batch=2, lr=3e-3, seed=0, window=16)
     out = train(spec, target, examples, tmp_path / "medusa", "tiny", progress=False)
     assert out["eval_agreement"]
+    stored = train(dataclasses.replace(spec, as_stored=True), target, examples, tmp_path / "stored", "tiny", progress=False)
+    assert stored["eval_agreement"] == pytest.approx(stored["eval_agreement_stored"], abs=0.02)  # rounded on the GPU
+
+
+def test_as_stored_rounds_on_the_gpu_as_the_artifact_stores():
+    """Training as stored on a GPU rounds each matrix there (no copy to the CPU per step): the values equal the CPU's
+    (``decode(encode(...))``) but for a rare code a reduction rounds otherwise."""
+    from decoding.drafters.storage import Storage, as_stored
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(256, 576, generator=g)
+    for w in (base + 0.05 * torch.randn(256, 576, generator=g), torch.randn(256, 576, generator=g)):  # a change, its own
+        cpu, gpu = as_stored(w, base, Storage()), as_stored(w.cuda(), base.cuda(), Storage())
+        assert gpu.device.type == "cuda" and gpu.dtype == torch.float32
+        assert (gpu.cpu() != cpu).float().mean() < 1e-3 and torch.allclose(gpu.cpu(), cpu, atol=1e-2)
