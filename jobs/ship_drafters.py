@@ -4,12 +4,17 @@
     specray ship-drafters --only eagle --on-cluster         # one of them, under Ray Train
     specray ship-drafters --repack                          # rewrite the shipped artifacts in the current storage
     specray ship-drafters --only eagle --init shipped --as-stored   # further, computing with the weights as stored
+    specray ship-drafters --check                           # the shipped drafters on the check set, by category
 
 Each drafter of ``training.runs.SHIPPED_RECIPES`` (the feature head ``eagle``, the distilled draft ``distill``,
 Kangaroo adapters ``kangaroo-l<exit layer>``) trains on the self-distillation data committed in
 ``data/distill/<model>`` (``specray distill`` made it) with the settings recorded there. Checkpoints live in
 ``$SPECRAY_HOME/ship/<model>/<name>`` (rerunning resumes); the finished artifact is copied into
-``decoding/drafters/shipped/<model>/<name>`` (the methods' defaults) and the learning curves into ``--docs``.
+``decoding/drafters/shipped/<model>/<name>`` (the methods' defaults) and the learning curves into ``--docs``, unless
+the **check set** (``training.check_set``: the target's answers to the last prompts of each Spec-Bench category, none
+of them in the data or the README's runs) finds it agreeing with the target less than the shipped one; then it stays
+in ``$SPECRAY_HOME/ship`` and the shipped one stays (``--ship always`` ships it anyway; ``--check`` trains nothing
+and measures the shipped drafters there).
 ``--repack`` trains nothing: it rewrites the shipped artifacts in the current storage (``decoding.drafters.storage``),
 from the weights as trained where their run's checkpoint is still in ``$SPECRAY_HOME/ship`` (else from the weights as
 stored), and measures their held-out agreement before and after on the data. ``--as-stored`` trains the weights as the
@@ -29,8 +34,10 @@ import time
 from pathlib import Path
 
 from jobs.common import Parser, check_cluster_flags, command, distill_data, fail, finite_float, output_dir
+from training.check_set import CHECK_PER_CATEGORY
 
 ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PROMPTS = ROOT / "data" / "spec_bench" / "question.jsonl"
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -57,6 +64,21 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--on-cluster", action="store_true", help="train with Ray Train (RAY_ADDRESS, else a local Ray)")
     p.add_argument("--workers", type=int, help="with --on-cluster: training workers")
     p.add_argument("--strategy", default="ddp", help="with --on-cluster: ddp (default) or deepspeed (GPUs)")
+    p.add_argument(
+        "--ship",
+        choices=["better", "always"],
+        default="better",
+        help="better (default): a retrained drafter replaces the shipped one only where it agrees with the target at least as "
+        "well on the check set (training.check_set); always: in any case",
+    )
+    p.add_argument("--check", action="store_true", help="train nothing: measure the shipped drafters on the check set, by category")
+    p.add_argument("--check-prompts", default=str(DEFAULT_PROMPTS), help="the check set's Spec-Bench style JSONL (default Spec-Bench)")
+    p.add_argument(
+        "--check-per-category",
+        type=int,
+        default=CHECK_PER_CATEGORY,
+        help=f"the check set: the last N first turns of each category (default {CHECK_PER_CATEGORY})",
+    )
     p.add_argument("--repack", action="store_true", help="train nothing: rewrite the shipped artifacts in the current storage")
     p.add_argument("--eval-sequences", type=int, default=64, help="with --repack: held-out sequences to measure on (default 64)")
     p.add_argument("--no-progress", action="store_true")
@@ -74,6 +96,8 @@ def check_knobs(args) -> None:
         fail("--max-minutes must be > 0")
     if args.batch is not None and args.batch < 1:
         fail("--batch must be >= 1")
+    if args.check_per_category < 1:
+        fail(f"--check-per-category must be >= 1, got {args.check_per_category}")
     if args.strategy not in STRATEGIES:
         fail(f"--strategy: unknown strategy {args.strategy!r}; choose from {', '.join(STRATEGIES)}")
     if args.workers is not None and args.workers < 1:
@@ -82,11 +106,8 @@ def check_knobs(args) -> None:
 
 
 def main_with_args(args) -> int:
-    import dataclasses
-
     from decoding.model.loading import set_threads
-    from decoding.paths import portable, specray_home
-    from training.runs import SHIPPED_RECIPES, agreement_vs_data, learning_curves, publish, read_history, record_runs, train_on_data
+    from training.runs import SHIPPED_RECIPES, agreement_vs_data, learning_curves, read_history, record_runs
 
     names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else list(SHIPPED_RECIPES)
     unknown = sorted(set(names) - set(SHIPPED_RECIPES))
@@ -98,54 +119,20 @@ def main_with_args(args) -> int:
     set_threads(args.threads)
     if args.repack:
         return repack_shipped(args, names, data, shipped)
-    results, histories = {}, {}
-    ship_home = specray_home() / "ship" / Path(args.model).name  # checkpoints, one folder per drafter (rerunning resumes)
-    for name in names:
-        run = SHIPPED_RECIPES[name]
-        run = dataclasses.replace(run, steps=max(1, round(run.steps * args.steps_scale)), max_sequences=args.max_sequences)
-        if args.batch is not None and run.recipe != "stop":
-            run = dataclasses.replace(run, batch=args.batch)
-        run = dataclasses.replace(run, lr=run.lr * args.lr_scale, as_stored=run.as_stored or args.as_stored)
-        if args.init == "shipped":
-            if not (shipped / name / "drafter.json").is_file():
-                fail(f"--init shipped: {shipped / name} holds no artifact to start {name} from")
-            start = ship_home / f"{name}-init"  # a copy: the shipped one is replaced at the end
-            shutil.rmtree(start, ignore_errors=True)
-            shutil.copytree(shipped / name, start)
-            if (ship_home / name / "checkpoint.pt").is_file():  # its run's weights as trained, used if they are its
-                shutil.copy2(ship_home / name / "checkpoint.pt", start / "checkpoint.pt")
-            # a warm start draws other sequences and windows than the run it continues (the draws are a function of
-            # (seed, step), so with the same seed every warm start would see that run's first sequences again)
-            before = json.loads((start / "drafter.json").read_text()).get("training", {}).get("spec", {}).get("seed", run.seed)
-            run = dataclasses.replace(run, init=portable(start), seed=before + 1)
-        if args.seed is not None:
-            run = dataclasses.replace(run, seed=args.seed)
-        work = ship_home / name
-        print(f"{name}: {run.recipe} {run.knobs}, {run.steps} steps of {run.batch} sequences", file=sys.stderr)
-        results[name] = train_on_data(
-            run,
-            data,
-            work,
-            args.model,
-            args.device,
-            on_cluster=args.on_cluster,
-            workers=args.workers,
-            strategy=args.strategy,
-            progress=not args.no_progress,
-            deadline=None if args.max_minutes is None else time.time() + 60 * args.max_minutes,
-        )
-        results[name]["shipped"] = publish(work, shipped / name)
-        for key in ("artifact", "shipped"):  # the committed record names no place of this machine
-            results[name][key] = portable(results[name][key])
+    checker = Checker(args)
+    if args.check:
+        return check_shipped(args, names, shipped, checker)
+    results = {name: train_one(args, name, data, shipped, checker) for name in names}
     # the record and the curves cover every shipped drafter trained so far, not only this run's (runs of a few
-    # drafters each, e.g. in parallel, add up)
+    # drafters each, e.g. in parallel, add up); a drafter the check kept from shipping is only in agreement_vs_data
     record = Path(args.docs) / "training.json"
     Path(args.docs).mkdir(parents=True, exist_ok=True)
-    merged = {**_read_json(record), **results}
+    merged = {**_read_json(record), **{n: r for n, r in results.items() if r["shipped"]}}
     record.write_text(json.dumps(merged, indent=1, sort_keys=True))
-    for name in merged:
-        histories[name] = read_history(ship_home / name)
-    learning_curves({n: h for n, h in histories.items() if h}, Path(args.docs) / "learning_curves.png")
+    kept = [name for name in merged if results.get(name, {}).get("shipped", True)]  # a run not shipped is not the curve's
+    histories = {n: h for n in kept if (h := read_history(ship_home(args) / n))}
+    if histories:
+        learning_curves(histories, Path(args.docs) / "learning_curves.png")
     device = next((r.get("device") for r in results.values() if r.get("device")), args.device)
     runs = record_runs(Path(args.docs) / "agreement_vs_data.json", results, device, data)
     agreement_vs_data(runs, Path(args.docs) / "agreement_vs_data.png")
@@ -154,13 +141,136 @@ def main_with_args(args) -> int:
         return 0
     for name, r in results.items():
         after = ", ".join(f"{a:.3f}" for a in r["agreement_after"] or [])
-        print(f"{name}: {r['train_sequences']} sequences, {r['train_seconds']}s; held-out top-1 agreement [{after}] -> {r['shipped']}")
+        where = r["shipped"] or f"not shipped (below the shipped one on the check set; kept in {r['artifact']})"
+        print(f"{name}: {r['train_sequences']} sequences, {r['train_seconds']}s; held-out top-1 agreement [{after}] -> {where}")
     return 0
+
+
+def ship_home(args) -> Path:
+    """Where the runs train: one folder per drafter (its checkpoint: rerunning resumes)."""
+    from decoding.paths import specray_home
+
+    return specray_home() / "ship" / Path(args.model).name
+
+
+def train_one(args, name: str, data: Path, shipped: Path, checker: Checker) -> dict:
+    """Train one shipped drafter; publish it unless the check set finds it below the shipped one (``--ship better``)."""
+    import dataclasses
+
+    from decoding.paths import portable
+    from training.runs import SHIPPED_RECIPES, publish, train_on_data
+
+    run = SHIPPED_RECIPES[name]
+    run = dataclasses.replace(run, steps=max(1, round(run.steps * args.steps_scale)), max_sequences=args.max_sequences)
+    if args.batch is not None and run.recipe != "stop":
+        run = dataclasses.replace(run, batch=args.batch)
+    run = dataclasses.replace(run, lr=run.lr * args.lr_scale, as_stored=run.as_stored or args.as_stored)
+    if args.init == "shipped":
+        if not (shipped / name / "drafter.json").is_file():
+            fail(f"--init shipped: {shipped / name} holds no artifact to start {name} from")
+        start = ship_home(args) / f"{name}-init"  # a copy: the shipped one is replaced at the end
+        shutil.rmtree(start, ignore_errors=True)
+        shutil.copytree(shipped / name, start)
+        if (ship_home(args) / name / "checkpoint.pt").is_file():  # its run's weights as trained, used if they are its
+            shutil.copy2(ship_home(args) / name / "checkpoint.pt", start / "checkpoint.pt")
+        # a warm start draws other sequences and windows than the run it continues (the draws are a function of
+        # (seed, step), so with the same seed every warm start would see that run's first sequences again)
+        before = json.loads((start / "drafter.json").read_text()).get("training", {}).get("spec", {}).get("seed", run.seed)
+        run = dataclasses.replace(run, init=portable(start), seed=before + 1)
+    if args.seed is not None:
+        run = dataclasses.replace(run, seed=args.seed)
+    work = ship_home(args) / name
+    print(f"{name}: {run.recipe} {run.knobs}, {run.steps} steps of {run.batch} sequences", file=sys.stderr)
+    deadline = None if args.max_minutes is None else time.time() + 60 * args.max_minutes
+    cluster = {"on_cluster": args.on_cluster, "workers": args.workers, "strategy": args.strategy}
+    result = train_on_data(run, data, work, args.model, args.device, **cluster, progress=not args.no_progress, deadline=deadline)
+    ship = True
+    if args.ship == "better" and run.recipe != "stop" and (shipped / name / "drafter.json").is_file():
+        result["check"] = checker.compare({"new": Path(result["artifact"]), "shipped": shipped / name})
+        ship = result["check"]["ship"]
+    result["shipped"] = portable(publish(work, shipped / name)) if ship else None
+    result["artifact"] = portable(result["artifact"])  # the committed record names no place of this machine
+    return result
+
+
+class Checker:
+    """The check set (``training.check_set``): the target's answers, made once per command when first needed."""
+
+    def __init__(self, args):
+        self.args, self._examples = args, None
+
+    def examples(self) -> list[dict]:
+        from training.check_set import check_examples, check_prompts
+
+        if self._examples is None:
+            path = Path(self.args.check_prompts)
+            if not path.is_file():
+                fail(f"--check-prompts: no such file {path}")
+            prompts = check_prompts(path, self.args.check_per_category)
+            print(f"check set: the target answers {len(prompts)} prompts of {path.name}", file=sys.stderr)
+            self._examples = check_examples(self.args.model, prompts, self.args.device)
+        return self._examples
+
+    def measure(self, artifacts: dict[str, Path]) -> dict[str, dict]:
+        from training.check_set import check_agreement
+
+        return check_agreement(artifacts, self.args.model, self.examples(), self.args.device)
+
+    def compare(self, artifacts: dict[str, Path]) -> dict:
+        """{"new": ..., "shipped": ... (check_agreement's), "ship": whether the new one is not below the shipped one}."""
+        from training.check_set import better
+
+        out = self.measure(artifacts)
+        out["ship"] = better(out["new"]["agreement"], out["shipped"]["agreement"])
+        fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+        print(f"check set: new [{fmt(out['new']['agreement'])}], shipped [{fmt(out['shipped']['agreement'])}]", file=sys.stderr)
+        return out
+
+
+def check_shipped(args, names: list[str], shipped: Path, checker: Checker) -> int:
+    """``--check``: the shipped drafters' agreement on the check set, per depth and by category (stop heads excluded)."""
+    from training.runs import SHIPPED_RECIPES
+
+    names = [n for n in names if SHIPPED_RECIPES[n].recipe != "stop"]
+    missing = [n for n in names if not (shipped / n / "drafter.json").is_file()]
+    if missing:
+        fail(f"--check: {shipped / missing[0]} holds no artifact to check")
+    if not names:
+        fail("--check: stop heads predict acceptance, they do not draft; name a drafter with --only")
+    results = checker.measure({n: shipped / n for n in names})
+    if args.json:
+        print(json.dumps(results))
+        return 0
+    print(check_table(results))
+    return 0
+
+
+def check_table(results: dict[str, dict]) -> str:
+    """The check set's agreements as a table: a column per drafter; rows: each draft depth, then the first draft's
+    agreement per category.
+
+    >>> print(check_table({"eagle": {"agreement": [0.4, 0.3], "by_category": {"qa": 0.5}, "tokens": 9}}))
+    top-1 agreement (9 answer tokens)  eagle
+    depth 1                            0.400
+    depth 2                            0.300
+    qa (depth 1)                       0.500
+    """
+    names = list(results)
+    depths = max(len(r["agreement"]) for r in results.values())
+    rows = [(f"depth {i + 1}", [r["agreement"][i] if i < len(r["agreement"]) else None for r in results.values()]) for i in range(depths)]
+    for c in sorted({c for r in results.values() for c in r["by_category"]}):
+        rows.append((f"{c} (depth 1)", [r["by_category"].get(c) for r in results.values()]))
+    first = f"top-1 agreement ({next(iter(results.values()))['tokens']} answer tokens)"
+    width = max(len(first), *(len(label) for label, _ in rows))
+    lines = [first.ljust(width) + "".join(f"  {n:>{max(5, len(n))}}" for n in names)]
+    for label, values in rows:
+        cells = ["-" if v is None else f"{v:.3f}" for v in values]
+        lines.append(label.ljust(width) + "".join(f"  {c:>{max(5, len(n))}}" for c, n in zip(cells, names, strict=True)))
+    return "\n".join(lines)
 
 
 def repack_shipped(args, names: list[str], data: Path, shipped: Path) -> int:
     from decoding.drafters.storage import Storage
-    from decoding.paths import specray_home
     from training.runs import SHIPPED_RECIPES, repack
 
     missing = [n for n in names if not (shipped / n / "drafter.json").is_file()]
@@ -170,7 +280,7 @@ def repack_shipped(args, names: list[str], data: Path, shipped: Path) -> int:
     for name in names:
         print(f"{name}: repacking {shipped / name}", file=sys.stderr)
         storage = Storage(**SHIPPED_RECIPES[name].storage)  # each drafter's own encoding
-        run = specray_home() / "ship" / Path(args.model).name / name / "checkpoint.pt"  # the weights as trained, if kept
+        run = ship_home(args) / name / "checkpoint.pt"  # the weights as trained, if kept
         results[name] = repack(shipped / name, args.model, data, args.device, storage, args.eval_sequences, run)
     if args.json:
         print(json.dumps(results))

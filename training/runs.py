@@ -276,7 +276,8 @@ def learning_curves(histories: dict[str, list[dict]], path: Path) -> None:
     right.set_title("held-out agreement vs data")
     for ax in (left, right):
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # a short run has no held-out point yet
+            ax.legend()
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -316,8 +317,11 @@ def record_runs(path: Path, results: dict[str, dict], device: str, data: Path) -
                 "device": device,
                 "date": time.strftime("%Y-%m-%d"),
                 "eval_set": r.get("eval_set") or portable(data),
+                "shipped": r.get("shipped", True) is not None,  # False: the check set kept it from shipping
             }
         )
+        if r.get("check"):
+            rows[-1]["check_agreement"] = {k: r["check"][k]["agreement"] for k in ("new", "shipped")}
     Path(path).write_text(json.dumps(rows, indent=1))
     return rows
 
@@ -356,7 +360,8 @@ def agreement_vs_data(rows: list[dict], path: Path) -> None:
     ax.set(xlabel="training sequences (log)", ylabel="held-out top-1 agreement (first draft)")
     ax.set_title("held-out agreement against data size, one point per training")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

@@ -104,16 +104,27 @@ def evaluate(recipe, module, shared, examples, knobs, window, device: torch.devi
     rows each window scores. ``prepare(ex, window, generator, device)`` makes a window (default: stored hidden
     states, ``_crop``; on the fly: ``training.features.TargetFeatures.example``); ``EVAL_BATCH`` of them go through
     the module at once."""
+    return agreement_of(*agreement_sums(recipe, module, shared, examples, knobs, window, device, prepare))
+
+
+def agreement_of(sums: list[float], rows: list[int]) -> list[float]:
+    """Per-head agreement from :func:`agreement_sums` (of one set, or of several added head by head)."""
+    return [s / r if r else 0.0 for s, r in zip(sums, rows, strict=True)]
+
+
+@torch.no_grad()
+def agreement_sums(recipe, module, shared, examples, knobs, window, device=None, prepare=None) -> tuple[list[float], list[int]]:
+    """:func:`evaluate`'s parts: per head, the agreeing rows (summed) and the rows scored."""
     prepare = prepare or _crop
-    sums, rows = None, None
+    sums, rows = [], []
     for lo in range(0, len(examples), EVAL_BATCH):
         ex = Windows.of([prepare(e, window, None, device) for e in examples[lo : lo + EVAL_BATCH]])
         pairs, _ = objectives(recipe, module, shared, ex, knobs)
         n = [s.shape[0] for s, _ in pairs]
         agree = [agreement(t, s) * k if k else 0.0 for (s, t), k in zip(pairs, n, strict=True)]
-        sums = agree if sums is None else [a + b for a, b in zip(sums, agree, strict=False)]
-        rows = n if rows is None else [a + b for a, b in zip(rows, n, strict=False)]
-    return [s / r if r else 0.0 for s, r in zip(sums, rows, strict=True)] if sums else []
+        sums = agree if not sums else [a + b for a, b in zip(sums, agree, strict=False)]
+        rows = n if not rows else [a + b for a, b in zip(rows, n, strict=False)]
+    return sums, rows
 
 
 def draws(spec: TrainSpec, size: int, step: int) -> tuple[torch.Generator, list[int]]:

@@ -201,3 +201,50 @@ def test_ship_drafters_fits_the_stop_head_on_rows_computed_once(tiny_data, capsy
     stopped = base.replace(stop_threshold=0.5, stop_head=str(root / "shipped" / "stop-exit"))
     ids = SpecDecoder(base).encode("Tell me a story")
     assert SpecDecoder(stopped).generate_ids(ids).token_ids == SpecDecoder(base.replace(method="ar")).generate_ids(ids).token_ids
+
+
+def test_the_check_set_keeps_a_worse_drafter_from_shipping(tiny_data, tmp_path, capsys):
+    """``--ship better`` (the default): a retrained drafter replaces the shipped one only where its agreement with the
+    target on the check set (the target's answers to the last prompts of each Spec-Bench category) is not lower. A
+    barely trained head (learning rate x 1e-6) is kept from replacing a trained one: the shipped artifact, the record
+    and the curves stay; ``--ship always`` ships it; ``--check`` measures the shipped drafters by category."""
+    from training.check_set import better
+
+    model, data, _ = tiny_data
+    shipped, docs = tmp_path / "shipped", tmp_path / "docs"
+    argv = ["--model", str(model), "--data", str(data), "--only", "eagle", "--shipped", str(shipped), "--docs", str(docs)]
+    argv += ["--no-progress", "--json", "--threads", "1", "--check-per-category", "1"]
+    assert main_ok([*argv, "--steps-scale", "0.03"], capsys)["eagle"]["shipped"]  # nothing shipped yet: no check
+    weights = (shipped / "eagle" / "drafter.safetensors").read_bytes()
+    record = json.loads((docs / "training.json").read_text())["eagle"]
+    curves = (docs / "learning_curves.png").stat().st_mtime_ns
+
+    worse = main_ok([*argv, "--steps-scale", "0.004", "--lr-scale", "1e-6", "--seed", "3"], capsys)["eagle"]
+    check = worse["check"]
+    assert len(check["new"]["agreement"]) == 3 and check["new"]["tokens"] > 0 and 5 <= len(check["new"]["by_category"]) <= 13
+    assert check["ship"] is False and not better(check["new"]["agreement"], check["shipped"]["agreement"])
+    assert worse["shipped"] is None and worse["artifact"].endswith("eagle")
+    assert (shipped / "eagle" / "drafter.safetensors").read_bytes() == weights  # the shipped one stays
+    assert json.loads((docs / "training.json").read_text())["eagle"] == record
+    assert (docs / "learning_curves.png").stat().st_mtime_ns == curves  # a run not shipped is not drawn over the shipped one
+    rows = json.loads((docs / "agreement_vs_data.json").read_text())
+    assert [r["shipped"] for r in rows] == [True, False] and rows[-1]["check_agreement"]["new"] == check["new"]["agreement"]
+
+    forced = main_ok([*argv, "--steps-scale", "0.004", "--lr-scale", "1e-6", "--seed", "3", "--ship", "always"], capsys)["eagle"]
+    assert forced["shipped"] and "check" not in forced and (shipped / "eagle" / "drafter.safetensors").read_bytes() != weights
+
+    from jobs.ship_drafters import main
+
+    assert main([*argv, "--check"]) == 0
+    measured = json.loads(capsys.readouterr().out)["eagle"]
+    assert measured["agreement"] == check["new"]["agreement"]  # the shipped one now: the same weights, the same answers
+    assert main([*argv, "--check", "--only", "stop-eagle"]) == 2
+    assert "do not draft" in capsys.readouterr().err
+    assert_one_line_error(main([*argv, "--check-per-category", "0"]), capsys.readouterr().err, "--check-per-category")
+
+
+def main_ok(argv: list[str], capsys) -> dict:
+    from jobs.ship_drafters import main
+
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
