@@ -9,7 +9,8 @@
 Each drafter of ``training.runs.SHIPPED_RECIPES`` (the feature head ``eagle``, the distilled draft ``distill``,
 Kangaroo adapters ``kangaroo-l<exit layer>``) trains on the self-distillation data committed in
 ``data/distill/<model>`` (``specray distill`` made it) with the settings recorded there. Checkpoints live in
-``$SPECRAY_HOME/ship/<model>/<name>`` (rerunning resumes); the finished artifact is copied into
+``$SPECRAY_HOME/ship/<model>/<name>`` (rerunning resumes; the shipped run's checkpoint is kept in ``<name>-shipped``
+for warm starts and repacks); the finished artifact is copied into
 ``decoding/drafters/shipped/<model>/<name>`` (the methods' defaults) and the learning curves into ``--docs``, unless
 the **check set** (``training.check_set``: the target's answers to the last prompts of each Spec-Bench category, none
 of them in the data or the README's runs) finds it agreeing with the target less than the shipped one; then it stays
@@ -130,7 +131,7 @@ def main_with_args(args) -> int:
     merged = {**_read_json(record), **{n: r for n, r in results.items() if r["shipped"]}}
     record.write_text(json.dumps(merged, indent=1, sort_keys=True))
     kept = [name for name in merged if results.get(name, {}).get("shipped", True)]  # a run not shipped is not the curve's
-    histories = {n: h for n in kept if (h := read_history(ship_home(args) / n))}
+    histories = {n: h for n in kept if (h := read_history(shipped_run(args, n).parent))}
     if histories:
         learning_curves(histories, Path(args.docs) / "learning_curves.png")
     device = next((r.get("device") for r in results.values() if r.get("device")), args.device)
@@ -153,6 +154,26 @@ def ship_home(args) -> Path:
     return specray_home() / "ship" / Path(args.model).name
 
 
+def shipped_run(args, name: str) -> Path:
+    """The checkpoint of the run that made the shipped artifact (its weights as trained): kept in ``<name>-shipped``
+    when it was shipped, as the next run reuses ``<name>`` (one the check kept from shipping would take its place);
+    else the run folder's (shipped before this was kept)."""
+    kept = ship_home(args) / f"{name}-shipped" / "checkpoint.pt"
+    return kept if kept.is_file() else ship_home(args) / name / "checkpoint.pt"
+
+
+def keep_shipped_run(work: Path, keep: Path) -> None:
+    """Copy a shipped run's checkpoint and history beside the other runs (a half-copied one is never read)."""
+    tmp = keep.with_name(keep.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in ("checkpoint.pt", "history.json"):
+        if (work / f).is_file():
+            shutil.copy2(work / f, tmp / f)
+    shutil.rmtree(keep, ignore_errors=True)
+    tmp.rename(keep)
+
+
 def train_one(args, name: str, data: Path, shipped: Path, checker: Checker) -> dict:
     """Train one shipped drafter; publish it unless the check set finds it below the shipped one (``--ship better``)."""
     import dataclasses
@@ -171,8 +192,8 @@ def train_one(args, name: str, data: Path, shipped: Path, checker: Checker) -> d
         start = ship_home(args) / f"{name}-init"  # a copy: the shipped one is replaced at the end
         shutil.rmtree(start, ignore_errors=True)
         shutil.copytree(shipped / name, start)
-        if (ship_home(args) / name / "checkpoint.pt").is_file():  # its run's weights as trained, used if they are its
-            shutil.copy2(ship_home(args) / name / "checkpoint.pt", start / "checkpoint.pt")
+        if shipped_run(args, name).is_file():  # its run's weights as trained, used if they are its
+            shutil.copy2(shipped_run(args, name), start / "checkpoint.pt")
         # a warm start draws other sequences and windows than the run it continues (the draws are a function of
         # (seed, step), so with the same seed every warm start would see that run's first sequences again)
         before = json.loads((start / "drafter.json").read_text()).get("training", {}).get("spec", {}).get("seed", run.seed)
@@ -189,6 +210,8 @@ def train_one(args, name: str, data: Path, shipped: Path, checker: Checker) -> d
         result["check"] = checker.compare({"new": Path(result["artifact"]), "shipped": shipped / name})
         ship = result["check"]["ship"]
     result["shipped"] = portable(publish(work, shipped / name)) if ship else None
+    if ship:
+        keep_shipped_run(work, ship_home(args) / f"{name}-shipped")
     result["artifact"] = portable(result["artifact"])  # the committed record names no place of this machine
     return result
 
@@ -280,7 +303,7 @@ def repack_shipped(args, names: list[str], data: Path, shipped: Path) -> int:
     for name in names:
         print(f"{name}: repacking {shipped / name}", file=sys.stderr)
         storage = Storage(**SHIPPED_RECIPES[name].storage)  # each drafter's own encoding
-        run = ship_home(args) / name / "checkpoint.pt"  # the weights as trained, if kept
+        run = shipped_run(args, name)  # the weights as trained, if kept
         results[name] = repack(shipped / name, args.model, data, args.device, storage, args.eval_sequences, run)
     if args.json:
         print(json.dumps(results))

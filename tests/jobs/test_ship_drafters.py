@@ -91,7 +91,8 @@ def test_init_shipped_trains_the_shipped_drafter_further(tiny_data, tmp_path, ca
     session = _session(TrainSpec(**start), target, train_set, (0, 1), None, eval_set)
     assert all(torch.equal(v, ckpt["module"][k]) for k, v in session.module.state_dict().items())  # started from them
 
-    (specray_home() / "ship" / model.name / "eagle" / "checkpoint.pt").unlink()  # the run's float weights are gone
+    for run in ("eagle", "eagle-shipped"):  # the shipped run's float weights are gone (kept in eagle-shipped too)
+        (specray_home() / "ship" / model.name / run / "checkpoint.pt").unlink()
     assert main([*argv, "--init", "shipped", "--lr-scale", "0.5"]) == 0
     third = json.loads(capsys.readouterr().out)["eagle"]
     assert third["agreement_before"] == pytest.approx(second["agreement_stored"], abs=1e-6)  # the weights as stored
@@ -149,7 +150,7 @@ def test_repack_rewrites_the_shipped_artifacts_and_measures_them(tiny_data, tmp_
     assert result["agreement_stored"] == after["training"]["eval_agreement_stored"] and 0 <= result["agreement_stored"][0] <= 1
     assert not (tmp_path / "docs").exists()  # no training: no curves, no record
     assert result["from_checkpoint"] and after["training"]["repacked"]["from"].startswith("the weights as trained")
-    ckpt_path = tmp_path / "home" / "ship" / model.name / "distill" / "checkpoint.pt"
+    ckpt_path = tmp_path / "home" / "ship" / model.name / "distill-shipped" / "checkpoint.pt"  # the shipped run's, kept
     ckpt = torch.load(ckpt_path, weights_only=False)
     art = load_artifact(str(shipped / "distill"), target)
     loaded = {k: v.clone() for k, v in art.module.state_dict().items()}
@@ -206,15 +207,17 @@ def test_ship_drafters_fits_the_stop_head_on_rows_computed_once(tiny_data, capsy
 def test_the_check_set_keeps_a_worse_drafter_from_shipping(tiny_data, tmp_path, capsys):
     """``--ship better`` (the default): a retrained drafter replaces the shipped one only where its agreement with the
     target on the check set (the target's answers to the last prompts of each Spec-Bench category) is not lower. A
-    barely trained head (learning rate x 1e-6) is kept from replacing a trained one: the shipped artifact, the record
-    and the curves stay; ``--ship always`` ships it; ``--check`` measures the shipped drafters by category."""
+    barely trained head (learning rate x 1e-6) is kept from replacing a trained one: the shipped artifact, the record,
+    the curves and the shipped run's weights as trained stay; ``--ship always`` ships it; ``--check`` measures the
+    shipped drafters by category."""
     from training.check_set import better
 
     model, data, _ = tiny_data
     shipped, docs = tmp_path / "shipped", tmp_path / "docs"
     argv = ["--model", str(model), "--data", str(data), "--only", "eagle", "--shipped", str(shipped), "--docs", str(docs)]
     argv += ["--no-progress", "--json", "--threads", "1", "--check-per-category", "1"]
-    assert main_ok([*argv, "--steps-scale", "0.03"], capsys)["eagle"]["shipped"]  # nothing shipped yet: no check
+    first = main_ok([*argv, "--steps-scale", "0.03"], capsys)["eagle"]
+    assert first["shipped"] and "check" not in first  # nothing shipped yet: no check
     weights = (shipped / "eagle" / "drafter.safetensors").read_bytes()
     record = json.loads((docs / "training.json").read_text())["eagle"]
     curves = (docs / "learning_curves.png").stat().st_mtime_ns
@@ -230,14 +233,17 @@ def test_the_check_set_keeps_a_worse_drafter_from_shipping(tiny_data, tmp_path, 
     rows = json.loads((docs / "agreement_vs_data.json").read_text())
     assert [r["shipped"] for r in rows] == [True, False] and rows[-1]["check_agreement"]["new"] == check["new"]["agreement"]
 
-    forced = main_ok([*argv, "--steps-scale", "0.004", "--lr-scale", "1e-6", "--seed", "3", "--ship", "always"], capsys)["eagle"]
-    assert forced["shipped"] and "check" not in forced and (shipped / "eagle" / "drafter.safetensors").read_bytes() != weights
-
     from jobs.ship_drafters import main
 
     assert main([*argv, "--check"]) == 0
     measured = json.loads(capsys.readouterr().out)["eagle"]
-    assert measured["agreement"] == check["new"]["agreement"]  # the shipped one now: the same weights, the same answers
+    assert measured == check["shipped"]  # the same weights, the same answers
+    # the shipped run's weights as trained outlive the run that was not shipped (kept in eagle-shipped): a warm start
+    # begins from them
+    forced = main_ok([*argv, "--steps-scale", "0.004", "--lr-scale", "1e-6", "--init", "shipped", "--ship", "always"], capsys)["eagle"]
+    assert forced["agreement_before"] == pytest.approx(first["agreement_after"], abs=1e-6)
+    assert forced["shipped"] and "check" not in forced and (shipped / "eagle" / "drafter.safetensors").read_bytes() != weights
+
     assert main([*argv, "--check", "--only", "stop-eagle"]) == 2
     assert "do not draft" in capsys.readouterr().err
     assert_one_line_error(main([*argv, "--check-per-category", "0"]), capsys.readouterr().err, "--check-per-category")
