@@ -55,6 +55,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument(
         "--as-stored", action="store_true", help="train the weights as the artifact stores them (straight through the storage's rounding)"
     )
+    p.add_argument(
+        "--refresh-vocab",
+        action="store_true",
+        help="with --init shipped: a trimmed head drafts over the data's most frequent tokens now (new ones start from the target's rows)",
+    )
     p.add_argument("--seed", type=int, help="the seed of the draws of sequences and windows (default 0; with --init, its start's seed + 1)")
     p.add_argument("--lr-scale", type=finite_float, default=1.0, help="multiply every drafter's learning rate (e.g. 0.5 with --init)")
     p.add_argument(
@@ -97,6 +102,8 @@ def check_knobs(args) -> None:
         fail("--max-minutes must be > 0")
     if args.batch is not None and args.batch < 1:
         fail("--batch must be >= 1")
+    if args.refresh_vocab and args.init != "shipped":
+        fail("--refresh-vocab refreshes a warm start's vocabulary: give it with --init shipped")
     if args.check_per_category < 1:
         fail(f"--check-per-category must be >= 1, got {args.check_per_category}")
     if args.strategy not in STRATEGIES:
@@ -197,7 +204,7 @@ def train_one(args, name: str, data: Path, shipped: Path, checker: Checker) -> d
         # a warm start draws other sequences and windows than the run it continues (the draws are a function of
         # (seed, step), so with the same seed every warm start would see that run's first sequences again)
         before = json.loads((start / "drafter.json").read_text()).get("training", {}).get("spec", {}).get("seed", run.seed)
-        run = dataclasses.replace(run, init=portable(start), seed=before + 1)
+        run = dataclasses.replace(run, init=portable(start), seed=before + 1, refresh_vocab=args.refresh_vocab)
     if args.seed is not None:
         run = dataclasses.replace(run, seed=args.seed)
     work = ship_home(args) / name

@@ -39,6 +39,7 @@ class DataRun:
     init: str | None = None  # warm start from this artifact (``TrainSpec.init``)
     storage: dict = field(default_factory=dict)  # how its artifact stores its weights: ``Storage`` fields off the default
     as_stored: bool = False  # train the weights as its artifact stores them (``TrainSpec.as_stored``)
+    refresh_vocab: bool = False  # a warm start's head drafts over this data's top tokens (``TrainSpec.refresh_vocab``)
 
 
 # The drafters shipped for the bundled model: name -> how it is trained (``specray ship-drafters``). Exit layers of the
@@ -116,7 +117,8 @@ def train_on_data(
     if len(train_set) < 2 or not eval_set:
         raise ConfigError("data", f"{data} has {len(train_set)} training and {len(eval_set)} held-out sequences; need 2 and 1")
     optimisation = dict(loss=run.loss, steps=run.steps, batch=run.batch, lr=run.lr, seed=run.seed, window=run.window)
-    spec = TrainSpec(run.recipe, knobs, **optimisation, autocast=True, eval_every=run.eval_every, init=run.init, as_stored=run.as_stored)
+    warm = {"init": run.init, "refresh_vocab": run.refresh_vocab}
+    spec = TrainSpec(run.recipe, knobs, **optimisation, autocast=True, eval_every=run.eval_every, as_stored=run.as_stored, **warm)
     tokens = sum(int(e["tokens"].shape[0] - e["answer_from"]) for e in train_set)
     extra = {"data": portable(data), "train_sequences": len(train_set), "train_answer_tokens": tokens, "eval_sequences": len(eval_set)}
     t0 = time.perf_counter()

@@ -57,6 +57,9 @@ class TrainSpec:
     # the eagle head lost 0.03 of held-out agreement to storage, and a warm start from stored weights lost most of what
     # it learned when it was stored again (docs/drafters.md)
     as_stored: bool = False
+    # with ``init``: the trimmed head drafts over this data's most frequent tokens, not its start's (ranked on the data
+    # its start saw): the tokens it drafted keep their trained rows, the new ones start from the target's rows
+    refresh_vocab: bool = False
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -437,6 +440,8 @@ def _session(
         # the weights as trained where the artifact's run left its checkpoint beside it: a warm start from the weights
         # as stored begins on their 2-bit grid, and storing it again rounds most of what it learns away
         weights_as_trained(module, local(spec.init) / "checkpoint.pt", art.description.get("training") or {})
+        if spec.refresh_vocab and isinstance(getattr(module, "lm_head", None), VocabHead):
+            module.lm_head.refresh(vocab)
         module = module.to(device).train()
     else:
         module = recipe.build(target_hf, knobs).float().to(device).train()

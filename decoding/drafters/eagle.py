@@ -95,6 +95,25 @@ class VocabHead(nn.Module):
         self.vocab.copy_(ids)
         self.weight.copy_(self.source.weight.detach()[ids].to(self.weight.dtype))
 
+    @torch.no_grad()
+    def refresh(self, vocab: torch.Tensor) -> int:
+        """Draft over the first M of a new ranking ``vocab`` as :meth:`reset` does, but keep the trained rows of the
+        tokens it drafted already (the others start from the target head's rows); returns how many tokens are new.
+
+        >>> target = nn.Linear(4, 6, bias=False); _ = target.weight.data.zero_()       # the target's rows: zeros
+        >>> head = VocabHead(target, torch.tensor([5, 2])); _ = head.weight.data.fill_(7.0)  # trained rows: sevens
+        >>> head.refresh(torch.tensor([2, 3])), head.vocab.tolist(), head.weight[:, 0].tolist()
+        (1, [2, 3], [7.0, 0.0])
+        """
+        before = {int(t): i for i, t in enumerate(self.vocab.tolist())}
+        trained = self.weight.detach().clone()
+        self.reset(vocab)
+        now = [(j, before[int(t)]) for j, t in enumerate(self.vocab.tolist()) if int(t) in before]
+        if now:
+            rows, old = zip(*now, strict=True)
+            self.weight[list(rows)] = trained[list(old)]
+        return self.vocab.shape[0] - len(now)
+
     def trimmed(self, h: torch.Tensor) -> torch.Tensor:  # [.., H] -> [.., M]
         return h @ self.weight.T if self.packed is None else self.packed(h)
 

@@ -254,3 +254,34 @@ def main_ok(argv: list[str], capsys) -> dict:
 
     assert main(argv) == 0
     return json.loads(capsys.readouterr().out)
+
+
+def test_refresh_vocab_drafts_over_the_data_s_top_tokens_now(tiny_data, tmp_path, capsys):
+    """``--init shipped --refresh-vocab``: a head trained on a few sequences drafts over their tokens; warm-started on the
+    whole data it drafts over the whole data's most frequent tokens (its trained rows kept for the tokens it had)."""
+    from decoding.drafters.artifacts import load_artifact
+    from decoding.model.loading import load_model
+    from training.features import distill_training_set
+    from training.objectives import vocab_order
+
+    model, data, _ = tiny_data
+    argv = ["--model", str(model), "--data", str(data), "--only", "eagle", "--steps-scale", "0.004", "--shipped", str(tmp_path / "s")]
+    argv += ["--docs", str(tmp_path / "docs"), "--no-progress", "--json", "--threads", "1", "--ship", "always"]
+    target = load_model(str(model), "float32").model
+    head = lambda: load_artifact(str(tmp_path / "s" / "eagle"), target).module.lm_head.vocab  # noqa: E731
+    ranked = vocab_order(distill_training_set(data)[0], target.config.vocab_size)
+    main_ok([*argv, "--max-sequences", "2"], capsys)
+    few = head().clone()
+    assert not torch_equal_prefix(few, ranked)  # ranked on two sequences
+    result = main_ok([*argv, "--init", "shipped", "--refresh-vocab"], capsys)["eagle"]
+    assert torch_equal_prefix(head(), ranked) and result["shipped"]
+    spec = json.loads((tmp_path / "s" / "eagle" / "drafter.json").read_text())["training"]["spec"]
+    assert spec["refresh_vocab"] is True and spec["init"].endswith("eagle-init")
+    from jobs.ship_drafters import main
+
+    assert_one_line_error(main([*argv, "--refresh-vocab"]), capsys.readouterr().err, "--init shipped")
+
+
+def torch_equal_prefix(vocab, ranked) -> bool:
+    n = min(len(vocab), len(ranked))
+    return vocab[:n].tolist() == ranked[:n].tolist()
