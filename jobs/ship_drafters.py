@@ -34,11 +34,11 @@ import sys
 import time
 from pathlib import Path
 
+from evaluation.workloads import DEFAULT_PROMPTS
 from jobs.common import Parser, check_cluster_flags, command, distill_data, fail, finite_float, output_dir
 from training.check_set import CHECK_PER_CATEGORY
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_PROMPTS = ROOT / "data" / "spec_bench" / "question.jsonl"
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -233,10 +233,13 @@ class Checker:
         from training.check_set import check_examples, check_prompts
 
         if self._examples is None:
+            from evaluation.workloads import WorkloadError
+
             path = Path(self.args.check_prompts)
-            if not path.is_file():
-                fail(f"--check-prompts: no such file {path}")
-            prompts = check_prompts(path, self.args.check_per_category)
+            try:
+                prompts = check_prompts(path, self.args.check_per_category)
+            except WorkloadError as e:
+                fail(f"--check-prompts: {e}")
             print(f"check set: the target answers {len(prompts)} prompts of {path.name}", file=sys.stderr)
             self._examples = check_examples(self.args.model, prompts, self.args.device)
         return self._examples

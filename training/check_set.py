@@ -24,7 +24,6 @@ Spec-Bench prompt (``training.corpus.spec_bench_overlap``).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 CHECK_PER_CATEGORY = 6  # the last 6 first turns of each category: 78 prompts, none among the README's first 4
@@ -35,24 +34,25 @@ def check_prompts(path: Path, per_category: int = CHECK_PER_CATEGORY) -> list[di
     """The check set: the last ``per_category`` questions of each category of a Spec-Bench style JSONL file, their
     first turns as one-message chats (``training.distill_data.run_shard``'s prompts).
 
-    >>> import tempfile, os
+    >>> import json, os, tempfile
     >>> rows = [{"question_id": i, "category": c, "turns": [f"q{i}"]} for i, c in enumerate("aaab")]
     >>> f = tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False); _ = f.write("\\n".join(map(json.dumps, rows))); f.close()
     >>> [(p["id"], p["kind"], p["messages"][0]["content"]) for p in check_prompts(Path(f.name), 2)]
     [('check-1', 'a', 'q1'), ('check-2', 'a', 'q2'), ('check-3', 'b', 'q3')]
     >>> os.unlink(f.name)
     """
-    by_category: dict[str, list[dict]] = {}
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            q = json.loads(line)
-            by_category.setdefault(q["category"], []).append(q)
+    from evaluation.workloads import load_prompts
+
+    by_category: dict[str, list] = {}
+    for q in load_prompts(path):  # parsed and checked as the benchmark reads it (a bad file: WorkloadError)
+        by_category.setdefault(q.category, []).append(q)
     out = []
     for category, questions in by_category.items():
         for q in questions[-per_category:]:
-            message = {"role": "user", "content": q["turns"][0]}
-            out.append({"id": f"check-{q['question_id']}", "kind": category, "source": "spec-bench", "phase": 2, "split": "check"})
-            out[-1]["messages"] = [message]
+            out.append(
+                {"id": f"check-{q.question_id}", "kind": category, "source": "spec-bench", "phase": 2, "split": "check"}
+                | {"messages": [{"role": "user", "content": q.turns[0]}]}
+            )
     return out
 
 

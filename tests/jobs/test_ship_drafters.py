@@ -247,6 +247,7 @@ def test_the_check_set_keeps_a_worse_drafter_from_shipping(tiny_data, tmp_path, 
     assert main([*argv, "--check", "--only", "stop-eagle"]) == 2
     assert "do not draft" in capsys.readouterr().err
     assert_one_line_error(main([*argv, "--check-per-category", "0"]), capsys.readouterr().err, "--check-per-category")
+    assert_one_line_error(main([*argv, "--check", "--check-prompts", str(tmp_path)]), capsys.readouterr().err, "--check-prompts")
 
 
 def main_ok(argv: list[str], capsys) -> dict:
