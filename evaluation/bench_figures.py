@@ -263,23 +263,31 @@ def complete_keys(gen_rows: Sequence[dict], methods: Sequence[str]) -> set:
     return {k for k, ms in done.items() if set(methods) <= ms}
 
 
+def _matched(base_rows: list, mrows: list) -> list:
+    """The baseline's rows of the (prompt, repeat) pairs a method ran: a peer that ran fewer repeats
+    (``--peer-repeats``) is compared with AR on those only."""
+    mine = {_key(r) for r in mrows}
+    return [b for b in base_rows if _key(b) in mine]
+
+
 def _speedups(rows_by_method: dict, baseline_rows: list, methods) -> dict:
-    base = _rate(baseline_rows)
-    return {m: ratio(_rate(rows_by_method.get(m, [])), base) for m in methods}
+    return {m: ratio(_rate(rows_by_method.get(m, [])), _rate(_matched(baseline_rows, rows_by_method.get(m, [])))) for m in methods}
 
 
 def summarize_methods(gen_rows: Sequence[dict], step_rows: Sequence[dict], baseline: str = BASELINE, order: Sequence[str] = ()) -> dict:
     """Everything the report shows, from the two tables (see the module docstring).
 
-    Only (prompt, repeat) pairs that every method finished count, so an interrupted
-    run compares like with like. Per-step figures come from the step rows of the same pairs.
+    Only (prompt, repeat) pairs that every specray method finished count, so an interrupted
+    run compares like with like; a peer's rows count on those of the pairs it ran (it may run fewer repeats),
+    against the baseline's rows of the same pairs. Per-step figures come from the step rows of the same pairs.
     ``order`` lists methods in the order the report shows them (others follow in row order).
     """
     present = set(r["method"] for r in gen_rows)
     methods = list(dict.fromkeys([m for m in order if m in present] + [r["method"] for r in gen_rows]))
     if methods and baseline not in methods:
         raise ValueError(f"no {baseline!r} rows: the speedup needs the baseline")
-    keys = complete_keys(gen_rows, methods)
+    peers = {r["method"] for r in gen_rows if r["kind"] == "peer"}
+    keys = complete_keys(gen_rows, [m for m in methods if m not in peers])
     all_keys = {_key(r) for r in gen_rows}
     rows = [r for r in gen_rows if _key(r) in keys]
     steps = [s for s in step_rows if _key(s) in keys]
@@ -292,7 +300,7 @@ def summarize_methods(gen_rows: Sequence[dict], step_rows: Sequence[dict], basel
     base_rows = by_method.get(baseline, [])
     repeats = sorted({r["repeat"] for r in rows})
 
-    out_methods = {m: _method_figures(by_method[m], steps_by_method[m], base_rows, repeats, m == baseline) for m in methods}
+    out_methods = {m: _method_figures(by_method[m], steps_by_method[m], base_rows, m == baseline) for m in methods}
     categories, workers = _by_column(rows, "category", methods, baseline), _by_column(rows, "worker", methods, baseline)
 
     return {
@@ -310,15 +318,17 @@ def summarize_methods(gen_rows: Sequence[dict], step_rows: Sequence[dict], basel
     }
 
 
-def _method_figures(mrows: list, msteps: list, base_rows: list, repeats: list, is_baseline: bool) -> dict:
+def _method_figures(mrows: list, msteps: list, base_rows: list, is_baseline: bool) -> dict:
     """One method's figures in the summary, from its rows and the baseline's over the same (prompt, repeat) pairs."""
     base_by_key = {_key(r): r for r in base_rows}
+    base_rows = _matched(base_rows, mrows)
     rate = _rate(mrows)
     per_prompt = []
     for r in mrows:
         b = base_by_key[_key(r)]
         if r["wall_s"] > 0 and b["wall_s"] > 0 and b["new_tokens"] > 0:
             per_prompt.append((r["new_tokens"] / r["wall_s"]) / (b["new_tokens"] / b["wall_s"]))
+    repeats = sorted({r["repeat"] for r in mrows})
     per_repeat = [ratio(_rate([r for r in mrows if r["repeat"] == k]), _rate([r for r in base_rows if r["repeat"] == k])) for k in repeats]
     n_steps = len(msteps)
     accepted = sum(s["accepted"] for s in msteps)
@@ -376,7 +386,10 @@ def _by_column(rows: list, column: str, methods: list, baseline: str) -> dict:
             if r[column] == value:
                 mine[r["method"]].append(r)
         sp = _speedups(mine, mine[baseline], methods)
-        out[value] = {m: {"prompts": len(mine[m]), "tokens_per_s": _rate(mine[m]), "speedup": sp[m]} for m in methods}
+        out[value] = {
+            m: {"prompts": len({r["prompt_id"] for r in mine[m]}), "runs": len(mine[m]), "tokens_per_s": _rate(mine[m]), "speedup": sp[m]}
+            for m in methods
+        }
     return out
 
 

@@ -262,7 +262,7 @@ def results_markdown(summary: dict) -> str:
         rows.append([c, str(v[base]["prompts"])] + [_f(v[m]["speedup"], "{:.2f}x") for m in methods] + ([best_over_hf(c)] if over else []))
     rows.append(["**mean of categories**", ""] + [_f(category_mean(summary, m), "**{:.2f}x**") for m in methods] + (["-"] if over else []))
     overall = [_f(summary["methods"][m]["speedup"], "{:.2f}x") for m in methods]
-    rows.append(["all tokens", str(summary["methods"][base]["prompts"])] + overall)
+    rows.append(["all tokens", str(summary["prompts_complete"])] + overall)
     if over:
         rows[-1].append(best_over_hf("overall"))
     per_category = markdown_table(head, rows)
@@ -317,6 +317,16 @@ def committed_record(summary: dict) -> dict:
     return slim
 
 
+def _repeats_caption(summary: dict) -> str:
+    """', each run 3 times (the HF modes once)' where the run repeated the prompt set; '' where it did not."""
+    runs = summary.get("repeats") or 1
+    if runs == 1:
+        return ""
+    peer = summary.get("peer_repeats") or runs
+    times = {1: "once", 2: "twice"}.get(peer, f"{peer} times")
+    return f", each run {runs} times" + (f" (the HF modes {times})" if summary.get("peer") and peer != runs else "")
+
+
 def publish(summary: dict, readme: Path) -> None:
     """The run's tables into the README's bench-results block; its plots and summary to docs/bench/ beside it."""
     import json
@@ -335,6 +345,7 @@ def publish(summary: dict, readme: Path) -> None:
         f"{summary['threads']} torch threads, {summary['max_new_tokens']} new tokens per prompt, "
         f"{summary['prompts_complete']} prompts"
         + (" (later turns of multi-turn questions included)" if summary.get("later_turns") else "")
+        + _repeats_caption(summary)
         + f"; plots: {', '.join(f'`{p}`' for p in plots)}; figures: `docs/bench/summary.json`."
     )
     if summary.get("command"):

@@ -50,16 +50,20 @@ class Runner:
             self.names = [m for m in self.names if m not in skipped]
         return skipped
 
-    def run_prompt(self, prompt: Prompt, index: int, repeat: int = 0) -> tuple[list[dict], list[dict]]:
+    def run_prompt(self, prompt: Prompt, index: int, repeat: int = 0, peers: bool = True) -> tuple[list[dict], list[dict]]:
+        """Every method on the prompt; ``peers=False`` leaves the HF modes out (a repeat past ``--peer-repeats``)."""
         ids = self.encode(prompt)
         results = {}
         for name in bm.method_order(self.names, index):
+            if name not in self.decoders and not peers:
+                continue
             if name in self.decoders:
                 results[name] = self.specray.generate(name, ids)
             else:
                 tokens, wall_s = self.peer.generate(name, ids, self.cfg.max_new_tokens)
                 results[name] = ("peer", tokens, wall_s)
-        return self.specray.rows(prompt, ids, results, self.names, repeat, describe_peer=self.peer.describe if self.peer else None)
+        names = [n for n in self.names if n in results]
+        return self.specray.rows(prompt, ids, results, names, repeat, describe_peer=self.peer.describe if self.peer else None)
 
 
 def long_prompts(prompts: list[Prompt], lengths: list[int], per_length: int, cfg: SpecConfig) -> list[Prompt]:
@@ -78,7 +82,8 @@ def long_prompts(prompts: list[Prompt], lengths: list[int], per_length: int, cfg
     return out
 
 
-def run_local(cfg, methods, peer, jobs, writer, new_progress, on_prompt_done, warmup, meta) -> None:
+def run_local(cfg, methods, peer, jobs, writer, new_progress, on_prompt_done, warmup, meta, peer_repeats=None) -> None:
+    """Every (repeat, prompt) job in this process; the HF peer runs in the first ``peer_repeats`` repeats (None: all)."""
     runner = Runner(cfg, methods, peer)
     meta["chat_template"] = runner.chat
     meta["threads"] = runner.ar.threads
@@ -87,7 +92,7 @@ def run_local(cfg, methods, peer, jobs, writer, new_progress, on_prompt_done, wa
     meta["peer_modes"] = {m: runner.peer.describe(m) for m in runner.peer.modes} if runner.peer else {}
     progress = new_progress()
     for index, (repeat, prompt) in enumerate(jobs):
-        gens, steps = runner.run_prompt(prompt, index, repeat)
+        gens, steps = runner.run_prompt(prompt, index, repeat, peers=peer_repeats is None or repeat < peer_repeats)
         writer.write(gens, steps)
         progress.update(1)
         if on_prompt_done:
@@ -118,11 +123,11 @@ class BenchWorker:
             "pid": os.getpid(),
         }
 
-    def run(self, prompt: Prompt, index: int, repeat: int):
-        return self.runner.run_prompt(prompt, index, repeat)
+    def run(self, prompt: Prompt, index: int, repeat: int, peers: bool = True):
+        return self.runner.run_prompt(prompt, index, repeat, peers)
 
 
-def run_cluster(cfg, methods, peer, jobs, writer, new_progress, on_prompt_done, warmup, meta, workers=None) -> None:
+def run_cluster(cfg, methods, peer, jobs, writer, new_progress, on_prompt_done, warmup, meta, peer_repeats=None, workers=None) -> None:
     import ray  # only here: decoding/ never sees Ray
 
     from cluster.runtime import connect
@@ -144,7 +149,10 @@ def run_cluster(cfg, methods, peer, jobs, writer, new_progress, on_prompt_done, 
         meta["peer_skipped"] = infos[0]["peer_skipped"]
         meta["peer_modes"] = infos[0]["peer_modes"]
         progress = new_progress()
-        pending = {actors[i % n].run.remote(prompt, i, repeat): (i, prompt) for i, (repeat, prompt) in enumerate(jobs)}
+        pending = {
+            actors[i % n].run.remote(prompt, i, repeat, peer_repeats is None or repeat < peer_repeats): (i, prompt)
+            for i, (repeat, prompt) in enumerate(jobs)
+        }
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
             index, prompt = pending.pop(done[0])

@@ -71,6 +71,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "(documents concatenated, then a question), capped at the model's context minus --max-new-tokens",
     )
     p.add_argument("--repeats", type=int, default=1, help="run the whole prompt set R times and report the spread")
+    p.add_argument(
+        "--peer-repeats",
+        type=int,
+        default=None,
+        help="with --peer: run the HF modes in the first N repeats only (default: all); each is compared with AR on the same runs",
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per method before measuring (default 1)")
     p.add_argument("--peer", choices=["hf"], help="also run Hugging Face generate() (plain and assisted) on the same model")
     p.add_argument(
@@ -146,6 +152,10 @@ def check_counts(args) -> None:
     """--repeats, --warmup and --workers (the last with --on-cluster only), before any work."""
     if args.repeats < 1:
         fail(f"--repeats must be >= 1, got {args.repeats}")
+    if args.peer_repeats is not None and not 1 <= args.peer_repeats <= args.repeats:
+        fail(f"--peer-repeats must be between 1 and --repeats ({args.repeats}), got {args.peer_repeats}")
+    if args.peer_repeats is not None and not args.peer:
+        fail("--peer-repeats needs --peer hf")
     if args.warmup < 0:
         fail(f"--warmup must be >= 0, got {args.warmup}")
     if args.workers is not None and args.workers < 1:
@@ -190,6 +200,7 @@ def run_bench(args, on_prompt_done: Callable[[int, Prompt], None] | None = None)
         "prompts_selected": len(prompts),
         "repeats": args.repeats,
         "peer": args.peer,
+        "peer_repeats": args.peer_repeats or args.repeats,
         "later_turns": bool(args.later_turns),
         "command": getattr(args, "command_line", None),
         "peer_skipped": {},
@@ -213,6 +224,7 @@ def run_bench(args, on_prompt_done: Callable[[int, Prompt], None] | None = None)
     try:
         runner = run_cluster if args.on_cluster else run_local
         extra = {"workers": args.workers} if args.on_cluster else {}
+        extra["peer_repeats"] = args.peer_repeats
         runner(base, methods, peer, jobs, writer, new_progress, on_prompt_done, args.warmup, meta, **extra)
     except KeyboardInterrupt:
         interrupted = True

@@ -189,6 +189,27 @@ def test_summary_repeats_and_workers():
     assert s["peer"] is None
 
 
+def test_a_peer_run_in_fewer_repeats_is_compared_with_ar_on_those_runs():
+    """--peer-repeats 1: the HF mode ran in repeat 0 only; the specray methods' repeats all count, and the peer is
+    divided by AR's rate on repeat 0, not on all of AR's runs."""
+    g = bm.gen_row
+    gens = [
+        g("ar", 1, "A", repeat=0, new_tokens=10, wall_s=1.0),
+        g("sps", 1, "A", repeat=0, new_tokens=10, wall_s=0.5),
+        g("hf-plain", 1, "A", kind="peer", repeat=0, new_tokens=10, wall_s=5.0),
+        g("ar", 1, "A", repeat=1, new_tokens=10, wall_s=2.0),  # a slow repeat of AR: the peer never saw it
+        g("sps", 1, "A", repeat=1, new_tokens=10, wall_s=1.0),
+    ]
+    s = bm.summarize_methods(gens, [])
+    assert s["runs_complete"] == 2 and s["runs_incomplete"] == 0 and s["prompts_complete"] == 1
+    assert s["methods"]["sps"]["speedup"] == pytest.approx(2.0)
+    assert s["methods"]["hf-plain"]["speedup"] == pytest.approx(0.2)  # 2 tok/s over AR's 10 on repeat 0 (not 20/3)
+    assert s["methods"]["hf-plain"]["speedup_per_repeat"] is None and s["methods"]["hf-plain"]["prompts"] == 1
+    cat = s["categories"]["A"]
+    assert cat["hf-plain"]["speedup"] == pytest.approx(0.2) and cat["sps"]["speedup"] == pytest.approx(2.0)
+    assert (cat["ar"]["prompts"], cat["ar"]["runs"]) == (1, 2)
+
+
 def test_summary_needs_the_baseline():
     with pytest.raises(ValueError, match="baseline"):
         bm.summarize_methods([bm.gen_row("sps", 1, "A", new_tokens=1, wall_s=1.0)], [])

@@ -281,6 +281,8 @@ def test_unknown_category_lists_known(capsys, tiny, tmp_path):
 def test_bad_method_and_bad_knobs(capsys, tiny, tmp_path):
     assert "unknown method 'medusa'" in _bad(capsys, tiny, tmp_path, "--methods", "ar,medusa")
     assert "--repeats" in _bad(capsys, tiny, tmp_path, "--repeats", "0")
+    assert "--peer-repeats needs --peer hf" in _bad(capsys, tiny, tmp_path, "--peer-repeats", "1")
+    assert "between 1 and --repeats (2)" in _bad(capsys, tiny, tmp_path, "--peer", "hf", "--repeats", "2", "--peer-repeats", "3")
     assert "no_such_field" in _bad(capsys, tiny, tmp_path, "--set", "no_such_field=1")
     # a knob that only the model can check: exit layer beyond the tiny model's 4 layers
     assert "exit_layer" in _bad(capsys, tiny, tmp_path, "--methods", "early-exit", "--set", "exit_layer=9")
@@ -316,6 +318,20 @@ def test_repeats_report_a_spread(tiny, tmp_path):
     assert code == 0 and s["repeats"] == 3 and s["runs_complete"] == 3 and s["prompts_complete"] == 1
     spread = s["methods"]["ngram"]["speedup_per_repeat"]
     assert spread["n"] == 3 and spread["min"] <= spread["median"] <= spread["max"]
+
+
+def test_the_hf_peer_can_run_in_fewer_repeats(tiny, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# r\n\n<!-- bench-results -->\nold\n<!-- /bench-results -->\n")
+    argv = ["--methods", "ngram", "--categories", "qa", "--repeats", "2", "--peer", "hf", "--peer-modes", "hf-plain"]
+    code, s, _ = run_quiet(base_argv(tiny, tmp_path / "o", *argv, "--peer-repeats", "1", "--readme", str(readme), "--json"))
+    assert code == 0 and s["repeats"] == 2 and s["peer_repeats"] == 1 and s["runs_complete"] == 2
+    gens = traces.read_run(tmp_path / "o", s["run_id"], "generations")
+    assert sorted(r["repeat"] for r in gens if r["method"] == "ngram") == [0, 1]
+    assert [r["repeat"] for r in gens if r["method"] == "hf-plain"] == [0]  # the peer ran once
+    assert s["methods"]["hf-plain"]["prompts"] == 1 and s["methods"]["hf-plain"]["speedup"] > 0
+    assert s["categories"]["qa"]["ar"]["prompts"] == 1 and s["categories"]["qa"]["ar"]["runs"] == 2
+    assert ", each run 2 times (the HF modes once)" in readme.read_text()
 
 
 # ---- on a (local) Ray cluster --------------------------------------------------------------------------
