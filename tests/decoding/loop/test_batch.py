@@ -557,6 +557,34 @@ def test_k_auto_keeps_a_rows_acceptance_apart_by_the_kind_of_proposal(tiny_model
     assert NgramDrafter(3, 1).propose(state, 2).kind == 2  # [5, 6] matched
 
 
+class _SlowProposals(NgramDrafter):
+    """A model-free drafter whose every proposal takes a millisecond (as suffix decoding's 0.3-0.5 ms on this CPU)."""
+
+    def __init__(self):
+        super().__init__(3, 1)
+        self.calls = 0
+
+    def propose(self, state, k):
+        self.calls += 1
+        time.sleep(0.001)
+        return Proposal(host=[7] * k, device=state.tokens.device) if k > 0 else Proposal.empty(1, state.tokens.device)
+
+
+def test_under_load_a_costly_model_free_drafter_stops_proposing(tiny_model, target, one_thread):
+    """Sixteen rows on a compute-bound forward: the width is 1 whatever they offer, so proposals save nothing. Each
+    row's gate stops them after its judge's worth and probes now and then; before 2026-11-29 only a lone row had a
+    gate, and every row of a batch proposed at every step (suffix decoding at 8 rows: 0.87x batched AR here)."""
+    n_tokens = 48
+    drafters = [_SlowProposals() for _ in range(16)]
+    seqs = [Sequence(ids(PROMPTS[4]), drafter=d, k=4, adaptive=True, max_new_tokens=n_tokens) for d in drafters]
+    outs = generate_many(target, seqs, max_rows=16, cost=knee())
+    want = generate(target, ids(PROMPTS[4]), max_new_tokens=n_tokens).token_ids
+    assert all(o.token_ids == want for o in outs)
+    assert sum(r.drafted for o in outs for r in o.steps) == 0
+    judge = seqs[0].gate.judge
+    assert all(judge <= d.calls <= judge + 4 for d in drafters), [d.calls for d in drafters]  # of 47 steps
+
+
 def test_batch_phases_count_each_step_and_split_its_time(tiny_model, target, one_thread):
     """``batch_phases`` (what ``specray bench-device`` reports for its batched sweep) counts every decoding step of
     every batch once, and splits the batch's time between filling prompts and decoding steps."""
