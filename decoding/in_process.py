@@ -91,6 +91,12 @@ class SpecDecoder(DecoderBase):
         log.info("specray: %d CUDA graphs captured at load in %.1f s", made, time.perf_counter() - begin)
         return made
 
+    def forget_text(self) -> None:
+        """Forget the text of earlier generations (``DraftMemory.forget_text``), keeping what they measured; the
+        drafter is built again (suffix decoding's holds the last request, which would join its cache next)."""
+        self.memory.forget_text()
+        self.drafter = build_drafter(self.cfg, self.loaded, memory=self.memory)
+
     @property
     def max_context(self) -> int:
         return self.loaded.max_context

@@ -37,6 +37,7 @@ class Runner:
         self.chat = self.specray.chat
         self.peer = HFPeer(self.ar, cfg, modes=peer) if peer else None
         self.names = list(methods) + (list(self.peer.modes) if self.peer else [])
+        self.repeat = 0  # the repeat of the prompt set running now (each starts with drafters that saw none of it)
 
     def encode(self, prompt: Prompt):
         return self.specray.encode(prompt)
@@ -52,6 +53,9 @@ class Runner:
 
     def run_prompt(self, prompt: Prompt, index: int, repeat: int = 0, peers: bool = True) -> tuple[list[dict], list[dict]]:
         """Every method on the prompt; ``peers=False`` leaves the HF modes out (a repeat past ``--peer-repeats``)."""
+        if repeat != self.repeat:
+            self.specray.forget_text()
+            self.repeat = repeat
         ids = self.encode(prompt)
         results = {}
         for name in bm.method_order(self.names, index):

@@ -213,17 +213,40 @@ def measure(base, methods: list[str], rows: list[int], spec_rows: int, n_prompts
     # where each timed batch's time went: filling prompts, decoding steps (decoding.loop.batch.batch_phases)
     summary["batched_phases"] = phases
 
-    def batch_of(dec):
-        return sum(len(g.token_ids) for g in dec.generate_batch(prompts[:spec_rows], max_rows=spec_rows))
-
-    under_load = {"ar": sweep.get(spec_rows) or timed(lambda: batch_of(ar))}
-    for m in methods:
-        dec = SpecDecoder(base.replace(method=m))
-        dec.generate_batch(prompts[:spec_rows], max_new_tokens=4, max_rows=spec_rows)
-        under_load[m] = timed(lambda dec=dec: batch_of(dec))
     summary["spec_rows"] = spec_rows
-    summary["under_load"] = under_load
+    summary["under_load"] = under_load(ar, base, methods, prompts[:spec_rows])
     return summary
+
+
+LOAD_ROUNDS = 3  # rotated rounds of the speculation-under-load figure
+
+
+def under_load(ar, base, methods: list[str], prompts: list) -> dict[str, float]:
+    """Tokens/s of one batch of ``prompts`` (all rows at once) per decoder: batched AR and each method at its own
+    config (k=auto where it is the default). Each decoder first runs one whole batch untimed (its calibration, and what
+    k=auto learns of acceptance and costs: a server's state after its first requests), then ``LOAD_ROUNDS`` timed
+    rounds, the order rotated each round, side by side (before 2026-11-29: one batch each, fresh after four tokens of
+    warm-up, its k=auto still learning what the batch's first steps cost)."""
+    from decoding.in_process import SpecDecoder
+    from decoding.timing import synchronize
+
+    decs = {"ar": ar, **{m: SpecDecoder(base.replace(method=m)) for m in methods}}
+
+    def batch_of(dec) -> int:
+        return sum(len(g.token_ids) for g in dec.generate_batch(prompts, max_rows=len(prompts)))
+
+    for dec in decs.values():
+        batch_of(dec)
+    tokens, seconds = dict.fromkeys(decs, 0), dict.fromkeys(decs, 0.0)
+    for r in range(LOAD_ROUNDS):
+        names = list(decs)[r % len(decs) :] + list(decs)[: r % len(decs)]
+        for name in names:
+            synchronize(ar.device)
+            begin = time.perf_counter()
+            tokens[name] += batch_of(decs[name])
+            synchronize(ar.device)
+            seconds[name] += time.perf_counter() - begin
+    return {name: tokens[name] / seconds[name] for name in decs}
 
 
 def markdown(summary: dict, cmd: str) -> str:

@@ -157,7 +157,7 @@ class RecyclingDrafter(Drafter):
 
     @property
     def adjacency(self) -> AdjacencyMatrix:
-        return self.memory.get(("adjacency", self.vocab, self.width), lambda: AdjacencyMatrix(self.vocab, self.width))
+        return self.memory.get(("adjacency", self.vocab, self.width), lambda: AdjacencyMatrix(self.vocab, self.width), text=True)
 
     @property
     def stats(self) -> RankStats:

@@ -314,7 +314,8 @@ class SuffixDrafter(Drafter):
 
     @property
     def cache(self) -> SuffixCache:
-        return self.memory.get(("suffix-cache", self.depth, self.cache_tokens), lambda: SuffixCache(self.depth, self.cache_tokens))
+        key = ("suffix-cache", self.depth, self.cache_tokens)
+        return self.memory.get(key, lambda: SuffixCache(self.depth, self.cache_tokens), text=True)
 
     def max_nodes(self, k: int) -> int:
         return self.chooser.max_budget if self.chooser is not None else self.budget

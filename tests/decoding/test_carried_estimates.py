@@ -70,3 +70,26 @@ def test_nothing_is_carried_for_cold_memory_or_a_fixed_k(tiny_model_dir, changes
         first.acceptance.observe(drafted=3, accepted=0)
     later = dec.sequence(PROMPT).acceptance
     assert later.alpha == Acceptance.of_drafter(model_free=False).alpha and later.pool is not first.acceptance.pool
+
+
+@pytest.mark.parametrize("method", ["suffix", "hybrid"])
+def test_forgetting_the_text_of_earlier_requests_keeps_what_they_measured(tiny_model_dir, method):
+    """A decoder's suffix cache (and Token Recycling's adjacency) drafts a prompt run again from its own earlier answer:
+    a benchmark's repeats must not (``SpecDecoder.forget_text``, called by the bench between repeats and after the
+    warm-up). A fixed k makes the steps a function of what the drafter knows: after forgetting, suffix decoding runs the
+    prompt again step for step as the first time; the hybrid keeps what it measured (its calibration, the ranks' record),
+    which shapes its trees, but no longer copies itself."""
+    dec = decoder(tiny_model_dir, method=method, k=4, adaptive_k=False, max_new_tokens=32)
+    prompt = torch.tensor([[11, 5, 42, 9, 17, 3]])
+    steps = lambda g: [(s.drafted, s.accepted) for s in g.steps]  # noqa: E731
+    first = dec.generate_ids(prompt)
+    again = dec.generate_ids(prompt)
+    assert again.token_ids == first.token_ids and len(again.steps) < len(first.steps)  # it copied its own answer
+    kept = set(dec.memory._stores)
+    dec.forget_text()
+    left = set(dec.memory._stores)
+    assert left < kept and not any(k[0] in ("suffix-cache", "adjacency") for k in left if isinstance(k, tuple))
+    after = dec.generate_ids(prompt)
+    assert after.token_ids == first.token_ids and len(after.steps) > len(again.steps)
+    if method == "suffix":
+        assert steps(after) == steps(first)
