@@ -585,6 +585,48 @@ def test_under_load_a_costly_model_free_drafter_stops_proposing(tiny_model, targ
     assert all(judge <= d.calls <= judge + 4 for d in drafters), [d.calls for d in drafters]  # of 47 steps
 
 
+class _WrongModelDrafts(NgramDrafter):
+    """A model drafter (as EAGLE's head) whose drafts are never accepted, and whose first proposal after steps without
+    drafts also catches up on what they committed (a millisecond)."""
+
+    model_free = False
+
+    def __init__(self, future: list[int], prompt_len: int, vocab: int):
+        super().__init__(3, 1)
+        self.future, self.prompt_len, self.vocab, self.drafted_last, self.proposals = future, prompt_len, vocab, False, 0
+
+    def propose(self, state, k):
+        if k <= 0:
+            self.drafted_last = False
+            return Proposal.empty(1, state.tokens.device)
+        if not self.drafted_last:
+            time.sleep(0.001)
+        self.drafted_last, self.proposals = True, self.proposals + 1
+        done = state.tokens.shape[1] - self.prompt_len
+        return Proposal(host=[(self.future[done] + 1) % self.vocab] * k, device=state.tokens.device)
+
+
+def test_under_load_a_rows_probe_pays_for_widening_the_whole_batch(tiny_model, target, ar_alone, one_thread):
+    """A model drafter that stopped drafting probes now and then, at most a 32nd of the plain steps it waited. In a
+    batch every row pays a probe's width, so the widening counted is the batch's, against the row's share of its plain
+    steps: with 8 rows here no row probes in 64 tokens after its first drafts, where one-row costs (before 2026-11-29)
+    let each probe twice (EAGLE at 8 rows on this CPU: 0.91x batched AR with no draft accepted)."""
+    # one row: a wider forward is nearly free; eight rows: each token more costs a third of a plain step, though
+    # drafts accepted at 0.8 would still pay, so the rows stay due a probe
+    points = {(1, t): 0.05 + 0.002 * (t - 1) for t in (1, 2, 3, 5, 9)}
+    points.update({(8, t): 0.05 + 0.016 * (t - 1) for t in (1, 2, 3, 5, 9)})
+    future = ar_alone[4] + [0] * 80
+    n = ids(PROMPTS[4]).shape[1]
+    drafters = [_WrongModelDrafts(future, n, tiny_model.config.vocab_size) for _ in range(8)]
+    seqs = [Sequence(ids(PROMPTS[4]), drafter=d, k=4, adaptive=True, max_new_tokens=64) for d in drafters]
+    outs = generate_many(target, seqs, max_rows=8, cost=CostModel(points, smoothing=0.0))
+    want = generate(target, ids(PROMPTS[4]), max_new_tokens=64).token_ids
+    assert all(o.token_ids == want for o in outs)
+    first = [next(i for i, r in enumerate(o.steps) if not r.drafted) for o in outs]  # the first drafts, then plain steps
+    probes = [sum(1 for r in o.steps[f:] if r.drafted) for o, f in zip(outs, first, strict=True)]
+    assert max(first) <= 8 and sum(probes) == 0, (first, probes)
+
+
 def test_batch_phases_count_each_step_and_split_its_time(tiny_model, target, one_thread):
     """``batch_phases`` (what ``specray bench-device`` reports for its batched sweep) counts every decoding step of
     every batch once, and splits the batch's time between filling prompts and decoding steps."""
