@@ -27,6 +27,12 @@ def device_name(device) -> str:
     return device.type
 
 
+def mark(device):
+    """A :class:`Clock` mark on ``device``'s timeline, for code that has no clock at hand (a drafter noting when its
+    catch-up ended, ``Drafter.caught_up``)."""
+    return Clock(device).mark()
+
+
 class Clock:
     """Marks on the device's own timeline: CUDA events on a GPU (read after the step's one synchronisation, so timing
     adds none), the host's clock on a CPU (which has run what it was given before returning).

@@ -173,6 +173,10 @@ class Drafter:
     # the most unfed positions a model drafter's catch-up feeds (its cache starts afresh at the last ones; None: all of
     # them): what k=auto's catch-up cost counts (decoding.drafters.eagle)
     context: int | None = None
+    # a model drafter's mark (decoding.timing.mark) of when its latest proposal had fed the committed tokens it lacked,
+    # before its drafts: k=auto learns what catching up costs a token and what a draft costs apart, from any step
+    # (None: not measured; a catch-up and chain run as one graph; the loop resets it at each step)
+    caught_up = None
 
     def start(self, state: DecodeState) -> None:
         pass

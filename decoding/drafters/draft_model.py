@@ -20,6 +20,7 @@ from decoding.drafters.drafting import (
 from decoding.errors import ConfigError
 from decoding.model.adapter import KVCache, ModelAdapter
 from decoding.model.loading import load_model
+from decoding.timing import mark
 from decoding.trees.shapes import Dynamic, Tree
 
 
@@ -59,7 +60,7 @@ class DraftModelDrafter(Drafter):
                 self._base, self._fed = n, k - 1
                 return Proposal(tokens=tokens)
         h = a.forward(cache, cache.length, input_ids=state.tokens[:, cache.length : n])
-        self._base = n
+        self._base, self.caught_up = n, mark(h.device)
 
         if self.tree is not None:
 

@@ -54,6 +54,7 @@ from decoding.drafters.drafting import (
     tree_forward,
 )
 from decoding.model.adapter import KVCache, ModelAdapter
+from decoding.timing import mark
 from decoding.trees.shapes import Dynamic, Tree
 
 EPS = 1e-6
@@ -257,6 +258,7 @@ class EagleDrafter(Drafter):
             if tokens is not None:
                 return Proposal(tokens=tokens)
         root = self._catch_up(state)
+        self.caught_up = mark(root.device)
         if k <= 0:
             return Proposal.empty(state.tokens.shape[0], state.tokens.device)
         if self.tree is None:

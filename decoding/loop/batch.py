@@ -353,10 +353,14 @@ class Batch:
             # and only a proposal that follows a drafting step tells what drafting step after step costs: the first
             # after plain steps (a probe, a request's first) also fed the drafter everything they committed (a model
             # drafter's lazy catch-up: 3-9 ms for EAGLE's head here, against 1 ms a step while it drafts)
+            own = res.record.draft_s - seq.captured_s
             if seq.steps and seq.steps[-1].drafted:
-                seq.draft_cost.observe(res.record.drafted, max(0.0, res.record.draft_s - seq.captured_s))
+                seq.draft_cost.observe(res.record.drafted, max(0.0, own))
+            elif res.record.drafted and res.record.catch_up_s is not None:  # the drafter marked where its catch-up ended
+                seq.draft_cost.observe(res.record.drafted, max(0.0, own - res.record.catch_up_s))
+                seq.draft_cost.observe_catch_up(seq.fed_next, res.record.catch_up_s)
             elif res.record.drafted:  # what catching up on the tokens of plain steps (or the prompt) cost beyond it
-                seq.draft_cost.observe_catch_up(seq.fed_next, res.record.draft_s - seq.captured_s - seq.draft_cost(res.record.drafted))
+                seq.draft_cost.observe_catch_up(seq.fed_next, own - seq.draft_cost(res.record.drafted))
             seq.unfed = len(res.committed) + (0 if res.record.drafted else seq.unfed)
             if res.proposal.tree is not None and res.record.drafted:
                 seq.tree_gain.observe(res.proposal.size, res.num_accepted)

@@ -13,6 +13,7 @@ class StepRecord:
     verify_s: float
     rows: int = 1  # sequences that shared this step's target forward
     k: int = -1  # the draft budget the step gave this row (k=auto: the goodput choice); -1 = not recorded
+    catch_up_s: float | None = None  # of draft_s, the drafter's catch-up on committed tokens (None: not measured)
 
 
 @dataclass

@@ -423,7 +423,11 @@ def _commit_row(b, state, drafter, proposal, step: Step, h, logits, verdict: Ver
     state.last_logits = logits[off : off + t][None]  # [1, t, V] every fed position's logits (Token Recycling)
     drafter.update(state, m)
     seconds = draft_s if isinstance(draft_s, float | int) else clock.seconds(*draft_s)
-    record = StepRecord(drafted=t - 1, accepted=m, draft_s=seconds, verify_s=verify_s, rows=step.rows)
+    caught = getattr(drafter, "caught_up", None)
+    if caught is not None:
+        drafter.caught_up = None
+    catch_s = None if caught is None or isinstance(draft_s, float | int) else clock.seconds(draft_s[0], caught)
+    record = StepRecord(drafted=t - 1, accepted=m, draft_s=seconds, verify_s=verify_s, rows=step.rows, catch_up_s=catch_s)
     return StepResult(proposal, m, committed, state.last_logits, record)
 
 

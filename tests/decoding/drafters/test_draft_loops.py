@@ -149,3 +149,16 @@ def test_drafters_over_one_module_share_its_adapter_and_a_trimmed_head_stays_the
     trim_vocab(b, head)
     assert b.adapter.lm_head is head and a.adapter.lm_head is net.lm_head and ModelAdapter.shared(net) is a.adapter
     assert b.adapter.graphs is a.adapter.graphs and b.adapter.pool is a.adapter.pool
+
+
+def test_a_model_drafter_marks_the_end_of_its_catch_up(target, prompt):
+    """k=auto learns what catching up on committed tokens costs apart from what drafts cost (``decoding.loop.batch``)
+    from the mark a model drafter leaves where its catch-up ends: every drafting step of an eager draft has it, within
+    its drafting time. A catch-up run in one graph with the chain leaves none."""
+    draft = tiny_llama(vocab=VOCAB, layers=2, seed=5, sharpness=8.0)
+    for drafter in (_eagle(target, False), DraftModelDrafter(ModelAdapter(draft), loop_graphs=False)):
+        steps = [s for s in _run(target, prompt, drafter, 3).steps if s.drafted]
+        assert steps and all(s.catch_up_s is not None and 0.0 <= s.catch_up_s <= s.draft_s for s in steps), drafter.name
+    looped = DraftModelDrafter(ModelAdapter(draft), loop_graphs=True)
+    steps = _run(target, prompt, looped, 4).steps
+    assert looped.loops.replays > 0 and any(s.drafted > 1 and s.catch_up_s is None for s in steps)

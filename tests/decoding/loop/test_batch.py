@@ -21,6 +21,7 @@ from decoding.model import graphs as graphs_module
 from decoding.model.adapter import ModelAdapter
 from decoding.model.costs import CostModel
 from decoding.sampling import GREEDY, SamplingParams, sample_from
+from decoding.timing import mark
 from decoding.trees.shapes import Dynamic, Tree
 from tests.decoding.loop.test_loop import exact_joint
 
@@ -625,6 +626,34 @@ def test_under_load_a_rows_probe_pays_for_widening_the_whole_batch(tiny_model, t
     first = [next(i for i, r in enumerate(o.steps) if not r.drafted) for o in outs]  # the first drafts, then plain steps
     probes = [sum(1 for r in o.steps[f:] if r.drafted) for o, f in zip(outs, first, strict=True)]
     assert max(first) <= 8 and sum(probes) == 0, (first, probes)
+
+
+class _MarkedCatchUp(_WrongModelDrafts):
+    """Its catch-up takes 20 ms and is marked as a model drafter marks it (``Drafter.caught_up``); a draft takes 1 ms."""
+
+    def propose(self, state, k):
+        if k <= 0:
+            return super().propose(state, k)
+        time.sleep(0.02)
+        self.caught_up = mark(state.tokens.device)
+        time.sleep(0.001)
+        return Proposal(host=[(self.future[state.tokens.shape[1] - self.prompt_len] + 1) % self.vocab] * k, device=state.tokens.device)
+
+
+def test_a_drafter_that_drafts_now_and_then_learns_its_catch_up_and_its_drafts_apart(tiny_model, target, ar_alone, one_thread):
+    """A model drafter whose drafts are never accepted drafts at a request's first step, then seldom, never on two
+    steps running. Before 2026-11-29 k=auto learnt what a draft costs only from a step that followed a drafting step,
+    and what catching up costs only once that was known: such a drafter learnt neither, so each request's first
+    proposal caught up on its whole prompt untried (the distilled draft at 8 rows here). Where the drafter marks the
+    end of its catch-up, a lone drafting step teaches both."""
+    seq = Sequence(ids(PROMPTS[4]), drafter=_MarkedCatchUp(ar_alone[4] + [0] * 8, 20, tiny_model.config.vocab_size), k=2, adaptive=True,
+                   max_new_tokens=24)  # fmt: skip
+    out = generate_many(target, [seq], max_rows=1, cost=knee())[0]
+    assert out.token_ids == ar_alone[4]
+    first = out.steps[0]
+    assert first.drafted and first.catch_up_s is not None and 0.02 <= first.catch_up_s < first.draft_s
+    assert 0.0005 < seq.draft_cost(1) < 0.02  # the draft's own cost, the catch-up left out
+    assert seq.draft_cost.catch_up(20) is not None and seq.draft_cost.catch_up(20) > 0.005  # 20 ms a catch-up of 20-40 tokens
 
 
 def test_batch_phases_count_each_step_and_split_its_time(tiny_model, target, one_thread):
