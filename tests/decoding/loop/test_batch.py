@@ -594,7 +594,7 @@ class _WrongModelDrafts(NgramDrafter):
 
     def __init__(self, future: list[int], prompt_len: int, vocab: int):
         super().__init__(3, 1)
-        self.future, self.prompt_len, self.vocab, self.drafted_last, self.proposals = future, prompt_len, vocab, False, 0
+        self.future, self.prompt_len, self.vocab, self.drafted_last = future, prompt_len, vocab, False
 
     def propose(self, state, k):
         if k <= 0:
@@ -602,7 +602,11 @@ class _WrongModelDrafts(NgramDrafter):
             return Proposal.empty(1, state.tokens.device)
         if not self.drafted_last:
             time.sleep(0.001)
-        self.drafted_last, self.proposals = True, self.proposals + 1
+        self.drafted_last = True
+        return self.wrong(state, k)
+
+    def wrong(self, state, k):
+        """k drafts, the first never the target's next token."""
         done = state.tokens.shape[1] - self.prompt_len
         return Proposal(host=[(self.future[done] + 1) % self.vocab] * k, device=state.tokens.device)
 
@@ -637,7 +641,7 @@ class _MarkedCatchUp(_WrongModelDrafts):
         time.sleep(0.02)
         self.caught_up = mark(state.tokens.device)
         time.sleep(0.001)
-        return Proposal(host=[(self.future[state.tokens.shape[1] - self.prompt_len] + 1) % self.vocab] * k, device=state.tokens.device)
+        return self.wrong(state, k)
 
 
 def test_a_drafter_that_drafts_now_and_then_learns_its_catch_up_and_its_drafts_apart(tiny_model, target, ar_alone, one_thread):
