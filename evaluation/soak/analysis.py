@@ -86,8 +86,8 @@ def resource_growth(rows: list[dict], t_from: float, t_to: float, span_s: float 
     loads its model first) or ``t_from``, to its end or ``t_to``, when that leaves at least ``2 * span_s``; a process
     replaced by a fault is judged over its own life, not summed with its successor mid-restart (a role's total
     straddling a restart compares a loading process with a loaded one). ``roles``: per role, the processes seen, how
-    many were alive at either end (a role that ends with more processes than it had leaks processes), the RSS sum at
-    either end, and its worst life's growth."""
+    many it kept through either end's span (the fewest in any one sample there: a role that ends with more processes
+    than it had leaks processes), the RSS sum at either end, and its worst life's growth."""
     by_pid: dict[int, list[dict]] = {}
     for r in rows:
         by_pid.setdefault(r["pid"], []).append(r)
@@ -110,9 +110,17 @@ def resource_growth(rows: list[dict], t_from: float, t_to: float, span_s: float 
             if g is not None:
                 lives.append({"pid": pid, "role": role, "from_s": round(t0, 1), "to_s": round(t1, 1), **g})
 
-    def alive_at(rs: list[dict], t: float) -> bool:  # at the window's start, or within its last span
-        ts = [r["t_s"] for r in rs]
-        return min(ts) <= t <= max(ts) if t == t_from else max(ts) >= t - span_s
+    sample_times = sorted({r["t_s"] for r in rows})
+
+    def kept(mine: dict[int, list[dict]], lo: float, hi: float) -> int:
+        """The fewest of a role's processes in any one sample within [lo, hi]: what it kept through that span. A
+        replacement overlapping the process it replaces (both seen in a sample or two) is not a second process."""
+        counts = {t: 0 for t in sample_times if lo <= t <= hi}
+        for rs in mine.values():
+            for r in rs:
+                if r["t_s"] in counts:
+                    counts[r["t_s"]] += 1
+        return min(counts.values(), default=0)
 
     roles = []
     for role in sorted({rs[-1]["role"] for rs in by_pid.values()} - TRANSIENT_ROLES):
@@ -128,8 +136,8 @@ def resource_growth(rows: list[dict], t_from: float, t_to: float, span_s: float 
         role_lives = [x for x in lives if x["role"] == role]
         worst = max(role_lives, key=lambda x: x["rss_growth_pct"] or 0, default=None)
         roles.append(
-            {"role": role, "processes": len(mine), "alive_from": sum(alive_at(rs, t_from) for rs in mine.values()),
-             "alive_to": sum(alive_at(rs, t_to) for rs in mine.values()),
+            {"role": role, "processes": len(mine), "alive_from": kept(mine, t_from, t_from + span_s),
+             "alive_to": kept(mine, t_to - span_s, t_to),
              "rss_sum_from_mb": sums["from"] and round(sums["from"], 1), "rss_sum_to_mb": sums["to"] and round(sums["to"], 1),
              "lives": len(role_lives), "rss_growth_pct": worst["rss_growth_pct"] if worst else None, "worst_pid": worst and worst["pid"],
              "fds_growth": max((x["fds_growth"] for x in role_lives), default=None)}
