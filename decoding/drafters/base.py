@@ -184,6 +184,12 @@ class Drafter:
     def propose(self, state: DecodeState, k: int) -> Proposal:
         return Proposal.empty(state.tokens.shape[0], state.tokens.device)
 
+    def glance(self, state: DecodeState, k: int) -> Proposal:
+        """A proposal at a lookup's cost, for the steps where k=auto's propose gate holds a model-free drafter's full
+        proposal back (``goodput.ProposeGate``: it costs more than it saves there). None here; suffix decoding and the
+        hybrid glance with prompt lookup (0.02 ms a step), which catches the copying that starts after their gate shut."""
+        return Proposal.empty(state.tokens.shape[0], state.tokens.device)
+
     def update(self, state: DecodeState, num_accepted: int) -> None:
         pass
 

@@ -22,7 +22,8 @@ estimate (a child never outranks its parent, so every prefix of the ranking is a
 prefix of b nodes that maximises expected tokens per second, (1 + sum of the b estimates) / cost(b + 1), with
 ``hardware.TreeChooser``'s measured verification cost (or exactly ``budget`` nodes without one). So a category
 where one source is strong gets that source's long draft, and none is left with nothing to draft. The tree carries
-the sum of its kept estimates (``Proposal.expected``), and k=auto judges the tree by it: judged by the record of
+the sum of its kept estimates (``Proposal.expected``, scaled by the record of its verified trees,
+:meth:`HybridDrafter.tree_scale`), and k=auto judges the tree by it: judged by the record of
 its size instead, the hybrid's trees (a long copy one step, a guess of the same size the next) averaged out below
 what pays, and on 13 Spec-Bench prompts it drafted on 7% of its steps at 0.96x AR, where with its own estimate it
 drafted on 75% at 1.22x (in-process, alternated with suffix at 1.36x and AR, two passes).
@@ -114,6 +115,8 @@ class HybridDrafter(Drafter):
         self._raw: list[dict] = []  # per node: source -> its unscaled estimate
         self._ranks: list[int | None] = []  # per node: its rank among recycling's candidates (None: not recycled)
         self._rank_of: dict = {}
+        self._glanced = False  # the latest proposal was a glance (prompt lookup alone)
+        self._expected = 0.0  # the latest tree's summed calibrated estimates (the record's)
         self.last_choice: dict = {}
 
     @property
@@ -127,6 +130,20 @@ class HybridDrafter(Drafter):
         shared with the decoder's memory (warm across requests)."""
         return self.recycling.memory.get("hybrid-calibration", dict)
 
+    @property
+    def record(self) -> list[float]:
+        """[drafts accepted, drafts its estimates expected] over its verified trees (warm across requests, as suffix
+        decoding's): what k=auto's choice of trees leaves of the estimates, see :meth:`tree_scale`."""
+        return self.recycling.memory.get("hybrid-record", lambda: [0.0, 0.0])
+
+    def tree_scale(self) -> float:
+        """What a tree's summed estimates are worth to k=auto. The sources' calibration holds node by node, but k=auto
+        verifies the trees whose estimates came out high, so the trees it chose expected more than the target took: on
+        4 humanities prompts here, trees expecting 0.74 drafts had 0.60 accepted and those expecting 1.22 had 0.66
+        (2026-11-29). The record of the verified trees (accepted + 2 over expected + 2) scales ``Proposal.expected`` and
+        the estimates the tree's size is chosen on."""
+        return record_scale(*self.record)
+
     def scale(self, label: str) -> float:
         return record_scale(*self.calibration.get(label, (0.0, 0.0)))
 
@@ -136,10 +153,12 @@ class HybridDrafter(Drafter):
     def start(self, state: DecodeState) -> None:
         self.recycling.start(state)
         self.suffix.start(state)
+        self.ngram.start(state)
         if self.head is not None:
             self.head.start(state)
         if self.recycling.cold:
             self.calibration.clear()
+            self.record[:] = [0.0, 0.0]
 
     def candidates(self, state: DecodeState, k: int) -> list[tuple[list[int], list[int], list[float], str]]:
         seq = state.tokens[0]
@@ -167,13 +186,32 @@ class HybridDrafter(Drafter):
         return out
 
     def propose(self, state: DecodeState, k: int) -> Proposal:
-        root = int(state.tokens[0, -1])
-        self._nodes, self._parents, self._sources, self._raw, self._ranks = [root], [], [], [], []
+        self._glanced = False
+        return self._tree(state, k, self.candidates(state, k) if k > 0 else [], full=True)
+
+    def glance(self, state: DecodeState, k: int) -> Proposal:
+        """Prompt lookup's chain alone (``NgramDrafter.propose``: constant time a step, where the tries, the recycling
+        table and the merge take 0.2-1 ms), estimated and calibrated as the hybrid's prompt-lookup trees are: it teaches
+        that calibration, and k=auto weighs it the same way. The recycling table is not fed after a glance (its top-k
+        over the vocabulary, 0.15 ms a step): it proposes nothing while the gate is shut, and it is warm across requests."""
+        self._glanced = True
+        chain = self.ngram.propose(state, k) if k > 0 else None
+        trees = []
+        if chain is not None and chain.size:
+            parents = list(range(chain.size))
+            trees.append((chain.host, parents, _lookup_estimates(parents), match_label("ngram", chain.kind)))
+        return self._tree(state, k, trees, full=False)
+
+    def _tree(self, state: DecodeState, k: int, trees: list, full: bool) -> Proposal:
+        """The merged, calibrated tree of the sources' ``trees`` (``full``: every source's, the head's too where they
+        expect little), cut where more nodes stop paying; what each kept node's sources estimated is kept for ``update``."""
+        self._nodes, self._parents, self._sources, self._raw, self._ranks = [state.history[-1]], [], [], [], []
+        self._expected = 0.0
         if k <= 0:
             return Proposal.empty(1, state.tokens.device)
-        raw = [(toks, pars, conditionals(pars, probs), src) for toks, pars, probs, src in self.candidates(state, k)]
+        raw = [(toks, pars, conditionals(pars, probs), src) for toks, pars, probs, src in trees]
         scaled = [(toks, pars, self.estimates(pars, cond, src), src) for toks, pars, cond, src in raw]
-        if self.head is not None and max((sum(probs) for *_, probs, _ in scaled), default=0.0) < HEAD_WHEN:
+        if full and self.head is not None and max((sum(probs) for *_, probs, _ in scaled), default=0.0) < HEAD_WHEN:
             toks, pars, probs = self.head.draft_tree(state, k)
             if toks:
                 cond = conditionals(pars, probs)
@@ -186,7 +224,8 @@ class HybridDrafter(Drafter):
             for tok, par, p in zip(toks, pars, cond, strict=True):
                 paths.append(paths[par] + (tok,))
                 raw_of[(paths[-1], src)] = p
-        b = self.pick_size([p for _, _, p, _ in merged])
+        scale = self.tree_scale()  # what the verified trees were worth: the size that pays is chosen on it too
+        b = self.pick_size([min(1.0, scale * p) for _, _, p, _ in merged])
         merged = merged[:b]
         paths = [()]
         for tok, par, _, src in merged:
@@ -195,12 +234,13 @@ class HybridDrafter(Drafter):
             self._parents.append(par)
             self._sources.append(src)
             self._raw.append({s: raw_of.get((paths[-1], s), 0.0) for s in src})
-            self._ranks.append(self._rank_of.get(paths[-1]))
+            self._ranks.append(self._rank_of.get(paths[-1]) if full else None)
         self.last_choice = {"nodes": b, "sources": sorted({source_of(s) for src in self._sources for s in src})}
         if not merged:
             return Proposal.empty(1, state.tokens.device)
         ids = torch.tensor([self._nodes[1:]], dtype=torch.long, device=state.tokens.device)
-        return Proposal(tokens=ids, tree=Tree.from_parents([-1] + self._parents), expected=sum(p for _, _, p, _ in merged))
+        self._expected = sum(p for _, _, p, _ in merged)
+        return Proposal(tokens=ids, tree=Tree.from_parents([-1] + self._parents), expected=scale * self._expected)
 
     def estimates(self, parents: list[int], cond: list[float], label: str) -> list[float]:
         """Calibrated path estimates of one source's tree: the product along each node's path of its conditional
@@ -217,12 +257,15 @@ class HybridDrafter(Drafter):
     def update(self, state: DecodeState, num_accepted: int) -> None:
         if self.head is not None:
             self.head.update(state, num_accepted)
-        if state.last_logits is not None:
+        if state.last_logits is not None and not self._glanced:
             self.recycling.observe(verified_nodes(state, num_accepted, self._nodes), state.last_logits[0])
         verified = state.last_logits is not None and state.last_logits.shape[1] == len(self._nodes)
         self._nodes = []
         if self._parents and verified:  # a tree k=auto dropped unverified tested none of its estimates
             self._record(state, num_accepted)
+            record = self.record
+            record[0] += num_accepted
+            record[1] += self._expected
         self._parents, self._sources, self._raw, self._ranks = [], [], [], []  # a step without a proposal must not reuse them
 
     def _record(self, state: DecodeState, num_accepted: int) -> None:

@@ -32,6 +32,7 @@ from collections import deque
 import torch
 
 from decoding.drafters.base import DecodeState, Drafter, Proposal
+from decoding.drafters.ngram import NgramDrafter
 from decoding.trees.shapes import Tree
 
 STRIDE = 1 << 32  # an edge's key: parent * STRIDE + token (token ids are below 2**32)
@@ -311,6 +312,7 @@ class SuffixDrafter(Drafter):
         self._prompt_len = 0
         self._last: DecodeState | None = None  # the running request (its output goes to the global cache at the next start)
         self._expected, self._nodes = 0.0, 0  # the last proposal's unscaled estimate and size (update's record)
+        self._lookup = NgramDrafter(3, 1)  # its glance: prompt lookup over the request
 
     @property
     def cache(self) -> SuffixCache:
@@ -332,6 +334,7 @@ class SuffixDrafter(Drafter):
         self._corpus_hint = (0, -1)  # (the corpus match's length, tokens fed then): none yet
         self._prompt_len = state.tokens.shape[1] - 1  # the first generated token is already committed
         self._fed = 0
+        self._lookup.start(state)
         self.catch_up(state)
 
     def catch_up(self, state: DecodeState) -> None:
@@ -392,6 +395,12 @@ class SuffixDrafter(Drafter):
         self._expected, self._nodes = sum(probs), len(tokens)
         ids = torch.tensor([tokens], dtype=torch.long, device=state.tokens.device)
         return Proposal(tokens=ids, tree=Tree.from_parents([-1] + parents), expected=sum(min(1.0, scale * p) for p in probs))
+
+    def glance(self, state: DecodeState, k: int) -> Proposal:
+        """Prompt lookup's chain over the request (the continuation of its longest earlier 1-3-gram, in constant time a
+        step): most of what the local tree's match would offer, without the tries' 0.4 ms. It leaves the record alone."""
+        self._expected = 0.0
+        return self._lookup.propose(state, k)
 
     def update(self, state: DecodeState, num_accepted: int) -> None:
         """Learn the scale from a tree the target verified (k=auto may drop a proposal unverified: it says nothing)."""

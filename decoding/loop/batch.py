@@ -95,6 +95,7 @@ class Sequence(Output):
         self.captured_s = 0.0  # seconds its drafter's last proposal spent capturing CUDA graphs (once per shape)
         self.tree_gain = TreeGain()  # accepted drafts of its whole trees, by tree size
         self.gate = ProposeGate()  # whether its model-free drafter proposes at all this step
+        self.glanced = False  # the gate held its proposal back this step: its drafter only glanced (Drafter.glance)
         self.fill: Prefill | None = None  # its prompt's prefill while it joins a batch
         self.unfed = prompt_ids.shape[1]  # tokens committed since its drafter last proposed (a model drafter catches up)
         self.error: Exception | None = None  # why it could not start (its drafter failed to), if so
@@ -387,11 +388,9 @@ class Batch:
         plans = []
         for s, cap in zip(rows, caps, strict=True):
             model_free = s.drafter.model_free
-            if model_free and cap > 0 and s.adaptive and not s.gate.proposes:
-                early[id(s)] = (Proposal.empty(1, s.state.tokens.device), 0.0)  # its proposals cost more than they save
-                avail, alpha, tree_gain = 0, s.acceptance.alpha, None
-            elif model_free and cap > 0:
-                early[id(s)] = self._propose(s, cap)
+            s.glanced = model_free and cap > 0 and s.adaptive and not s.gate.proposes  # its proposals cost more than they save
+            if model_free and cap > 0:
+                early[id(s)] = self._propose(s, cap, glance=s.glanced)
                 p = early[id(s)][0]
                 avail, alpha = p.size, (s.acceptance.alpha if p.kind is None else s.kind_acceptance(p.kind).alpha)
                 # a tree's accepted drafts: the drafter's own estimate where it gives one (the hybrid's, calibrated per
@@ -449,10 +448,13 @@ class Batch:
         drafting = sum(1 for r in results if r.record.drafted) or 1
         wider = (self.cost(n, width) - self.cost(n, 1)) / drafting
         for seq, res, gate in zip(rows, results, gated, strict=True):
-            if gate:
-                proposed = res.record.draft_s > 0.0  # a row the gate held back spent no time proposing
-                saved = res.num_accepted * plain - wider if res.record.drafted else 0.0
-                seq.gate.observe(proposed, saved, res.record.draft_s, plain)
+            if not gate:
+                continue
+            saved = res.num_accepted * plain - wider if res.record.drafted else 0.0
+            if seq.glanced:  # the gate held its proposal back; its drafter only glanced
+                seq.gate.glanced(saved, res.record.draft_s)
+            else:
+                seq.gate.observe(res.record.draft_s > 0.0, saved, res.record.draft_s, plain)
 
     def _catches_up(self, seq: Sequence, plan: RowPlan, budget: int, probing: bool) -> bool:
         """Whether ``seq``'s model drafter should catch up on the tokens it has not seen (``Sequence.unfed``) to draft
@@ -473,11 +475,11 @@ class Batch:
         width = plan.avail + 1 if plan.tree_gain is not None else budget + 1  # a tree is drafted whole
         return catch_up_pays(plan, self.cost, width, seq.remaining, seconds, len(self.rows))
 
-    def _propose(self, seq: Sequence, k: int) -> tuple[Proposal, object]:
-        """``seq``'s drafter's proposal of up to ``k`` drafts and when it ran (``step.propose``), noting the seconds
-        it spent capturing CUDA graphs (``seq.captured_s``)."""
+    def _propose(self, seq: Sequence, k: int, glance: bool = False) -> tuple[Proposal, object]:
+        """``seq``'s drafter's proposal of up to ``k`` drafts (``glance``: its lookup's) and when it ran
+        (``step.propose``), noting the seconds it spent capturing CUDA graphs (``seq.captured_s``)."""
         before = capture_seconds()
-        pair = propose(seq.state, seq.drafter, k, self.workspace.clock)
+        pair = propose(seq.state, seq.drafter, k, self.workspace.clock, glance)
         seq.captured_s = capture_seconds() - before
         return pair
 

@@ -431,11 +431,14 @@ def _commit_row(b, state, drafter, proposal, step: Step, h, logits, verdict: Ver
     return StepResult(proposal, m, committed, state.last_logits, record)
 
 
-def propose(state: DecodeState, drafter: Drafter, k: int, clock: Clock | None = None) -> tuple[Proposal, object]:
-    """The drafter's proposal of up to k drafts (none for k = 0) and when it ran: seconds, or a pair of ``clock``
-    marks (on a GPU, read after the step's synchronisation)."""
+def propose(state: DecodeState, drafter: Drafter, k: int, clock: Clock | None = None, glance: bool = False) -> tuple[Proposal, object]:
+    """The drafter's proposal of up to k drafts (none for k = 0; ``glance``: its lookup's, ``Drafter.glance``) and
+    when it ran: seconds, or a pair of ``clock`` marks (on a GPU, read after the step's synchronisation)."""
     begin = clock.mark() if clock is not None else time.perf_counter()
-    proposal = drafter.propose(state, k) if k > 0 else Proposal.empty(state.tokens.shape[0], state.tokens.device)
+    if k <= 0:
+        proposal = Proposal.empty(state.tokens.shape[0], state.tokens.device)
+    else:
+        proposal = drafter.glance(state, k) if glance else drafter.propose(state, k)
     if clock is None:
         return proposal, time.perf_counter() - begin
     return proposal, (begin, clock.mark())

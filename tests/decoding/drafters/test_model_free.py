@@ -407,12 +407,62 @@ def test_suffix_scales_its_estimates_by_what_its_verified_trees_had_accepted(tin
     assert d.record == [1.0, 9.0]
 
 
+def test_the_hybrid_weighs_its_trees_by_what_its_verified_ones_had_accepted(tiny_model, one_thread):
+    """k=auto verifies the hybrid's trees whose estimates came out high, so verified trees expected more than the
+    target took, however well each source is calibrated node by node: the tree's summed estimate
+    (``Proposal.expected``) is scaled by the record of its verified trees; an unverified tree teaches it nothing."""
+    target = ModelAdapter(tiny_model)
+    d = drafters(DraftMemory())["hybrid"]
+    prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])
+    out = generate(target, prompt, drafter=d, k=4, max_new_tokens=12)
+    verified = [s for s in out.steps if s.drafted]
+    assert verified and d.record[0] == sum(s.accepted for s in verified) and d.record[1] > 0
+    state = SimpleNamespace(tokens=prompt, history=prompt[0].tolist(), last_logits=None, accepted_path=None)
+    d.start(state)
+    d.record[:] = [0.0, 0.0]
+    unscaled = d.glance(state, 3).expected  # prompt lookup's chain [8, 5, 6], calibrated: the record is empty
+    d.record[:] = [1.0, 9.0]  # its trees had a ninth of what they expected accepted (with the prior: 3 / 11)
+    proposal = d.glance(state, 3)
+    assert proposal.tokens.tolist() == [[8, 5, 6]] and proposal.expected == pytest.approx(unscaled * 3 / 11)
+    d.update(state, 0)  # no logits of the tree: k=auto dropped it
+    assert d.record == [1.0, 9.0]
+    state.last_logits = torch.zeros(1, 4, V)  # verified: two of its three drafts accepted
+    d.glance(state, 3)
+    d.update(state, 2)
+    assert d.record == pytest.approx([3.0, 9.0 + unscaled])
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_sampled_distribution_matches_target(tiny_model, one_thread, name):
     drafter = drafters()[name]
     counts = sample_counts(tiny_model, drafter, SAMPLING, k=3)
     p = chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING))
     assert p > 1e-4, f"{name}: sampled tokens do not follow the target (p={p:.2e})"
+
+
+@pytest.mark.parametrize("name", ["suffix", "hybrid"])
+def test_a_glance_is_prompt_lookup_and_lossless(tiny_model, one_thread, name):
+    """What suffix decoding and the hybrid propose while k=auto's gate holds their full proposals back
+    (``Drafter.glance``): prompt lookup's chain. Drafted at every step here, it keeps the output the target's (greedy
+    and sampled), its drafts are accepted, and only the hybrid's prompt-lookup calibration learns from it."""
+    target = ModelAdapter(tiny_model)
+    drafter = drafters()[name]
+    drafter.propose = drafter.glance  # every step glances
+    for prompt in (PROMPT, torch.tensor([[1, 2, 3, 4, 5, 6]]), torch.tensor([[11, 0, 11, 0]])):
+        out = generate(target, prompt, drafter=drafter, k=4, max_new_tokens=40)
+        assert out.token_ids == generate(target, prompt, max_new_tokens=40).token_ids
+    assert out.stats.mean_accepted_tokens > 1.2, out.stats.mean_accepted_tokens
+    if name == "suffix":
+        assert drafter.record == [0.0, 0.0]  # a glance is not the suffix tree its scale judges
+    else:
+        assert drafter.calibration and all(label.startswith("ngram:") for label in drafter.calibration), drafter.calibration
+    state = SimpleNamespace(tokens=torch.tensor([[5, 6, 7, 5, 6]]), history=[5, 6, 7, 5, 6])
+    drafter.start(state)
+    proposal = drafter.glance(state, 3)
+    assert proposal.tokens.tolist() == [[7, 5, 6]]  # after [5, 6]: what followed its earlier occurrence
+    counts = sample_counts(tiny_model, drafter, SAMPLING, k=3)
+    p = chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING))
+    assert p > 1e-4, f"{name}'s glance: sampled tokens do not follow the target (p={p:.2e})"
 
 
 def test_sampling_trees_are_really_accepted(tiny_model, one_thread):

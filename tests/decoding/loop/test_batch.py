@@ -660,6 +660,56 @@ def test_a_drafter_that_drafts_now_and_then_learns_its_catch_up_and_its_drafts_a
     assert seq.draft_cost.catch_up(20) is not None and seq.draft_cost.catch_up(20) > 0.005  # 20 ms a catch-up of 20-40 tokens
 
 
+class _CopiesLater(NgramDrafter):
+    """A model-free drafter whose full proposals take a millisecond (suffix decoding's tries) and whose glance is a
+    lookup: until ``copy_from`` tokens are generated its proposals are wrong (kind 1) and its glance finds nothing;
+    from there both give the target's own continuation (kind 3), as a QA answer that starts quoting its passage."""
+
+    def __init__(self, future: list[int], prompt_len: int, vocab: int, copy_from: int, glances: bool):
+        super().__init__(3, 1)
+        self.future, self.prompt_len, self.vocab, self.copy_from, self.glances = future, prompt_len, vocab, copy_from, glances
+        self.full_at: list[int] = []  # tokens generated when each full proposal was made
+
+    def drafts(self, state, k):
+        done = state.tokens.shape[1] - self.prompt_len
+        right = self.future[done : done + k]
+        if done >= self.copy_from:
+            return Proposal(host=right, device=state.tokens.device, kind=3)
+        return Proposal(host=[(t + 1) % self.vocab for t in right], device=state.tokens.device, kind=1)
+
+    def propose(self, state, k):
+        self.full_at.append(state.tokens.shape[1] - self.prompt_len)
+        time.sleep(0.001)
+        return self.drafts(state, k)
+
+    def glance(self, state, k):
+        p = self.drafts(state, k)
+        return p if self.glances and p.kind == 3 else Proposal.empty(1, state.tokens.device)
+
+
+def test_a_shut_gate_glances_and_reopens_when_copying_starts(tiny_model, target, one_thread):
+    """Once a model-free drafter's proposals stop paying, k=auto's gate holds them back and the drafter glances
+    (``Drafter.glance``: prompt lookup, for suffix decoding and the hybrid). Copying that starts later is drafted from
+    its first step, and the glances' savings turn the full proposals back on; with nothing to glance with the row
+    waited for a probe (qa 323 here: suffix decoding's gate shut at step 16, 116 steps where every proposal made took
+    72)."""
+    cost = CostModel({(1, t): 0.004 + 0.0012 * (t > 1) + 0.0002 * t for t in (1, 2, 3, 5, 9)}, smoothing=0.0)
+    want = generate(target, ids(PROMPTS[4]), max_new_tokens=64).token_ids
+    n, copy_from, outs = ids(PROMPTS[4]).shape[1], 28, {}
+    for glances in (True, False):
+        drafter = _CopiesLater(want + [0] * 8, n, tiny_model.config.vocab_size, copy_from, glances)
+        seq = Sequence(ids(PROMPTS[4]), drafter=drafter, k=4, adaptive=True, max_new_tokens=64)
+        outs[glances] = (generate_many(target, [seq], max_rows=1, cost=cost)[0], drafter)
+    for out, _ in outs.values():
+        assert out.token_ids == want
+    out, drafter = outs[True]
+    shut = next(d for a, d in zip(drafter.full_at, drafter.full_at[1:], strict=False) if d > a + 1)  # the gate shut before d
+    assert shut < copy_from, drafter.full_at
+    resumed = [d for d in drafter.full_at if d >= copy_from]
+    assert resumed and resumed[0] <= copy_from + 15, drafter.full_at
+    assert len(out.steps) < len(outs[False][0].steps), (len(out.steps), len(outs[False][0].steps), drafter.full_at, outs[False][1].full_at)
+
+
 def test_batch_phases_count_each_step_and_split_its_time(tiny_model, target, one_thread):
     """``batch_phases`` (what ``specray bench-device`` reports for its batched sweep) counts every decoding step of
     every batch once, and splits the batch's time between filling prompts and decoding steps."""

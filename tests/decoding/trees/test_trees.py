@@ -53,6 +53,21 @@ def test_chain_is_the_degenerate_tree():
     assert Tree.from_paths([[0] * i for i in range(1, 5)]).parents.tolist() == c.parents.tolist()
 
 
+def test_a_shape_made_again_is_the_same_tree_and_bad_ones_still_fail():
+    """A model-free drafter's proposals repeat a few shapes: the tree made for a parent list is made once (its mask,
+    depths and device copies with it), and the store stays bounded."""
+    from decoding.trees import shapes
+
+    a = Tree.from_parents([-1, 0, 1, 0])
+    mask = a.mask
+    assert Tree.from_parents((-1, 0, 1, 0)) is a and a.mask is mask and Tree.from_parents([-1, 0, 1]) is not a
+    with pytest.raises(TreeError):
+        Tree.from_parents([-1, 0, 2])
+    for n in range(shapes.MADE_TREES + 10):
+        Tree.from_parents([-1, 0] + [0] * (n % 40) + [1] * (n // 40))
+    assert len(shapes._MADE) <= shapes.MADE_TREES
+
+
 def test_mask_of_batched_parents():
     parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2]])
     masks = tree_mask(parents)
