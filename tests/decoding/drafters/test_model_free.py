@@ -3,6 +3,7 @@ chosen from a measured cost curve, greedy equality and the sampled distribution 
 
 import itertools
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -430,6 +431,58 @@ def test_the_hybrid_weighs_its_trees_by_what_its_verified_ones_had_accepted(tiny
     d.glance(state, 3)
     d.update(state, 2)
     assert d.record == pytest.approx([3.0, 9.0 + unscaled])
+
+
+def test_the_hybrids_recycling_stops_where_its_nodes_do_not_pay_and_probes(tiny_model, one_thread, monkeypatch):
+    """The hybrid's recycling proposes only while the nodes it alone proposed, accepted, pay for its seconds and the
+    verification they added (``ProposeGate``): made to cost 20 ms a proposal (more than four accepted tokens save at
+    4 ms a step), it stops after its first 16 proposals, proposes again only as probes, and the output stays the
+    target's."""
+    target = ModelAdapter(tiny_model)
+    d = drafters()["hybrid"]
+    d.chooser = hardware.TreeChooser({1: 0.004, 2: 0.0045, 4: 0.0055, 8: 0.0075, 16: 0.011})
+    calls, full = [], []
+    slow = d.recycling.draft
+
+    def costly(root, k):
+        calls.append(len(full))
+        t = time.perf_counter()
+        while time.perf_counter() - t < 0.02:
+            pass
+        return slow(root, k)
+
+    monkeypatch.setattr(d.recycling, "draft", costly)
+    candidates = d.candidates
+    monkeypatch.setattr(d, "candidates", lambda state, k: full.append(1) or candidates(state, k))
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    out = generate(target, prompt, drafter=d, k=4, max_new_tokens=200)
+    assert out.token_ids == generate(target, prompt, max_new_tokens=200).token_ids
+    gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
+    assert len(full) > 40 and gaps[:15] == [1] * 15, (len(full), calls)  # judged over its first 16 proposals
+    assert not d.gates["recycling"].on and len(calls) - 16 >= 2, calls  # then probes, after 8, 16, 32 idle steps
+    assert gaps[15:] == sorted(gaps[15:]) and min(gaps[15:]) > 8, gaps
+    assert len(calls) < len(full) / 2
+
+
+def test_the_hybrid_credits_recycling_with_the_accepted_nodes_it_alone_proposed():
+    """What recycling saved at a step: each accepted node that no other source proposed is worth a plain step, less
+    the verification its own nodes added; a node another source proposed too saves it nothing, and a step where its
+    gate held it back is an idle one."""
+    d = drafters()["hybrid"]
+    d.chooser = hardware.TreeChooser({1: 0.004, 9: 0.008})  # 0.5 ms a node
+    seen = []
+    d.gates["recycling"].observe = lambda proposed, saved, spent, plain: seen.append((proposed, saved, spent))
+    # root -> a (suffix and recycling) -> b (recycling alone), root -> c (recycling alone)
+    for path, accepted, credit in (([0, 1, 2], 2, 0.004), ([0, 3], 1, 0.004), ([0, 1], 1, 0.0)):
+        d._parents, d._sources = [0, 1, 0], [{"suffix:2", "recycling"}, {"recycling"}, {"recycling"}]
+        d._spent = {"recycling": 0.002}
+        d.judge(SimpleNamespace(accepted_path=path), accepted)
+        assert seen.pop() == (True, pytest.approx(credit - 0.001), 0.002), path  # b and c: two nodes of width
+    d.judge(SimpleNamespace(accepted_path=None), None)  # no tree verified
+    assert seen.pop() == (True, 0.0, 0.002)
+    d._spent = {}
+    d.judge(SimpleNamespace(accepted_path=None), None)  # recycling held back
+    assert seen.pop() == (False, 0.0, 0.0)
 
 
 @pytest.mark.parametrize("name", NAMES)
