@@ -38,6 +38,11 @@ class ProposeGate:
     (2026-11-28), a memory of ten proposals and waits up to 128 took suffix from 0.940x to 0.989x AR and the hybrid
     from 0.961x to 0.969x, losing 10% on math; this rule, suffix 0.935x -> 0.981x, hybrid 0.940x -> 0.971x.
 
+    Where the drafter can glance (``Drafter.glance``: prompt lookup's chain, nearly free), the alternative to a full
+    proposal is the glance, not nothing: the loop counts as saved only what the proposal saved beyond what the glance
+    would have (``Batch._gates``), and while the gate is shut the drafter glances; the steps it glances are idle ones
+    (the glance's own savings say nothing of the full proposal's), so only a probe turns the full proposals back on.
+
     >>> g = ProposeGate()
     >>> for _ in range(16):
     ...     g.observe(True, saved=0.0001, spent=0.0004, plain_s=0.004)   # drafts that pay less than they cost
@@ -80,19 +85,6 @@ class ProposeGate:
         if probe:
             self.probe_every = min(self.most, 2 * self.probe_every)
         self.on, self.idle = False, 0
-
-    def glanced(self, saved: float, spent: float) -> None:
-        """A step where the gate held the proposal back and the drafter only glanced (``Drafter.glance``: prompt
-        lookup's chain): an idle step. Drafts of the glance that saved time join the record, and where the record then
-        pays the full proposals resume at once: copying that starts after the gate shut (a QA answer quoting its
-        passage) is caught by the lookup, where a probe every 8-32 steps missed it (qa 323: 116 steps, suffix's gate
-        shut at step 16; 72 with every proposal made). A glance that saved nothing says nothing of the full proposals."""
-        self.idle += 1
-        if saved <= 0.0:
-            return
-        self.saved, self.spent = self.decay * self.saved + saved, self.decay * self.spent + spent
-        if self.saved >= self.spent:
-            self.on, self.probe_every = True, PROBE_EVERY
 
 
 class DecodeState:
@@ -260,9 +252,15 @@ class Drafter:
 
     def glance(self, state: DecodeState, k: int) -> Proposal:
         """A proposal at a lookup's cost, for the steps where k=auto's propose gate holds a model-free drafter's full
-        proposal back (``goodput.ProposeGate``: it costs more than it saves there). None here; suffix decoding and the
-        hybrid glance with prompt lookup (0.02 ms a step), which catches the copying that starts after their gate shut."""
+        proposal back (``ProposeGate``: it saves no more than the glance would, or less than it costs). None here; suffix
+        decoding and the hybrid glance with prompt lookup (0.02 ms a step), which catches the copying that starts after
+        their gate shut."""
         return Proposal.empty(state.tokens.shape[0], state.tokens.device)
+
+    def lookahead(self, state: DecodeState, k: int) -> list[int]:
+        """The chain :meth:`glance` would offer now, as host ints, proposing nothing: k=auto weighs a full proposal
+        against it (``Batch._gates``). Nothing here."""
+        return []
 
     def update(self, state: DecodeState, num_accepted: int) -> None:
         pass

@@ -233,6 +233,9 @@ class HybridDrafter(Drafter):
             trees.append((chain.host, parents, _lookup_estimates(parents), match_label("ngram", chain.kind)))
         return self._tree(state, k, trees, full=False)
 
+    def lookahead(self, state: DecodeState, k: int) -> list[int]:
+        return self.ngram.propose(state, k).host if k > 0 else []
+
     def _tree(self, state: DecodeState, k: int, trees: list, full: bool) -> Proposal:
         """The merged, calibrated tree of the sources' ``trees`` (``full``: every source's, the head's too where they
         expect little), cut where more nodes stop paying; what each kept node's sources estimated is kept for ``update``."""

@@ -402,6 +402,9 @@ class SuffixDrafter(Drafter):
         self._expected = 0.0
         return self._lookup.propose(state, k)
 
+    def lookahead(self, state: DecodeState, k: int) -> list[int]:
+        return self._lookup.propose(state, k).host if k > 0 else []
+
     def update(self, state: DecodeState, num_accepted: int) -> None:
         """Learn the scale from a tree the target verified (k=auto may drop a proposal unverified: it says nothing)."""
         if self._expected > 0 and state.last_logits is not None and state.last_logits.shape[1] == self._nodes + 1:

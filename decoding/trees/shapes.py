@@ -53,8 +53,40 @@ DEFAULT_ACCEPTANCE = (0.55, 0.12, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01)
 # (chains of 1-8, small trees), and each new Tree built its ancestor mask again (0.2 ms a proposal on this CPU,
 # 2026-11-29). A Tree is immutable, so one object serves every proposal of its shape.
 MADE_TREES = 1024
-_MADE: dict[tuple, Tree] = {}
-_MADE_LOCK = threading.Lock()
+
+
+class Kept:
+    """Values made once per key and kept, at most ``most`` of them (the least recently used dropped), safe across a
+    server's threads: the trees made from parent lists and the Sequoia templates.
+
+    >>> kept = Kept(2); kept.keep("a", 1), kept.keep("b", 2), kept.get("a"), kept.keep("c", 3), kept.get("b")
+    (1, 2, 1, 3, None)
+    """
+
+    def __init__(self, most: int):
+        self.most, self._items, self._lock = most, OrderedDict(), threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key):
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def keep(self, key, value):
+        """``value`` kept under ``key``, or the one another thread kept there first (which is returned)."""
+        with self._lock:
+            value = self._items.setdefault(key, value)
+            self._items.move_to_end(key)
+            while len(self._items) > self.most:
+                self._items.popitem(last=False)
+            return value
+
+
+_MADE = Kept(MADE_TREES)
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,11 +115,7 @@ class Tree:
         for i, p in enumerate(parents[1:], 1):
             if not 0 <= p < i:
                 raise TreeError(f"node {i} has parent {p}: parents must come before their children")
-        tree = cls(torch.tensor(parents, dtype=torch.long, device="cpu"))  # trees are host data, moved where used
-        with _MADE_LOCK:  # a server's threads make trees too
-            if len(_MADE) >= MADE_TREES:
-                del _MADE[next(iter(_MADE))]
-            return _MADE.setdefault(key, tree)
+        return _MADE.keep(key, cls(torch.tensor(parents, dtype=torch.long, device="cpu")))  # host data, moved where used
 
     @classmethod
     def from_paths(cls, paths: Sequence[Sequence[int]]) -> Tree:
@@ -278,8 +306,8 @@ def sequoia_paths(acceptance: Sequence[float], budget: int, max_depth: int) -> l
     return sorted(build(max_depth, N, [], []), key=lambda p: (len(p), p))
 
 
-_SEQUOIA: OrderedDict = OrderedDict()
 SEQUOIA_KEPT = 4096  # templates kept (least recently used dropped): one is a few hundred bytes
+_SEQUOIA = Kept(SEQUOIA_KEPT)
 ACCEPTANCE_GRAIN = 0.05  # the acceptance profile a template is chosen for, rounded to this
 
 
@@ -300,13 +328,7 @@ def sequoia_tree(acceptance: tuple, budget: int, depth: int) -> Tree:
     acceptance = rounded(acceptance)
     key = (acceptance, budget, depth)
     tree = _SEQUOIA.get(key)
-    if tree is None:
-        tree = _SEQUOIA[key] = Tree.from_paths(sequoia_paths(list(acceptance), budget, depth))
-        if len(_SEQUOIA) > SEQUOIA_KEPT:
-            _SEQUOIA.popitem(last=False)
-    else:
-        _SEQUOIA.move_to_end(key)
-    return tree
+    return tree if tree is not None else _SEQUOIA.keep(key, Tree.from_paths(sequoia_paths(list(acceptance), budget, depth)))
 
 
 def expected_accepted(acceptance: Sequence[float], paths: Sequence[Sequence[int]]) -> float:

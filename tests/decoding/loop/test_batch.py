@@ -686,13 +686,16 @@ class _CopiesLater(NgramDrafter):
         p = self.drafts(state, k)
         return p if self.glances and p.kind == 3 else Proposal.empty(1, state.tokens.device)
 
+    def lookahead(self, state, k):
+        return self.glance(state, k).host or []
 
-def test_a_shut_gate_glances_and_reopens_when_copying_starts(tiny_model, target, one_thread):
+
+def test_a_shut_gate_glances_and_copying_that_starts_later_is_drafted(tiny_model, target, one_thread):
     """Once a model-free drafter's proposals stop paying, k=auto's gate holds them back and the drafter glances
     (``Drafter.glance``: prompt lookup, for suffix decoding and the hybrid). Copying that starts later is drafted from
-    its first step, and the glances' savings turn the full proposals back on; with nothing to glance with the row
-    waited for a probe (qa 323 here: suffix decoding's gate shut at step 16, 116 steps where every proposal made took
-    72)."""
+    its first step; with nothing to glance with the row waited for a probe (qa 323 here: suffix decoding's gate shut
+    at step 16, 116 steps where every proposal made took 72). Full proposals that then offer no more than the glance
+    stay held back: only probes make them."""
     cost = CostModel({(1, t): 0.004 + 0.0012 * (t > 1) + 0.0002 * t for t in (1, 2, 3, 5, 9)}, smoothing=0.0)
     want = generate(target, ids(PROMPTS[4]), max_new_tokens=64).token_ids
     n, copy_from, outs = ids(PROMPTS[4]).shape[1], 28, {}
@@ -705,9 +708,40 @@ def test_a_shut_gate_glances_and_reopens_when_copying_starts(tiny_model, target,
     out, drafter = outs[True]
     shut = next(d for a, d in zip(drafter.full_at, drafter.full_at[1:], strict=False) if d > a + 1)  # the gate shut before d
     assert shut < copy_from, drafter.full_at
-    resumed = [d for d in drafter.full_at if d >= copy_from]
-    assert resumed and resumed[0] <= copy_from + 15, drafter.full_at
+    assert len(drafter.full_at) < 16 + 6, (drafter.full_at, len(out.steps))  # its first 16 and a few probes
     assert len(out.steps) < len(outs[False][0].steps), (len(out.steps), len(outs[False][0].steps), drafter.full_at, outs[False][1].full_at)
+
+
+class _CopiesBetter(_CopiesLater):
+    """Copies from the first token: its full proposals give the target's next ``k`` tokens, its glance the next
+    ``glimpse`` of them."""
+
+    def __init__(self, future, prompt_len, vocab, glimpse):
+        super().__init__(future, prompt_len, vocab, 0, True)
+        self.glimpse = glimpse
+
+    def glance(self, state, k):
+        return super().glance(state, min(k, self.glimpse))
+
+
+@pytest.mark.parametrize("glimpse", [4, 1])
+def test_the_gate_weighs_a_full_proposal_against_the_glance(tiny_model, target, one_thread, glimpse):
+    """A full proposal is worth what it saves beyond the glance the drafter would have offered instead
+    (``Drafter.lookahead``): one that drafts the same four right tokens as its glance, at a millisecond more, is held
+    back after the gate's first 16 and the row glances (as many steps, probes apart); one that drafts four right
+    tokens where the glance has one keeps proposing."""
+    cost = CostModel({(1, t): 0.004 + 0.0012 * (t > 1) + 0.0002 * t for t in (1, 2, 3, 5, 9)}, smoothing=0.0)
+    want = generate(target, ids(PROMPTS[4]), max_new_tokens=160).token_ids
+    n = ids(PROMPTS[4]).shape[1]
+    drafter = _CopiesBetter(want + [0] * 8, n, tiny_model.config.vocab_size, glimpse)
+    seq = Sequence(ids(PROMPTS[4]), drafter=drafter, k=4, adaptive=True, max_new_tokens=160)
+    out = generate_many(target, [seq], max_rows=1, cost=cost)[0]
+    assert out.token_ids == want
+    steps = len(out.steps)
+    if glimpse == 1:
+        assert len(drafter.full_at) >= steps - 1, (steps, drafter.full_at)
+    else:
+        assert 16 <= len(drafter.full_at) <= 16 + 3 and steps <= 160 // 5 + 4, (steps, drafter.full_at)
 
 
 def test_batch_phases_count_each_step_and_split_its_time(tiny_model, target, one_thread):

@@ -99,26 +99,3 @@ def test_a_costly_proposer_that_does_not_pay_stops_and_probes_ever_more_rarely()
     for _ in range(50):
         cheap.observe(True, saved=-0.001, spent=0.00002, plain_s=plain)
     assert cheap.proposes
-
-
-def test_a_glance_that_saves_turns_a_shut_gate_back_on():
-    """While the gate is shut the drafter glances (prompt lookup): each glance is an idle step towards the next probe;
-    one whose drafts saved nothing leaves the record alone, and drafts that saved more than the record's costs turn
-    the full proposals back on at once, with the probes' wait reset."""
-    from decoding.loop.goodput import PROBE_EVERY, ProposeGate
-
-    gate, plain = ProposeGate(), 0.004
-    while gate.on:
-        gate.observe(True, saved=-0.001, spent=0.0004, plain_s=plain)  # drafts that cost more than they saved
-    gate.idle = gate.probe_every
-    gate.observe(True, saved=-0.001, spent=0.0004, plain_s=plain)  # a probe that did not pay: a longer wait
-    assert not gate.proposes and gate.probe_every == 2 * PROBE_EVERY
-    record = (gate.saved, gate.spent)
-    for _ in range(3):
-        gate.glanced(0.0, 0.00002)  # nothing drafted or nothing accepted
-    assert (gate.saved, gate.spent) == record and gate.idle == 3 and not gate.proposes
-    gate.glanced(4 * plain, 0.00002)  # four tokens copied: not yet enough against the record
-    assert not gate.proposes and gate.saved > record[0]
-    while not gate.on:
-        gate.glanced(4 * plain, 0.00002)
-    assert gate.proposes and gate.probe_every == PROBE_EVERY and gate.saved >= gate.spent
