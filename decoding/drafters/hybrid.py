@@ -193,14 +193,11 @@ class HybridDrafter(Drafter):
             toks, pars = self.ngram.lookup_tree(seq, k, cap, sizes=(size,))
             if toks:
                 out.append((toks, pars, _lookup_estimates(pars), match_label("ngram", size)))
+        self.suffix.catch_up(state)
+        toks, pars, probs, matched = self.suffix.draft(seq[-self.suffix.max_match :].tolist(), k, cap)
+        if toks:
+            out.append((toks, pars, probs, match_label("suffix", matched)))
         self._spent, self._rank_of = {}, {}
-        if self.runs("suffix"):
-            self.suffix.catch_up(state)  # the committed tokens into its trie: owed whether it drafts now or later
-            t = time.perf_counter()
-            toks, pars, probs, matched = self.suffix.draft(seq[-self.suffix.max_match :].tolist(), k, cap)
-            self._spent["suffix"] = time.perf_counter() - t
-            if toks:
-                out.append((toks, pars, probs, match_label("suffix", matched)))
         if not self.runs("recycling"):
             return out
         t = time.perf_counter()
