@@ -133,6 +133,7 @@ class SpecDecoder(DecoderBase):
             drafter=drafter,
             k=draft_depth(self.cfg),
             adaptive=self.adaptive(seed),
+            glance=self.cfg.glance,
             sampling=self.sampling,
             max_new_tokens=max_new_tokens or self.cfg.max_new_tokens,
             eos_token_ids=self.loaded.eos_token_ids,

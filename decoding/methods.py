@@ -66,7 +66,7 @@ DEPTH = "depth"  # a knob bound meaning "the model's depth - 1" (the deepest lay
 
 # ---- options: what a configuration holds beyond the common fields, in groups; each method reads some of them --------
 OPTION_GROUPS: dict[str, tuple[str, ...]] = {
-    "draft": ("k", "adaptive_k"),  # draft length, or the most a step drafts under k=auto
+    "draft": ("k", "adaptive_k", "glance"),  # draft length, or the most a step drafts under k=auto (and its fallback)
     "tree": ("tree", "tree_paths", "tree_budget", "tree_acceptance", "tree_fit"),
     "draft_model": ("draft_model", "draft_layers"),
     "confidence": ("confidence_threshold",),

@@ -79,6 +79,7 @@ STEP_COLUMNS = (
     "verify_s",
     "k",
     "rows",
+    "looked",  # the drafts were prompt lookup's, a model drafter's row's fallback under k=auto (glance)
     "config",
 )
 
@@ -112,6 +113,7 @@ def step_rows(method: str, prompt_id, category: str, steps: Iterable[StepRecord]
             "verify_s": s.verify_s,
             "k": s.k,
             "rows": s.rows,
+            "looked": s.looked,
             "config": config,
         }
         for i, s in enumerate(steps)
@@ -350,6 +352,8 @@ def _method_figures(mrows: list, msteps: list, base_rows: list, is_baseline: boo
         "acceptance_rate": accepted / drafted if drafted else None,
         # the share of steps that drafted at all (k=auto stops drafting where it does not pay)
         "steps_drafted": sum(s["drafted"] > 0 for s in msteps) / n_steps if n_steps else None,
+        # of them, the steps that drafted prompt lookup's chain in place of a model drafter's own (glance)
+        "steps_looked": sum(bool(s.get("looked")) for s in msteps) / n_steps if n_steps else None,
         "per_position_acceptance": per_position_acceptance([StepRecord(s["drafted"], s["accepted"], 0.0, 0.0) for s in msteps])
         if msteps
         else [],

@@ -114,6 +114,18 @@ def report_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
+def drafted_cell(figures: dict) -> str:
+    """The share of a method's steps that drafted, and of them the share that drafted prompt lookup's chain in place of
+    its model drafter's (``glance``), where any did.
+
+    >>> drafted_cell({"steps_drafted": 0.27, "steps_looked": 0.12}), drafted_cell({"steps_drafted": 0.37, "steps_looked": 0.0})
+    ('27% (12% lookup)', '37%')
+    """
+    looked = figures.get("steps_looked")
+    cell = _f(figures.get("steps_drafted"), "{:.0%}")
+    return f"{cell} ({looked:.0%} lookup)" if looked else cell
+
+
 def label(method: str, figures: dict) -> str:
     """A method's name in the tables, ``(LOSSY)`` after it when its output is not verified against the target.
 
@@ -287,7 +299,7 @@ def results_markdown(summary: dict) -> str:
                 _f(v["speedup"], "{:.2f}x"),
                 _f(min(cats) if cats and m != base else None, "{:.2f}x"),
                 _f(v["mean_accepted_tokens"]),
-                _f(v.get("steps_drafted") if m != base else None, "{:.0%}"),
+                drafted_cell(v) if m != base else "-",
                 _f(d, "{:.1f}"),
                 _f(w, "{:.1f}"),
                 _f(share, "{:.0%}"),

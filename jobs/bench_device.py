@@ -127,7 +127,7 @@ def categories_markdown(path: Path) -> str:
     """A bench summary's (``jobs.bench_variants``' summary.json) speedups over its baseline as one row per method and
     one column per category, with the mean of categories, the run over all tokens, tau and the share of steps that
     drafted, under a line naming the run: what the GPU script's bench stage measured on the machine of device.json."""
-    from evaluation.bench_report import category_mean
+    from evaluation.bench_report import category_mean, drafted_cell
     from evaluation.markdown import markdown_table
 
     try:
@@ -140,7 +140,7 @@ def categories_markdown(path: Path) -> str:
             v = methods[m]
             speedups = [f"{cats[c][m]['speedup']:.2f}" for c in cats]
             mean = category_mean(bench, m)
-            figures = [f"**{mean:.2f}**", f"{v['speedup']:.2f}", f"{v['mean_accepted_tokens']:.2f}", f"{v['steps_drafted']:.0%}"]
+            figures = [f"**{mean:.2f}**", f"{v['speedup']:.2f}", f"{v['mean_accepted_tokens']:.2f}", drafted_cell(v)]
             rows.append([m, *speedups, *figures])
         ar = methods[base]
         head = ["method", *cats, "mean", "all tokens", "tau", "steps drafted"]

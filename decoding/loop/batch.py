@@ -18,12 +18,14 @@ import time
 import torch
 
 from decoding.drafters.base import DecodeState, Drafter, Proposal
+from decoding.drafters.ngram import NgramDrafter
 from decoding.loop.goodput import (
     Acceptance,
     DraftCost,
     ProposeGate,
     RowPlan,
     TreeGain,
+    best_rate,
     catch_up_pays,
     choose_width,
     probe_allowed,
@@ -61,7 +63,9 @@ class Sequence(Output):
     ``on_step(tokens)`` receives each step's newly committed tokens (after EOS trimming, so streaming sees
     exactly the output); returning a string ends the sequence after those tokens with that finish reason
     (a stop sequence, a cancelled client), with exact stats. ``k`` is the most drafts per step; with
-    ``adaptive`` the loop chooses 0..k per step (see ``decoding.loop.goodput``).
+    ``adaptive`` the loop chooses 0..k per step (see ``decoding.loop.goodput``), and with ``glance`` also falls
+    back on prompt lookup's chain where the drafter's own drafts do not pay (:meth:`Batch._look`; a model-free
+    drafter's ``Drafter.glance``).
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class Sequence(Output):
         drafter: Drafter | None = None,
         k: int = 4,
         adaptive: bool = False,
+        glance: bool = True,
         sampling: SamplingParams = GREEDY,
         max_new_tokens: int = 128,
         eos_token_ids: tuple[int, ...] | list[int] = (),
@@ -85,7 +90,7 @@ class Sequence(Output):
         super().__init__(max_new_tokens, eos_token_ids, on_step)
         self.prompt_ids = prompt_ids
         self.drafter = drafter or Drafter()
-        self.k, self.adaptive = k, adaptive
+        self.k, self.adaptive, self.glance = k, adaptive, glance
         self.sampling, self.generator = sampling, generator
         self.tag = tag
         self.state: DecodeState | None = None
@@ -97,6 +102,12 @@ class Sequence(Output):
         self.gate = ProposeGate()  # whether its model-free drafter proposes at all this step
         self.glanced = False  # the gate held its proposal back this step: its drafter only glanced (Drafter.glance)
         self.lookahead: list[int] = []  # what its glance would have offered at a step it proposed in full
+        self.lookup: NgramDrafter | None = None  # a model drafter's row: prompt lookup over its text (Batch._look)
+        self.looked = False  # this step drafts prompt lookup's chain, not its model drafter's (which rests)
+        self.look_acceptance = Acceptance()  # its looked-up chains' (the probe's clock: Batch._look)
+        self.declined = False  # its model drafter proposed nothing at its last step with a budget (DEL's own choice)
+        self.drafted_own = False  # its drafter's own drafts were verified at its last step (a proposal right after
+        # them costs a step's drafting; after plain or looked-up steps it also catches up on what they committed)
         self.fill: Prefill | None = None  # its prompt's prefill while it joins a batch
         self.unfed = prompt_ids.shape[1]  # tokens committed since its drafter last proposed (a model drafter catches up)
         self.error: Exception | None = None  # why it could not start (its drafter failed to), if so
@@ -347,23 +358,19 @@ class Batch:
             self.cost.observe(len(rows), width, results[0].record.verify_s)
             self._gates(rows, results, width)
         for seq, res, budget in zip(list(rows), results, budgets, strict=True):
-            res.record.k = budget
-            seq.acceptance.observe(res.record.drafted, res.num_accepted)
+            res.record.k, res.record.looked = budget, seq.looked
+            own = 0 if seq.looked else res.record.drafted  # the drafter's own drafts (a looked-up chain is not)
+            seq.acceptance.observe(own, res.num_accepted)
+            if seq.looked:
+                seq.look_acceptance.observe(res.record.drafted, res.num_accepted)
+            elif budget:
+                seq.declined = not own
             if res.proposal.kind is not None and res.record.drafted:
                 seq.kind_acceptance(res.proposal.kind).observe(res.record.drafted, res.num_accepted)
-            # a proposal's CUDA graph captures happen once per shape: what a draft costs from now on leaves them out;
-            # and only a proposal that follows a drafting step tells what drafting step after step costs: the first
-            # after plain steps (a probe, a request's first) also fed the drafter everything they committed (a model
-            # drafter's lazy catch-up: 3-9 ms for EAGLE's head here, against 1 ms a step while it drafts)
-            own = res.record.draft_s - seq.captured_s
-            if seq.steps and seq.steps[-1].drafted:
-                seq.draft_cost.observe(res.record.drafted, max(0.0, own))
-            elif res.record.drafted and res.record.catch_up_s is not None:  # the drafter marked where its catch-up ended
-                seq.draft_cost.observe(res.record.drafted, max(0.0, own - res.record.catch_up_s))
-                seq.draft_cost.observe_catch_up(seq.fed_next, res.record.catch_up_s)
-            elif res.record.drafted:  # what catching up on the tokens of plain steps (or the prompt) cost beyond it
-                seq.draft_cost.observe_catch_up(seq.fed_next, own - seq.draft_cost(res.record.drafted))
-            seq.unfed = len(res.committed) + (0 if res.record.drafted else seq.unfed)
+            if not seq.looked:
+                self._learn_cost(seq, res.record, own)
+            seq.drafted_own = own > 0
+            seq.unfed = len(res.committed) + (0 if own else seq.unfed)
             if res.proposal.tree is not None and res.record.drafted:
                 seq.tree_gain.observe(res.proposal.size, res.num_accepted)
             seq.steps.append(res.record)
@@ -372,6 +379,22 @@ class Batch:
                 self._leave(seq)
                 done.append(seq)
         return done
+
+    @staticmethod
+    def _learn_cost(seq: Sequence, record, drafted: int) -> None:
+        """What ``seq``'s drafter's proposal of ``drafted`` tokens cost (``record.draft_s``) tells its draft cost."""
+        # a proposal's CUDA graph captures happen once per shape: what a draft costs from now on leaves them out;
+        # and only a proposal that follows a drafting step tells what drafting step after step costs: the first
+        # after plain steps (a probe, a request's first) also fed the drafter everything they committed (a model
+        # drafter's lazy catch-up: 3-9 ms for EAGLE's head here, against 1 ms a step while it drafts)
+        own = record.draft_s - seq.captured_s
+        if seq.drafted_own:
+            seq.draft_cost.observe(drafted, max(0.0, own))
+        elif drafted and record.catch_up_s is not None:  # the drafter marked where its catch-up ended
+            seq.draft_cost.observe(drafted, max(0.0, own - record.catch_up_s))
+            seq.draft_cost.observe_catch_up(seq.fed_next, record.catch_up_s)
+        elif drafted:  # what catching up on the tokens of plain steps (or the prompt) cost beyond it
+            seq.draft_cost.observe_catch_up(seq.fed_next, own - seq.draft_cost(drafted))
 
     def _proposals(self, rows: list[Sequence]) -> tuple[list[Proposal], list[float], list[int]]:
         """Each row's drafts for this step (with the seconds they took and the draft budget the row had): its
@@ -390,8 +413,9 @@ class Batch:
         for s, cap in zip(rows, caps, strict=True):
             model_free = s.drafter.model_free
             s.glanced = model_free and cap > 0 and s.adaptive and not s.gate.proposes  # its proposals cost more than they save
+            s.looked = False
             if model_free and cap > 0:
-                early[id(s)] = self._propose(s, cap, glance=s.glanced)
+                early[id(s)] = self._propose(s, cap if s.glance or not s.glanced else 0, glance=s.glanced)
                 s.lookahead = [] if s.glanced or not s.adaptive else s.drafter.lookahead(s.state, cap)
                 p = early[id(s)][0]
                 avail, alpha = p.size, (s.acceptance.alpha if p.kind is None else s.kind_acceptance(p.kind).alpha)
@@ -404,9 +428,10 @@ class Batch:
                     avail = s.drafter.max_nodes(cap)
                     tree_gain = s.tree_gain(avail)
             draft_cost = 0.0 if model_free else s.draft_cost
-            plans.append(RowPlan(avail=avail, alpha=alpha, fixed=not s.adaptive, draft_cost=draft_cost, tree_gain=tree_gain))
+            plan = RowPlan(avail=avail, alpha=alpha, fixed=not s.adaptive, draft_cost=draft_cost, tree_gain=tree_gain)
+            plans.append(self._look(s, cap, plan, early) if not model_free and s.glance and s.adaptive and cap > 0 else plan)
         width = choose_width(plans, self.cost, self.max_step_tokens)
-        due = [s.adaptive and s.acceptance.due and plan.avail > 0 for s, plan in zip(rows, plans, strict=True)]
+        due = [s.adaptive and s.acceptance.due and plan.avail > 0 and not s.looked for s, plan in zip(rows, plans, strict=True)]
         if any(due) and width == 1:  # probe only where drafts would pay if they were accepted again, not under load
             hopeful = [dataclasses.replace(p, alpha=max(p.alpha, PROBE_ALPHA)) if d else p for p, d in zip(plans, due, strict=True)]
             pays = choose_width(hopeful, self.cost, self.max_step_tokens) > 1  # one choice for every due row (not one each)
@@ -417,7 +442,8 @@ class Batch:
             probing = budget == 0 and cap > 0 and probe
             if probing:
                 budget = min(cap, PROBE_DRAFTS)  # drafting stopped paying a while ago: try a little, to know again
-            blocked = bool(budget) and s.adaptive and not s.drafter.model_free and not self._catches_up(s, plan, budget, probing)
+            own_model = not (s.drafter.model_free or s.looked)
+            blocked = bool(budget) and s.adaptive and own_model and not self._catches_up(s, plan, budget, probing)
             budget = 0 if blocked else budget
             if probing and budget:
                 width = max(width, budget + 1)
@@ -435,6 +461,37 @@ class Batch:
             else:
                 pairs.append(self._propose(s, budget))
         return [p for p, _ in pairs], [t for _, t in pairs], budgets
+
+    def _look(self, seq: Sequence, cap: int, plan: RowPlan, early: dict) -> RowPlan:
+        """A model drafter's row under k=auto: prompt lookup's chain over its text (0.02 ms a step, host ints) where it
+        is worth more tokens a second than what the drafter would do this step (``plan``: its drafts at its
+        acceptance and draft cost; a plain step where its catch-up would not pay or it declined its last budget, as
+        DEL does while its exits agree too little), judged by the row's acceptance of chains of that match length
+        (``Proposal.kind``). The row then drafts the chain (``seq.looked``) and the drafter rests, catching up on
+        what it missed when it next drafts. A chain that loses even to a plain step is probed as a row's drafts are
+        (``seq.look_acceptance``: after idle steps, two drafts), so an estimate that fell is learnt again.
+        Copying is what a model drafter drafts worst and prompt lookup best: on this CPU's 13 Spec-Bench categories
+        prompt lookup ran at 1.17x AR (mean of categories) where the model drafters, whose drafts rarely pay here, ran
+        at 0.97-0.98x (README run 20261129T151646-554f). ``glance=false`` turns it off (the drafter alone)."""
+        if seq.lookup is None:
+            seq.lookup = NgramDrafter(3, 1)
+            seq.lookup.start(seq.state)
+        pair = propose(seq.state, seq.lookup, cap, self.workspace.clock)
+        chain = pair[0]
+        if not chain.size:
+            return plan
+        rows = len(self.rows)
+        own, width = best_rate(plan, self.cost, rows)
+        if seq.declined or (width > 1 and not self._catches_up(seq, plan, width - 1, False)):
+            own, width = best_rate(RowPlan(avail=0), self.cost, rows)
+        look = RowPlan(avail=chain.size, alpha=seq.kind_acceptance(chain.kind).alpha)
+        if best_rate(look, self.cost, rows)[0] <= own:
+            if width > 1 or not seq.look_acceptance.due:
+                seq.look_acceptance.observe(0, 0)
+                return plan
+            look = RowPlan(avail=min(chain.size, PROBE_DRAFTS), alpha=max(look.alpha, PROBE_ALPHA))  # a probe
+        seq.looked, early[id(seq)] = True, pair
+        return look
 
     def _gates(self, rows: list[Sequence], results: list, width: int) -> None:
         """Tell each adaptive model-free row's :class:`ProposeGate` what its proposal saved and cost this step (no

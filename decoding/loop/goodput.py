@@ -389,6 +389,24 @@ def _drafting(plan: RowPlan, j: int) -> float:
     return plan.draft_cost(j) if callable(plan.draft_cost) else plan.draft_cost * j
 
 
+def best_rate(plan: RowPlan, cost: CostModel, rows: int = 1) -> tuple[float, int]:
+    """(the most expected committed tokens per second ``plan``'s row gets, the width that gets it), a step of ``rows``
+    rows at that width costing it its share: what k=auto weighs two proposals of one row by (a model drafter's own,
+    prompt lookup's).
+
+    >>> cost = CostModel({(1, 1): 0.010, (1, 2): 0.011, (1, 3): 0.012})
+    >>> best_rate(RowPlan(avail=0), cost), best_rate(RowPlan(avail=2, alpha=0.8), cost)
+    ((100.0, 1), (203.33333333333331, 3))
+    """
+    best = (0.0, 1)
+    for width in range(1, plan.avail + 2):
+        gain, j = _row_gain(plan, width)
+        rate = gain / max(cost(rows, width) / rows + _drafting(plan, j), 1e-9)
+        if rate > best[0] * 1.0001:  # ties go to the narrower step
+            best = (rate, width)
+    return best
+
+
 PROBE_SHARE = 1 / 32  # of the plain steps a row waited, the share its model drafter's probe may cost
 
 

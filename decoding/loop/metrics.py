@@ -14,6 +14,7 @@ class StepRecord:
     rows: int = 1  # sequences that shared this step's target forward
     k: int = -1  # the draft budget the step gave this row (k=auto: the goodput choice); -1 = not recorded
     catch_up_s: float | None = None  # of draft_s, the drafter's catch-up on committed tokens (None: not measured)
+    looked: bool = False  # the drafts were prompt lookup's, a model drafter's row's fallback (decoding.loop.batch.Batch._look)
 
 
 @dataclass

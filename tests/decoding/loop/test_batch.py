@@ -430,7 +430,8 @@ def test_a_drafts_one_off_graph_capture_is_not_learned_as_its_cost(tiny_model, t
     monkeypatch.setattr(graphs_module, "_capture_graph", lambda body, device, pool: (time.sleep(0.3), None))
     if not leave_out_captures:
         monkeypatch.setattr(batch_module, "capture_seconds", lambda: 0.0)
-    seq = Sequence(ids(PROMPTS[4]), drafter=_CapturingOnce(ModelAdapter(tiny_model, num_layers=1)), k=4, adaptive=True, max_new_tokens=40)
+    drafter = _CapturingOnce(ModelAdapter(tiny_model, num_layers=1))
+    seq = Sequence(ids(PROMPTS[4]), drafter=drafter, k=4, adaptive=True, glance=False, max_new_tokens=40)  # the drafter alone
     out = generate_many(target, [seq], max_rows=1, cost=knee())[0]
     assert out.token_ids == generate(target, ids(PROMPTS[4]), max_new_tokens=40).token_ids
     drafting = [r for r in out.steps if r.drafted]
@@ -449,7 +450,7 @@ def test_a_catch_up_after_plain_steps_is_not_learned_as_what_drafting_costs(tiny
     does not learn it (EAGLE's head: 3-9 ms such a proposal on this CPU, 1 ms while it drafts at every step). The
     control, slow at every proposal, stops drafting."""
     drafter = _SlowCatchUp(ModelAdapter(tiny_model, num_layers=1), always)
-    seq = Sequence(ids(PROMPTS[4]), drafter=drafter, k=4, adaptive=True, max_new_tokens=40)
+    seq = Sequence(ids(PROMPTS[4]), drafter=drafter, k=4, adaptive=True, glance=False, max_new_tokens=40)
     out = generate_many(target, [seq], max_rows=1, cost=knee())[0]
     assert out.token_ids == generate(target, ids(PROMPTS[4]), max_new_tokens=40).token_ids
     assert out.steps[0].drafted and out.steps[0].draft_s >= 0.3
@@ -623,7 +624,7 @@ def test_under_load_a_rows_probe_pays_for_widening_the_whole_batch(tiny_model, t
     future = ar_alone[4] + [0] * 80
     n = ids(PROMPTS[4]).shape[1]
     drafters = [_WrongModelDrafts(future, n, tiny_model.config.vocab_size) for _ in range(8)]
-    seqs = [Sequence(ids(PROMPTS[4]), drafter=d, k=4, adaptive=True, max_new_tokens=64) for d in drafters]
+    seqs = [Sequence(ids(PROMPTS[4]), drafter=d, k=4, adaptive=True, glance=False, max_new_tokens=64) for d in drafters]
     outs = generate_many(target, seqs, max_rows=8, cost=CostModel(points, smoothing=0.0))
     want = generate(target, ids(PROMPTS[4]), max_new_tokens=64).token_ids
     assert all(o.token_ids == want for o in outs)
@@ -758,3 +759,103 @@ def test_batch_phases_count_each_step_and_split_its_time(tiny_model, target, one
     assert after["steps"] - before["steps"] == max(len(s.steps) for s in seqs)
     prefill, decode = after["prefill_s"] - before["prefill_s"], after["decode_s"] - before["decode_s"]
     assert prefill > 0 and decode > 0 and prefill + decode <= wall
+
+
+# ---- a model drafter's row falls back on prompt lookup (glance) --------------------------------------------------
+
+
+class _Declines(DraftModelDrafter):
+    """A model drafter that proposes nothing whatever budget it gets (as DEL does while its exits agree too little),
+    counting the proposals asked of it."""
+
+    def __init__(self, model):
+        super().__init__(ModelAdapter(model, num_layers=1))
+        self.calls = 0
+
+    def propose(self, state, k):
+        self.calls += 1
+        return Proposal.empty(1, state.tokens.device)
+
+
+class _Knows(DraftModelDrafter):
+    """A model drafter whose drafts are the target's own continuation (``future``, the new tokens of AR's output)."""
+
+    def __init__(self, model, future: list[int], prompt_len: int):
+        super().__init__(ModelAdapter(model, num_layers=1))
+        self.future, self.prompt_len, self.calls = future, prompt_len, 0
+
+    def propose(self, state, k):
+        self.calls += 1
+        done = state.tokens.shape[1] - self.prompt_len
+        return Proposal(tokens=torch.tensor([self.future[done : done + k]], device=state.tokens.device))
+
+
+def test_a_model_drafters_row_drafts_prompt_lookups_chain_where_its_own_drafts_do_not(tiny_model, target, ar_alone, one_thread):
+    """Under k=auto a model drafter's row also looks its text up (prompt lookup, 0.02 ms a step) and drafts that chain
+    where it is worth more than what the drafter would do: here a drafter that declines every budget. The drafter is
+    not asked on those steps (it rests), the output is AR's, and the repetitive prompts take fewer steps than with
+    ``glance=False``, where the row never drafts."""
+    steps, looked = {}, {}
+    for glance in (True, False):
+        seqs = [Sequence(ids(p), drafter=_Declines(tiny_model), k=4, adaptive=True, glance=glance, max_new_tokens=24) for p in PROMPTS]
+        outs = generate_many(target, seqs, max_rows=3, cost=flat_cost())
+        assert [o.token_ids for o in outs] == ar_alone
+        for s, o in zip(seqs, outs, strict=True):
+            n_looked = sum(r.looked for r in o.steps)
+            assert all(r.drafted for r in o.steps if r.looked) and not any(r.drafted for r in o.steps if not r.looked)
+            assert s.drafter.calls <= len(o.steps) - n_looked, (s.drafter.calls, len(o.steps), n_looked)
+        steps[glance] = [len(o.steps) for o in outs]
+        looked[glance] = sum(r.looked for o in outs for r in o.steps)
+    assert looked[False] == 0 and looked[True] > 10, looked
+    assert sum(steps[True]) < sum(steps[False]) - 10, steps
+
+
+def test_a_model_drafter_whose_drafts_pay_more_keeps_drafting_them(tiny_model, target, ar_alone, one_thread):
+    """The lookup is weighed against the drafter, not preferred to it: a drafter that knows the target's next four
+    tokens drafts nearly every step itself, even on a prompt whose lookups would be accepted."""
+    n = ids(PROMPTS[4]).shape[1]
+    drafter = _Knows(tiny_model, ar_alone[4] + [0] * 8, n)
+    seq = Sequence(ids(PROMPTS[4]), drafter=drafter, k=4, adaptive=True, max_new_tokens=24)
+    out = generate_many(target, [seq], max_rows=1, cost=flat_cost())[0]
+    assert out.token_ids == ar_alone[4]
+    assert sum(r.looked for r in out.steps) <= 1 and len(out.steps) <= 24 // 5 + 2, [(r.drafted, r.looked) for r in out.steps]
+
+
+def looked_counts(model, target, draws):
+    """``batched_counts`` for rows of a declining model drafter under k=auto: what they draft is prompt lookup's."""
+    v = model.config.vocab_size
+    counts, looked = torch.zeros([v] * N_TOKENS, dtype=torch.long), 0
+    seqs = [
+        Sequence(
+            ids(PROMPTS[0]),
+            drafter=_Declines(model),
+            k=2,
+            adaptive=True,
+            sampling=SAMPLING,
+            max_new_tokens=N_TOKENS + 1,
+            generator=torch.Generator().manual_seed(20_000 + i),
+        )
+        for i in range(draws)
+    ]
+    outs = generate_many(target, seqs, max_rows=16, cost=flat_cost())
+    for s, o in zip(seqs, outs, strict=True):
+        counts[tuple(s.new[:N_TOKENS])] += 1
+        looked += sum(r.looked and r.accepted > 0 for r in o.steps)
+    return counts, looked
+
+
+def test_looked_up_chains_sampled_follow_the_target_and_a_wrong_rule_is_caught(tiny_model, target, monkeypatch, one_thread):
+    counts, accepted = looked_counts(tiny_model, target, 1500)
+    assert accepted > 100, accepted  # the lookups were drafted and accepted: the test means something
+    p = chi_square_pvalue(counts, exact_joint(tiny_model, ids(PROMPTS[0]), N_TOKENS, SAMPLING))
+    assert p > 1e-4, f"looked-up chains: sampled tokens do not follow the target (p={p:.2e})"
+
+    def resample_from_p(drafts, q, p, u_accept, u_sample, *rest):  # a rejection draws from p, not the residual
+        verdict = verify_speculative(drafts, q, p, u_accept, u_sample, *rest)
+        rows = torch.arange(drafts.shape[0])
+        verdict.tokens[rows, verdict.num_accepted] = sample_from(p[rows, verdict.num_accepted], u_sample)
+        return verdict
+
+    monkeypatch.setattr(step_module, "verify_speculative", resample_from_p)
+    counts, _ = looked_counts(tiny_model, target, 1500)
+    assert chi_square_pvalue(counts, exact_joint(tiny_model, ids(PROMPTS[0]), N_TOKENS, SAMPLING)) < 1e-6
