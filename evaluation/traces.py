@@ -49,6 +49,7 @@ def _schemas():
             ("accepted", i),
             ("draft_s", f),
             ("verify_s", f),
+            ("looked", pa.bool_()),  # prompt lookup's chain in place of a model drafter's (k=auto's glance)
             ("config", s),
         ]
     )

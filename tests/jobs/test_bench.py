@@ -190,7 +190,19 @@ def test_parquet_is_partitioned_by_run_and_method(full_run):
     parts = sorted((out / "traces" / f"run={run}" / "method=ngram").glob("part-*.parquet"))
     assert len(parts) == 3  # written after each of the 3 prompts
     t = pq.read_table(parts[0])
-    assert t.column_names == ["prompt_id", "category", "repeat", "worker", "step", "drafted", "accepted", "draft_s", "verify_s", "config"]
+    assert t.column_names == [
+        "prompt_id",
+        "category",
+        "repeat",
+        "worker",
+        "step",
+        "drafted",
+        "accepted",
+        "draft_s",
+        "verify_s",
+        "looked",
+        "config",
+    ]
     assert json.loads(t.column("config")[0].as_py())["method"] == "ngram"
     assert t.column("step").to_pylist() == list(range(t.num_rows))
     g = pq.read_table(out / "generations" / f"run={run}" / "method=sps")
@@ -239,7 +251,7 @@ def test_plots_are_built_from_parquet_files(tmp_path):
     ]
     steps = [
         {"method": "ngram", "prompt_id": "1", "category": "A", "repeat": 0, "worker": "local", "step": i,
-         "drafted": 2, "accepted": a, "draft_s": 0.001, "verify_s": 0.002, "config": "{}"}
+         "drafted": 2, "accepted": a, "draft_s": 0.001, "verify_s": 0.002, "looked": False, "config": "{}"}
         for i, a in enumerate([2, 1, 0])
     ]  # fmt: skip
     traces.TraceWriter(tmp_path, "r1").write(gens, steps)
@@ -248,6 +260,31 @@ def test_plots_are_built_from_parquet_files(tmp_path):
     assert report.make_plots(tmp_path, "no-such-run") == []  # nothing on disk, nothing to plot
     back = traces.read_run(tmp_path, "r1", "traces")
     assert [r["accepted"] for r in back] == [2, 1, 0] and back[0]["method"] == "ngram"
+
+
+def test_the_steps_a_model_drafter_looked_up_survive_the_traces_and_reach_the_table(tmp_path):
+    """A step that drafted prompt lookup's chain in place of its model drafter's (k=auto's glance) is marked in the
+    traces and counted in the summary and the table ("steps drafted": "67% (33% lookup)"); a run traced before the
+    column existed reads back with none."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from decoding.loop.metrics import StepRecord
+
+    g = bm.gen_row
+    gens = [g("ar", 1, "A", new_tokens=3, wall_s=1.0, target_forwards=3), g("eagle", 1, "A", new_tokens=3, wall_s=0.5, target_forwards=2)]
+    records = [StepRecord(2, 1, 0.001, 0.002, looked=True), StepRecord(1, 0, 0.001, 0.002), StepRecord(0, 0, 0.0, 0.002)]
+    steps = bm.step_rows("eagle", 1, "A", records) + bm.step_rows("ar", 1, "A", [StepRecord(0, 0, 0.0, 0.002)] * 3)
+    traces.TraceWriter(tmp_path, "r1").write(gens, steps)
+    back = traces.read_run(tmp_path, "r1", "traces")
+    assert [r["looked"] for r in back if r["method"] == "eagle"] == [True, False, False]
+    figures = bm.summarize_methods(gens, back)["methods"]["eagle"]
+    assert figures["steps_looked"] == pytest.approx(1 / 3) and report.drafted_cell(figures) == "67% (33% lookup)"
+    old = tmp_path / "traces" / "run=r0" / "method=eagle"
+    old.mkdir(parents=True)
+    legacy = [{k: v for k, v in r.items() if k not in ("looked", "method", "k", "rows")} for r in steps[:1]]
+    pq.write_table(pa.Table.from_pylist(legacy), old / "part-00000.parquet")
+    assert [r["looked"] for r in traces.read_run(tmp_path, "r0", "traces")] == [None]
 
 
 # ---- bad input: one line, exit 2 --------------------------------------------------------------------
