@@ -358,7 +358,8 @@ class Batch:
             self.cost.observe(len(rows), width, results[0].record.verify_s)
             self._gates(rows, results, width)
         for seq, res, budget in zip(list(rows), results, budgets, strict=True):
-            res.record.k, res.record.looked = budget, seq.looked
+            res.record.k = budget
+            res.record.looked = seq.looked and res.record.drafted > 0  # the width choice may have cut the chain to nothing
             own = 0 if seq.looked else res.record.drafted  # the drafter's own drafts (a looked-up chain is not)
             seq.acceptance.observe(own, res.num_accepted)
             if seq.looked:
@@ -429,7 +430,8 @@ class Batch:
                     tree_gain = s.tree_gain(avail)
             draft_cost = 0.0 if model_free else s.draft_cost
             plan = RowPlan(avail=avail, alpha=alpha, fixed=not s.adaptive, draft_cost=draft_cost, tree_gain=tree_gain)
-            plans.append(self._look(s, cap, plan, early) if not model_free and s.glance and s.adaptive and cap > 0 else plan)
+            looks = not model_free and s.glance and s.adaptive and cap > 0 and self._chains_may_pay(len(rows), cap)
+            plans.append(self._look(s, cap, plan, early) if looks else plan)
         width = choose_width(plans, self.cost, self.max_step_tokens)
         due = [s.adaptive and s.acceptance.due and plan.avail > 0 and not s.looked for s, plan in zip(rows, plans, strict=True)]
         if any(due) and width == 1:  # probe only where drafts would pay if they were accepted again, not under load
@@ -461,6 +463,12 @@ class Batch:
             else:
                 pairs.append(self._propose(s, budget))
         return [p for p, _ in pairs], [t for _, t in pairs], budgets
+
+    def _chains_may_pay(self, rows: int, cap: int) -> bool:
+        """Whether a chain of up to ``cap`` drafts accepted at ``PROBE_ALPHA`` would pay in a step of ``rows`` rows: under
+        load a wider step costs more than such drafts bring, and the rows' lookups (0.05 ms a row with their weighing)
+        are not made at all."""
+        return best_rate(RowPlan(avail=cap, alpha=PROBE_ALPHA), self.cost, rows)[1] > 1
 
     def _look(self, seq: Sequence, cap: int, plan: RowPlan, early: dict) -> RowPlan:
         """A model drafter's row under k=auto: prompt lookup's chain over its text (0.02 ms a step, host ints) where it
