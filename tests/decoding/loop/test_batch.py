@@ -317,13 +317,15 @@ def test_batched_sampling_follows_the_target(tiny_model, target, name, one_threa
     assert p > 1e-4, f"{name}: batched sampled tokens do not follow the target (p={p:.2e})"
 
 
-def test_batched_wrong_rule_is_caught(tiny_model, target, monkeypatch, one_thread):
-    def resample_from_p(drafts, q, p, u_accept, u_sample, *rest):  # a rejection draws from p, not the residual
-        verdict = verify_speculative(drafts, q, p, u_accept, u_sample, *rest)
-        rows = torch.arange(drafts.shape[0])
-        verdict.tokens[rows, verdict.num_accepted] = sample_from(p[rows, verdict.num_accepted], u_sample)
-        return verdict
+def resample_from_p(drafts, q, p, u_accept, u_sample, *rest):
+    """A wrong rule: a rejection draws from p, not from the residual."""
+    verdict = verify_speculative(drafts, q, p, u_accept, u_sample, *rest)
+    rows = torch.arange(drafts.shape[0])
+    verdict.tokens[rows, verdict.num_accepted] = sample_from(p[rows, verdict.num_accepted], u_sample)
+    return verdict
 
+
+def test_batched_wrong_rule_is_caught(tiny_model, target, monkeypatch, one_thread):
     monkeypatch.setattr(step_module, "verify_speculative", resample_from_p)
     counts = batched_counts(tiny_model, target, 1500, "sps")
     assert chi_square_pvalue(counts, exact_joint(tiny_model, ids(PROMPTS[0]), N_TOKENS, SAMPLING)) < 1e-6
@@ -849,12 +851,6 @@ def test_looked_up_chains_sampled_follow_the_target_and_a_wrong_rule_is_caught(t
     assert accepted > 100, accepted  # the lookups were drafted and accepted: the test means something
     p = chi_square_pvalue(counts, exact_joint(tiny_model, ids(PROMPTS[0]), N_TOKENS, SAMPLING))
     assert p > 1e-4, f"looked-up chains: sampled tokens do not follow the target (p={p:.2e})"
-
-    def resample_from_p(drafts, q, p, u_accept, u_sample, *rest):  # a rejection draws from p, not the residual
-        verdict = verify_speculative(drafts, q, p, u_accept, u_sample, *rest)
-        rows = torch.arange(drafts.shape[0])
-        verdict.tokens[rows, verdict.num_accepted] = sample_from(p[rows, verdict.num_accepted], u_sample)
-        return verdict
 
     monkeypatch.setattr(step_module, "verify_speculative", resample_from_p)
     counts, _ = looked_counts(tiny_model, target, 1500)
