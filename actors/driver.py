@@ -29,10 +29,11 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from decoding.config import SpecConfig
 from decoding.decoder import DecoderBase, GenerationLost, context_error, decode, encode
 from decoding.errors import ConfigError
+from decoding.loop.goodput import RoundGate
 from decoding.loop.prefill import ContextTooLong
 from decoding.methods import ACTOR_TRANSPORTS, WORKER_ROLES, OnActors, on_actors
 from decoding.sampling import SamplingParams
-from decoding.schedules.two_sided import DraftRequest, TwoSidedGeneration, VerifyRequest, generate_two_sided, round_summary
+from decoding.schedules.two_sided import DraftRequest, RunRequest, TwoSidedGeneration, VerifyRequest, generate_two_sided, round_summary
 
 
 class WorkerError(GenerationLost):
@@ -102,11 +103,20 @@ class ActorExecutor:
             raise WorkerDied(f"a model worker died during generation after {self.position} generated tokens: {e}") from e
 
     # ---- the executor interface of generate_two_sided ------------------------------------------
-    def prefill(self, prompt: list[int], max_len: int, seed: int, sampling=None) -> int:
+    def prefill(self, prompt: list[int], max_len: int, seed: int, sampling=None, threads: int | None = None) -> int:
+        """Both workers' prefills at once; ``threads``: the target's on them, the draft model's deferred to its first
+        draft (the workers share those cores)."""
         self.position = 0
-        refs = [self.target.prefill.remote(prompt, max_len, seed, sampling), self.draft.prefill.remote(prompt, max_len, seed + 1, sampling)]
+        target = self.target.prefill.remote(prompt, max_len, seed, sampling, threads)
+        refs = [target, self.draft.prefill.remote(prompt, max_len, seed + 1, sampling, defer=threads is not None)]
         first, _ = self.wait(refs, "workers' prefill")[0]
         return first
+
+    def run(self, req: RunRequest):
+        """The target worker alone (a plain call, also beside a compiled graph: the driver waits for each in turn)."""
+        result = self.wait(self.target.run.remote(req), "target worker")
+        self.position += len(result.tokens)
+        return result
 
     def step(self, treq: VerifyRequest, dreq: DraftRequest, parallel: bool):
         if self._dag is not None:
@@ -172,6 +182,8 @@ class ActorDecoder(DecoderBase):
         self.placement = dict(placement or {})
         self.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
         self._on_close, self._fork = on_close, False
+        self.gate = RoundGate()  # k=auto's: whether drafting pays, learnt over this decoder's generations (forks share it)
+        self.runs = True  # k=auto's idle stretches as runs of the target worker alone (False: a round a token; benches)
         infos = {role: self.placement.get(role) or {} for role in WORKER_ROLES}  # the workers' info(), from placement
         actor_ids = {role: info["actor_id"] for role, info in infos.items() if "actor_id" in info}
         self.executor = ActorExecutor(
@@ -210,6 +222,15 @@ class ActorDecoder(DecoderBase):
         seed = self.cfg.seed if seed is None else seed
         return TwoSidedSequence(prompt_ids, max_new_tokens or self.cfg.max_new_tokens, seed, on_step, tag, adaptive)
 
+    def run_threads(self) -> int | None:
+        """Torch threads for the target worker's runs alone, where both workers share one CPU node: its own and the
+        resting draft worker's (on this 2-core machine the target decoded 11.5 tokens/s on one thread, 18.4 on two); None
+        elsewhere (a GPU, or workers on two nodes)."""
+        t, d = (self.placement.get(role) or {} for role in WORKER_ROLES)
+        if not self.placement.get("same_node") or t.get("device") != "cpu" or not (t.get("threads") and d.get("threads")):
+            return None
+        return int(t["threads"]) + int(d["threads"])
+
     def batches(self, seq) -> bool:
         return False
 
@@ -228,6 +249,10 @@ class ActorDecoder(DecoderBase):
                 on_step=seq.step,
                 ship_kv=self.plan.ship_kv,  # TriForce: the middle level reads the target's exact KV
                 adaptive=seq.adaptive,
+                gate=self.gate,
+                runs=self.runs,
+                run_threads=self.run_threads(),
+                glance=self.cfg.glance,  # the target's runs alone verify prompt lookup's chains
             )
         except ContextTooLong as e:
             raise context_error(e) from None
@@ -243,6 +268,7 @@ class ActorDecoder(DecoderBase):
         if out.schedule_counts.get("pre_verify_rounds") is not None:
             stats["pearl"] = dict(out.schedule_counts, gamma=self.cfg.k)
         stats["rounds_without_drafts"] = out.schedule_counts.get("plain_rounds", 0)
+        stats["alone"] = out.schedule_counts.get("alone", {})
         rss = self.executor.wait([self.target.peak_rss_mb.remote(), self.draft.peak_rss_mb.remote()], "workers")
         stats["peak_rss_mb"] = dict(zip(WORKER_ROLES, rss, strict=True))
         if self.plan.level_stats:

@@ -35,9 +35,20 @@ from decoding.in_process import build_drafter
 from decoding.loop.metrics import peak_rss_mb, reset_peak_rss
 from decoding.methods import METHOD_TABLE, TARGET_WITH_DRAFTER, WORKER_ROLES
 from decoding.model.adapter import ModelAdapter
+from decoding.model.costs import forward_costs
 from decoding.model.loading import load_model, resolve_device, set_threads
 from decoding.sampling import SamplingParams
-from decoding.schedules.two_sided import DraftRequest, DraftResult, DraftSide, VerifyRequest, VerifyResult, VerifySide
+from decoding.schedules.two_sided import (
+    RUN_WIDTHS,
+    DraftRequest,
+    DraftResult,
+    DraftSide,
+    RunRequest,
+    RunResult,
+    VerifyRequest,
+    VerifyResult,
+    VerifySide,
+)
 
 # a worker whose process dies is started again by Ray in the same placement-group bundle, loading its model again
 # (its handle and actor id stay): a Serve replica keeps serving on it instead of being replaced with new workers
@@ -80,8 +91,9 @@ class ModelActor:
         else:
             self.adapter = ModelAdapter(loaded.model, compile=cfg.compile)
         sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
-        if role == "target":
-            self.side = VerifySide(self.adapter, sampling)
+        if role == "target":  # its runs alone verify prompt lookup's chains by the measured cost of a width
+            runs_cost = lambda: forward_costs(self.adapter, cfg.model, cfg.dtype, widths=RUN_WIDTHS, tree_widths=())  # noqa: E731
+            self.side = VerifySide(self.adapter, sampling, cost=runs_cost)
         elif with_drafter:
             self.side = DraftSide(build_drafter(cfg, loaded, self.device), sampling, target=self.adapter)
         else:
@@ -116,13 +128,20 @@ class ModelActor:
         return payload
 
     # ---- the decoding operations --------------------------------------------------------------
-    def prefill(self, prompt: list[int], max_len: int, seed: int = 0, sampling: SamplingParams | None = None):
-        """Start a generation: fill the cache, seed this worker's generator, take the generation's sampling params."""
+    def prefill(self, prompt: list[int], max_len: int, seed: int = 0, sampling: SamplingParams | None = None, threads=None, defer=False):
+        """Start a generation: fill the cache, seed this worker's generator, take the generation's sampling params.
+        ``threads`` (target): its prefill's torch threads; ``defer`` (draft): its prefill waits for its first draft."""
         reset_peak_rss()  # peak_rss_mb then reports this generation's peak
-        return self.side.prefill(prompt, max_len, seed, sampling)
+        if self.role == "target":
+            return self.side.prefill(prompt, max_len, seed, sampling, threads)
+        return self.side.prefill(prompt, max_len, seed, sampling, defer)
 
     def verify(self, req: VerifyRequest, chained: DraftResult | None = None) -> VerifyResult:
         return self.side.verify(req, chained)
+
+    def run(self, req: RunRequest) -> RunResult:
+        """The target decoding alone for a while (the draft worker rests: k=auto found its drafts do not pay)."""
+        return self.side.run(req)
 
     def draft(self, req: DraftRequest) -> DraftResult:
         return self.side.draft(req)

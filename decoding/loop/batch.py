@@ -20,6 +20,8 @@ import torch
 from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.drafters.ngram import NgramDrafter
 from decoding.loop.goodput import (
+    PROBE_ALPHA,
+    PROBE_DRAFTS,
     Acceptance,
     DraftCost,
     ProposeGate,
@@ -28,6 +30,7 @@ from decoding.loop.goodput import (
     best_rate,
     catch_up_pays,
     choose_width,
+    lookup_plan,
     probe_allowed,
 )
 from decoding.loop.output import Generation, Output, StepCallback
@@ -38,8 +41,6 @@ from decoding.model.costs import CostModel
 from decoding.model.graphs import capture_seconds
 from decoding.sampling import GREEDY, SamplingParams
 
-PROBE_ALPHA = 0.8  # the acceptance a probe hopes for: it probes only where drafts at that rate would pay
-PROBE_DRAFTS = 2  # drafts of a probe (a row whose drafting stopped paying, trying again: goodput.Acceptance.due)
 _PHASES = {"prefill_s": 0.0, "decode_s": 0.0, "steps": 0}  # every batch of this process together (batch_phases)
 
 
@@ -492,12 +493,9 @@ class Batch:
         own, width = best_rate(plan, self.cost, rows)
         if seq.declined or (width > 1 and not self._catches_up(seq, plan, width - 1, False)):
             own, width = best_rate(RowPlan(avail=0), self.cost, rows)
-        look = RowPlan(avail=chain.size, alpha=seq.kind_acceptance(chain.kind).alpha)
-        if best_rate(look, self.cost, rows)[0] <= own:
-            if width > 1 or not seq.look_acceptance.due:
-                seq.look_acceptance.observe(0, 0)
-                return plan
-            look = RowPlan(avail=min(chain.size, PROBE_DRAFTS), alpha=max(look.alpha, PROBE_ALPHA))  # a probe
+        look = lookup_plan(chain.size, seq.kind_acceptance(chain.kind), seq.look_acceptance, self.cost, rows, own, width == 1)
+        if look is None:
+            return plan
         seq.looked, early[id(seq)] = True, pair
         return look
 

@@ -27,11 +27,14 @@ them, so one row's drafts never cost another row its place.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from decoding.drafters.base import PROBE_EVERY, ProposeGate  # noqa: F401 (one gate: the loop's per row, the hybrid's per source)
 from decoding.model.costs import CostModel
 
+PROBE_ALPHA = 0.8  # the acceptance a probe hopes for: it probes only where drafts at that rate would pay
+PROBE_DRAFTS = 2  # drafts of a probe (a row whose drafting stopped paying, trying again: Acceptance.due)
 PROBE_MAX = 128  # the longest wait between a stopped row's probes (PROBE_EVERY: the first; doubling while it finds nothing)
 # a model drafter's shared record (Acceptance.of_drafter): its memory per drafted step, its weight in a row's estimate,
 # the standard errors of hope it adds while its evidence is thin; and the memory of a row's own drafted steps beside it
@@ -183,15 +186,18 @@ class RoundGate:
     The first round drafts nothing, to measure that cost; drafting then starts and stops after ``judge`` rounds where
     its rate is below one token per plain round. Stopped, the gate probes: after ``probe_every`` plain rounds it drafts
     ``judge`` rounds again; a probe that does not pay doubles the wait (up to ``PROBE_MAX``), one that pays resets it.
+    A run of drafting rounds that lost more than ``PROBE_SHARE`` of the plain time of that wait (a draft catching up on
+    a long prompt) waits longer, until its loss is that share. One gate may serve a decoder's successive generations
+    (``ActorDecoder``): what it learnt, the wait included, carries over.
 
     >>> g = RoundGate()
     >>> g.drafts, g.observe(False, 1, 0.010), g.drafts        # the first round measures a plain one
     (False, None, True)
     >>> for _ in range(4):
     ...     g.observe(True, 2, 0.030)                         # 2 tokens in 30 ms: 67 tokens/s against 100
-    >>> g.drafts
-    False
-    >>> for _ in range(PROBE_EVERY):
+    >>> g.drafts, g.probe_every                               # they lost 40 ms: the probe waits 32 x 40 ms of plain rounds
+    (False, 128)
+    >>> for _ in range(128):
     ...     g.observe(False, 1, 0.010)
     >>> g.drafts                                              # a probe
     True
@@ -206,6 +212,7 @@ class RoundGate:
         self.plain_s: float | None = None  # seconds of a round that drafts nothing (decayed mean)
         self.tokens = self.seconds = 0.0  # decayed sums over the drafting rounds of the current run
         self.on, self.rounds_on, self.idle, self.probe_every, self.probing = True, 0, 0, PROBE_EVERY, False
+        self.lost = 0.0  # seconds the current run of drafting rounds took beyond what plain rounds would have
 
     @property
     def drafts(self) -> bool:
@@ -216,22 +223,36 @@ class RoundGate:
         """Committed tokens per second over the current run of drafting rounds (0 before any)."""
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def until_probe(self) -> int:
+        """Plain tokens to go before drafting is tried again (``PROBE_EVERY`` before the first plain measurement)."""
+        return PROBE_EVERY if self.plain_s is None or self.on else max(1, self.probe_every - self.idle)
+
     def observe(self, drafted: bool, tokens: int, seconds: float) -> None:
-        """One round: whether it verified or drafted anything, the tokens it committed, its wall seconds."""
+        """One round: whether it verified or drafted anything, the tokens it committed, its wall seconds. A round that
+        drafts nothing may commit several tokens (the target side alone, ``VerifySide.run``): it counts as that many
+        plain rounds of its seconds per token."""
         if not drafted:
-            self.plain_s = seconds if self.plain_s is None else self.decay * self.plain_s + (1 - self.decay) * seconds
-            self.idle += not self.on
+            each = seconds / max(tokens, 1)
+            self.plain_s = each if self.plain_s is None else self.decay * self.plain_s + (1 - self.decay) * each
+            self.idle += 0 if self.on else max(tokens, 1)
             if not self.on and self.idle >= self.probe_every:
-                self.on, self.probing, self.rounds_on, self.tokens, self.seconds = True, True, 0, 0.0, 0.0
+                self.on, self.probing, self.rounds_on, self.tokens, self.seconds, self.lost = True, True, 0, 0.0, 0.0, 0.0
             return
         self.tokens, self.seconds = self.decay * self.tokens + tokens, self.decay * self.seconds + seconds
         self.rounds_on += 1
-        if self.rounds_on < self.judge or self.plain_s is None:
+        if self.plain_s is None:
+            return
+        self.lost += seconds - tokens * self.plain_s
+        if self.rounds_on < self.judge:
             return
         if self.rate * self.plain_s >= 1.0:  # drafting commits at least a plain round's token per plain round's time
-            self.probe_every, self.probing = PROBE_EVERY if self.probing else self.probe_every, False
+            self.probe_every, self.probing, self.lost = PROBE_EVERY if self.probing else self.probe_every, False, 0.0
             return
-        self.probe_every = min(PROBE_MAX, 2 * self.probe_every) if self.probing else self.probe_every
+        # the next probe waits until this one's loss is at most PROBE_SHARE of the plain time waited: a draft that
+        # must catch up on a long prompt when it first drafts lost seconds at once (the draft worker's prefill deferred)
+        wait = math.ceil(max(0.0, self.lost) / (PROBE_SHARE * self.plain_s))
+        self.probe_every = max(min(PROBE_MAX, 2 * self.probe_every) if self.probing else self.probe_every, wait)
         self.on, self.probing, self.idle = False, False, 0
 
 
@@ -405,6 +426,28 @@ def best_rate(plan: RowPlan, cost: CostModel, rows: int = 1) -> tuple[float, int
         if rate > best[0] * 1.0001:  # ties go to the narrower step
             best = (rate, width)
     return best
+
+
+def lookup_plan(avail: int, acceptance: Acceptance, clock: Acceptance, cost: CostModel, rows: int, rival: float, may_probe=True):
+    """The plan of a looked-up chain of ``avail`` drafts (prompt lookup's, beside a model drafter or a target alone),
+    accepted at ``acceptance`` (its match length's): itself where it is worth more than ``rival`` tokens a second (what
+    the row would do otherwise, :func:`best_rate`); a probe of ``PROBE_DRAFTS`` at ``PROBE_ALPHA`` where its ``clock``
+    (the chains' own acceptance, which sees the idle steps) is due and ``may_probe``; else None, an idle step.
+
+    >>> cost = CostModel({(1, 1): 0.010, (1, 2): 0.011, (1, 3): 0.012})
+    >>> plain = best_rate(RowPlan(avail=0), cost)[0]
+    >>> lookup_plan(2, Acceptance(prior=0.8), Acceptance(), cost, 1, plain).avail     # worth it: drafted
+    2
+    >>> lookup_plan(2, Acceptance(prior=0.01), Acceptance(), cost, 1, plain) is None  # not worth it, no probe due
+    True
+    """
+    look = RowPlan(avail=avail, alpha=acceptance.alpha)
+    if best_rate(look, cost, rows)[0] > rival:
+        return look
+    if not may_probe or not clock.due:
+        clock.observe(0, 0)
+        return None
+    return RowPlan(avail=min(avail, PROBE_DRAFTS), alpha=max(look.alpha, PROBE_ALPHA))
 
 
 PROBE_SHARE = 1 / 32  # of the plain steps a row waited, the share its model drafter's probe may cost

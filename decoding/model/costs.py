@@ -41,22 +41,25 @@ _COSTS: dict[tuple, CostModel] = {}
 _COSTS_LOCK = threading.Lock()
 
 
-def forward_costs(target, model: str, dtype: str, max_rows: int = 1) -> CostModel:
+def forward_costs(target, model: str, dtype: str, max_rows: int = 1, widths=CALIBRATION_WIDTHS, tree_widths=TREE_WIDTHS) -> CostModel:
     """The measured cost of ``target``'s forward (a ``ModelAdapter``) by rows and tokens, rows up to ``max_rows``.
 
     Measured once per model, dtype, threads, device and forward implementation, and kept in the process and under
     ``$SPECRAY_HOME/calibration`` (delete the file to measure again). Every caller with the same key gets the same
     object, which the loop refreshes from the steps it runs. A process that reads the file first times a plain step and
     one of ``CHECK_WIDTH`` tokens again (about 20 forwards) and measures the grid anew where the file no longer holds
-    (:func:`stale`).
+    (:func:`stale`). ``widths`` and ``tree_widths``: a smaller grid where only short chains are weighed (a target
+    worker's runs alone, ``decoding.schedules.two_sided.VerifySide.run``: a few seconds on a slow CPU, not minutes).
     """
     rows = tuple(r for r in CALIBRATION_ROWS if r <= max(1, max_rows))
-    key = (model, dtype, torch.get_num_threads(), device_name(target.device), rows, target.implementation)
+    widths, tree_widths = tuple(widths), tuple(tree_widths)
+    key = (model, dtype, torch.get_num_threads(), device_name(target.device), rows, target.implementation, widths, tree_widths)
     with _COSTS_LOCK:
         if key in _COSTS:
             return _COSTS[key]
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)[-80:]
-        grid = f"w{'.'.join(map(str, CALIBRATION_WIDTHS))}-{CALIBRATION_FORMAT}"
+        trees = "" if tree_widths == TREE_WIDTHS else "-t" + ".".join(map(str, tree_widths))
+        grid = f"w{'.'.join(map(str, widths))}{trees}-{CALIBRATION_FORMAT}"
         path = specray_home() / "calibration" / f"{safe}-{dtype}-t{key[2]}-{key[3]}-r{rows[-1]}-{key[5]}-{grid}.json"
         try:
             cost = CostModel.from_dict(json.loads(path.read_text()))
@@ -69,7 +72,7 @@ def forward_costs(target, model: str, dtype: str, max_rows: int = 1) -> CostMode
                 cost = None
         if cost is None:
             log.info("specray: measuring the target's forward cost by rows and tokens (once per model, dtype, threads)")
-            cost = CostModel.measure(target, rows=rows)
+            cost = CostModel.measure(target, rows=rows, widths=widths, tree_widths=tree_widths)
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(cost.to_dict()))

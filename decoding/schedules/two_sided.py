@@ -63,13 +63,16 @@ worker to the target worker.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from decoding.drafters.base import DecodeState, Drafter, Proposal
 from decoding.drafters.draft_model import DraftModelDrafter
-from decoding.loop.goodput import RoundGate
+from decoding.drafters.ngram import SuffixIndex
+from decoding.loop.goodput import Acceptance, RoundGate, RowPlan, best_rate, lookup_plan
 from decoding.loop.metrics import StepRecord
 from decoding.loop.output import Generation, Output, StepCallback
 from decoding.loop.prefill import check_context, fill, prefill
@@ -77,6 +80,7 @@ from decoding.loop.step import committed_by, verify
 from decoding.loop.verify import verify_speculative
 from decoding.methods import TWO_SIDED_SCHEDULES as SCHEDULES
 from decoding.model.adapter import KVCache, ModelAdapter
+from decoding.model.costs import CostModel
 from decoding.sampling import GREEDY, SamplingParams, warp
 
 # ---- the messages between a schedule and the two sides --------------------------------------
@@ -112,6 +116,27 @@ class VerifyResult:
 
 
 @dataclass
+class RunRequest:
+    """The target side decodes alone (k=auto found that the draft side's drafts do not pay): up to ``budget`` tokens
+    after the pending one at cache slot ``start``, ending after a ``stop`` token. Each step verifies prompt lookup's
+    chain over the committed text (up to ``lookup`` drafts; 0: plain steps) where it is worth its width."""
+
+    start: int
+    pending: int
+    budget: int
+    stop: tuple[int, ...] = ()
+    lookup: int = 0
+    threads: int | None = None  # torch threads for the run (the resting draft worker's cores too, on one CPU node)
+
+
+@dataclass
+class RunResult:
+    tokens: list[int]  # every token the run committed (the last one is the new pending token)
+    steps: list[StepRecord]  # one per target forward
+    compute_s: float = 0.0
+
+
+@dataclass
 class DraftRequest:
     keep: int  # how many tokens of the draft side's sequence are still valid
     append: list[int]  # tokens that follow them (committed by the last verdict)
@@ -129,24 +154,52 @@ class DraftResult:
 # ---- the two sides: thin owners of a model adapter and its cache ---------------------------
 
 
+@contextmanager
+def torch_threads(threads: int | None):
+    """torch's intra-op threads set to ``threads`` inside (None: unchanged), restored after."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if threads:
+            torch.set_num_threads(before)
+
+
 class VerifySide:
     """The target model and its cache: prefills and verifies with the loop's own rule (``decoding.loop.step.verify``)."""
 
-    def __init__(self, adapter: ModelAdapter, sampling: SamplingParams = GREEDY):
+    def __init__(self, adapter: ModelAdapter, sampling: SamplingParams = GREEDY, cost: Callable[[], CostModel] | None = None):
+        """``cost``: the target's forward cost by width (``decoding.model.costs.forward_costs``), asked for at the first
+        run that may look up; without it a run's steps are plain."""
         self.adapter = adapter
         self.sampling = sampling
         self.cache: KVCache | None = None
         self.generator = torch.Generator(device=adapter.device)
+        self.history: list[int] = []  # the committed tokens, prompt first (the last one: pending, not in the cache)
+        self._cost_of = cost
+        self._index: SuffixIndex | None = None  # prompt lookup over ``history`` (runs)
+        self.acceptance_of: dict[int, Acceptance] = {}  # looked-up chains' acceptance by match length, kept across requests
+        self.look_clock = Acceptance()  # the chains' probe clock
 
-    def prefill(self, prompt: list[int], max_len: int, seed: int = 0, sampling: SamplingParams | None = None) -> tuple[int, float]:
-        """Fill the cache with the prompt; return (first new token, compute seconds). Starts a generation."""
+    def prefill(
+        self, prompt: list[int], max_len: int, seed: int = 0, sampling: SamplingParams | None = None, threads: int | None = None
+    ) -> tuple[int, float]:
+        """Fill the cache with the prompt; return (first new token, compute seconds). Starts a generation. ``threads``:
+        torch threads for it (the draft side's cores too, where it defers its own prefill) and for the runs after it, whose
+        forward costs are measured at the first prefill on them."""
         t0 = time.perf_counter()
         a = self.adapter
         self.generator.manual_seed(seed)
         self.sampling = sampling or self.sampling
         ids = torch.tensor([prompt], dtype=torch.long, device=a.device)
         self.cache = a.new_cache(1, max_len)
-        first, _ = prefill(a, self.cache, ids, self.sampling, self.generator)
+        with torch_threads(threads):
+            first, _ = prefill(a, self.cache, ids, self.sampling, self.generator)
+            if self._cost_of is not None:  # measured (once a process) here, not inside a run whose time k=auto weighs
+                self._cost_of()
+        self.history, self._index = list(prompt), None
         return int(first[0, 0]), time.perf_counter() - t0
 
     def verify(self, req: VerifyRequest, chained: DraftResult | None = None) -> VerifyResult:
@@ -171,6 +224,7 @@ class VerifySide:
         if req.want_p and m == j and not self.sampling.greedy:
             p_last = warp(logits[:, -1], self.sampling).cpu()
         kv = KVBlock(req.start, *self.cache.export(req.start, req.start + 1 + m)) if req.want_kv else None
+        self.history[req.start :] = ids[:1] + tokens
         return VerifyResult(
             num_accepted=m,
             tokens=tokens,
@@ -180,6 +234,47 @@ class VerifySide:
             draft_compute_s=chained.compute_s if chained is not None else 0.0,
             kv=kv,
         )
+
+    def run(self, req: RunRequest) -> RunResult:
+        """Decode alone from ``req.pending``: verify steps (:meth:`verify`) of the looked-up chain where it pays, else of
+        the pending token alone, until ``req.budget`` tokens are committed or a stop token is. Spares the transport of
+        a round a token while the draft side rests: on this CPU a plain round over two workers cost 8.9 ms, 2.1 of them
+        transport, for one token."""
+        t0 = time.perf_counter()
+        with torch_threads(req.threads):
+            cost = self._cost_of() if req.lookup and self._cost_of is not None else None  # at the run's threads
+            tokens, steps = self._run(req, cost)
+        return RunResult(tokens, steps, time.perf_counter() - t0)
+
+    def _run(self, req: RunRequest, cost: CostModel | None) -> tuple[list[int], list[StepRecord]]:
+        start, pending, tokens, steps = req.start, req.pending, [], []
+        while len(tokens) < req.budget and not (tokens and tokens[-1] in req.stop):
+            chain = self._chain(start, pending, min(req.lookup, req.budget - len(tokens) - 1), cost)
+            res = self.verify(VerifyRequest(start, [pending, *chain]))
+            if chain:
+                self.look_clock.observe(res.drafted, res.num_accepted)
+                self.acceptance_of[self._index.matched].observe(res.drafted, res.num_accepted)
+            steps.append(StepRecord(res.drafted, res.num_accepted, 0.0, res.compute_s, looked=bool(chain)))
+            cut = next((i + 1 for i, t in enumerate(res.tokens) if t in req.stop), len(res.tokens))
+            tokens += res.tokens[:cut]
+            start, pending = start + len(res.tokens), res.tokens[-1]
+        return tokens, steps
+
+    def _chain(self, start: int, pending: int, cap: int, cost: CostModel | None) -> list[int]:
+        """Prompt lookup's chain after ``pending`` (at slot ``start``), cut to the width that pays at its match length's
+        acceptance (``goodput.lookup_plan``); [] where no chain pays, or no ``cost`` says what one would cost."""
+        if cap <= 0 or cost is None:
+            return []
+        seq = self.history[:start] + [pending]
+        if self._index is None or self._index.length > len(seq):
+            self._index = SuffixIndex(1, 3)
+        self._index.extend(seq)
+        chain = self._index.continuation(seq, cap)
+        if not chain:
+            return []
+        acceptance = self.acceptance_of.setdefault(self._index.matched, Acceptance())
+        plan = lookup_plan(len(chain), acceptance, self.look_clock, cost, 1, best_rate(RowPlan(avail=0), cost)[0])
+        return [] if plan is None else chain[: best_rate(plan, cost)[1] - 1]
 
 
 class DraftSide:
@@ -211,7 +306,9 @@ class DraftSide:
         """The plain draft side: a draft model (or the target's first layers) with its own cache."""
         return cls(DraftModelDrafter(adapter, confidence_threshold), sampling)
 
-    def prefill(self, prompt: list[int], max_len: int, seed: int = 0, sampling: SamplingParams | None = None) -> float:
+    def prefill(self, prompt: list[int], max_len: int, seed: int = 0, sampling: SamplingParams | None = None, defer: bool = False) -> float:
+        """Start a generation. ``defer``: a draft model fills nothing now (the target prefills on the cores of both
+        sides) and catches up on the prompt in its first draft request; a side over the target fills its cache now."""
         t0 = time.perf_counter()
         self.generator.manual_seed(seed)
         self.sampling = sampling or self.sampling
@@ -222,6 +319,8 @@ class DraftSide:
             # this side's full cache of the prompt; the drafter starts at the first request, which brings the pending token
             self.state.target_cache = self.target.new_cache(1, max_len)
             fill(self.target, self.state.target_cache, ids)
+            self.started = False
+        elif defer:  # a draft model, later: its first request starts it over the whole prompt
             self.started = False
         else:  # a draft model: prefill its cache now, beside the target's prefill
             self.drafter.start(self.state)
@@ -279,6 +378,10 @@ class RoundRecord:
         return max(0.0, self.wall_s - compute)
 
 
+RUN_WIDTHS = (1, 2, 3, 4, 5)  # the widths a target worker times for its runs' lookups (``forward_costs``: seconds, once)
+RUN_TOKENS = 16  # the most tokens the target side decodes alone in one call: what a stream receives at once (~0.1 s here)
+
+
 class Schedule:
     """What both schedules keep besides the loop's ``Output``: the committed length, the pending token, the draft
     side's next sync and the round records. ``out`` commits (EOS, max_new_tokens, ``on_step``) and records steps."""
@@ -308,6 +411,23 @@ class Schedule:
         """Drafts to ask for this round: ``k``, within ``most`` (what can still be committed), none while the gate
         says drafting does not pay."""
         return 0 if self.gate is not None and not self.gate.drafts else max(0, min(self.k, most))
+
+    def run_request(self, stop: tuple[int, ...], lookup: int, threads: int | None = None) -> RunRequest | None:
+        """Where the gate says drafting does not pay, a run of the target side alone (the draft side rests and catches
+        up when it next drafts) up to the gate's next probe, at most ``RUN_TOKENS``; else None (a round). Not where the
+        draft side reads each verdict's KV (TriForce over actors), nor with drafts still to verify (PEARL)."""
+        gate = self.gate
+        if gate is None or gate.drafts or self.ship_kv or getattr(self, "unverified", None):
+            return None
+        budget = min(RUN_TOKENS, gate.until_probe, self.out.remaining)
+        return RunRequest(self.n - 1, self.pending, budget, stop, lookup, threads)
+
+    def join_run(self, r: RunResult) -> list[int]:
+        """Fold a run: its tokens are committed; the draft side gets them with its next request."""
+        self.out.steps.extend(r.steps)
+        committed = self._commit(r.tokens)
+        self.draft_append = self.draft_append + committed
+        return committed
 
     def _requests(self, ids: list[int], k: int, probs=None, want_p=False) -> tuple[VerifyRequest, DraftRequest]:
         treq = VerifyRequest(start=self.n - 1, ids=ids, probs=probs, want_p=want_p, want_kv=self.ship_kv)
@@ -416,9 +536,13 @@ class LocalExecutor:
     def __init__(self, target, draft):
         self.target, self.draft = target, draft
 
-    def prefill(self, prompt: list[int], max_len: int, seed: int, sampling: SamplingParams = GREEDY) -> int:
-        self.draft.prefill(prompt, max_len, seed + 1, sampling)
-        return self.target.prefill(prompt, max_len, seed, sampling)[0]
+    def prefill(self, prompt: list[int], max_len: int, seed: int, sampling: SamplingParams = GREEDY, threads: int | None = None) -> int:
+        """Both sides' prefills; ``threads``: the target's on them, the draft model's deferred to its first draft."""
+        self.draft.prefill(prompt, max_len, seed + 1, sampling, **({"defer": True} if threads else {}))
+        return self.target.prefill(prompt, max_len, seed, sampling, **({"threads": threads} if threads else {}))[0]
+
+    def run(self, req: RunRequest) -> RunResult:
+        return self.target.run(req)
 
     def step(self, treq: VerifyRequest, dreq: DraftRequest, parallel: bool) -> tuple[VerifyResult, DraftResult | None]:
         if parallel:
@@ -432,6 +556,18 @@ def make_schedule(name: str, *args, **kwargs) -> Schedule:
     if name == "sps":
         return SequentialSchedule(*args, **kwargs)
     raise ValueError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
+
+
+def _run_alone(executor, sched: Schedule, run: RunRequest, alone: dict) -> None:
+    """One run of the target side alone: its tokens committed, its time told to the gate, counted in ``alone``."""
+    t0 = time.perf_counter()
+    r = executor.run(run)
+    wall = time.perf_counter() - t0
+    committed = sched.join_run(r)
+    alone["calls"], alone["tokens"] = alone["calls"] + 1, alone["tokens"] + len(committed)
+    alone["looked_up"] += sum(step.accepted for step in r.steps)
+    sched.gate.observe(False, len(committed), wall)
+    sched.rounds.append(RoundRecord("alone", wall, r.compute_s, 0.0, False))
 
 
 def generate_two_sided(
@@ -448,13 +584,22 @@ def generate_two_sided(
     on_step: StepCallback | None = None,
     ship_kv: bool = False,
     adaptive: bool = False,
+    runs: bool = True,
+    glance: bool = True,
+    run_threads: int | None = None,
+    gate: RoundGate | None = None,
 ) -> TwoSidedGeneration:
     """Generate with a two-sided schedule; ``executor`` runs the requests (``LocalExecutor`` or an actor executor).
 
     ``on_step`` receives each round's committed tokens, as in the loop: returning a string stops the generation
     with that finish reason. ``ship_kv``: the draft side reads the target's cache (TriForce's middle level): each
     verdict's KV goes to it. ``adaptive``: k=auto, a :class:`RoundGate` turns drafting off in the rounds where it does
-    not pay and probes now and then whether it pays again (``k`` stays the draft length while it drafts).
+    not pay and probes now and then whether it pays again (``k`` stays the draft length while it drafts); ``gate``: the
+    one to use, carrying what earlier generations learnt (a new one if None). ``runs``:
+    there, the target side decodes alone for several tokens a call (:meth:`VerifySide.run`; False: one plain round a
+    token, both sides called), verifying prompt lookup's chains of up to ``k`` drafts where they pay (``glance``), on
+    ``run_threads`` torch threads (None: the side's own). ``run_threads`` also prefills the target on them, the draft
+    model then catching up on the prompt when it first drafts (both sides share those cores).
 
     Seeds: target side ``seed``, draft side ``seed + 1``, the schedule's own
     draws (PEARL's first-draft check) ``seed + 2``.
@@ -470,13 +615,20 @@ def generate_two_sided(
     max_len = len(prompt) + max_new_tokens + 2 * k + 2  # PEARL's draft runs up to 2k past the committed tokens
     out = Output(max_new_tokens, eos_token_ids, on_step)
     out.t_start = time.perf_counter()
-    first = executor.prefill(prompt, max_len, seed, sampling)
+    run_threads = None if ship_kv else run_threads  # a draft side over the target's KV fills its cache with the prompt now
+    first = executor.prefill(prompt, max_len, seed, sampling, run_threads)
     out.prefill_s = time.perf_counter() - out.t_start
     out.commit([first])
     gen = torch.Generator().manual_seed(seed + 2)
-    sched = make_schedule(schedule, out, len(prompt), k, sampling, gen, ship_kv, RoundGate() if adaptive else None)
+    sched = make_schedule(schedule, out, len(prompt), k, sampling, gen, ship_kv, (gate or RoundGate()) if adaptive else None)
     plain = 0  # rounds that neither drafted nor verified a draft (k=auto found drafting did not pay)
+    alone = {"calls": 0, "tokens": 0, "looked_up": 0}  # the target side's runs alone: calls, tokens, accepted lookups
+    stop, lookup = tuple(eos_token_ids), (k if glance else 0)
     while not out.finished:
+        run = sched.run_request(stop, lookup, run_threads) if runs else None
+        if run is not None:
+            _run_alone(executor, sched, run, alone)
+            continue
         mode = sched.mode
         treq, dreq = sched.requests()
         t0 = time.perf_counter()
@@ -491,7 +643,7 @@ def generate_two_sided(
         sched.rounds.append(RoundRecord(mode, wall, t.compute_s, draft_s, sched.parallel))
     out.wall_s = time.perf_counter() - out.t_start
     g = out.result()
-    counts = dict(getattr(sched, "counts", {}), plain_rounds=plain)
+    counts = dict(getattr(sched, "counts", {}), plain_rounds=plain, alone=alone)
     return TwoSidedGeneration(g.token_ids, g.finish_reason, g.stats, g.steps, rounds=sched.rounds, schedule_counts=counts)
 
 
@@ -535,6 +687,14 @@ class _ScriptedTarget:
         while m < len(drafts) and drafts[m] == self._at(pos + m):
             m += 1
         return VerifyResult(num_accepted=m, tokens=drafts[:m] + [self._at(pos + m)], drafted=len(drafts))
+
+    def run(self, req: RunRequest) -> RunResult:
+        self.calls.append(("run", req.budget))
+        pos = req.start + 1 - self.prompt_len
+        tokens = []
+        while len(tokens) < req.budget and not (tokens and tokens[-1] in req.stop):
+            tokens.append(self._at(pos + len(tokens)))
+        return RunResult(tokens, [StepRecord(0, 0, 0.0, 0.0) for _ in tokens])
 
 
 @dataclass

@@ -58,6 +58,7 @@ def main():
         actor_cfg = base.replace(method="pearl", placement="actors", actor_transport=args.transport)
         variants = {
             "pearl[actors]": actor_cfg,  # k=auto (the default): drafting stops in the rounds where it does not pay
+            "pearl[actors,rounds]": actor_cfg,  # the same, its idle stretches a round a token (runs=False)
             "pearl[actors,fixed-k]": actor_cfg.replace(adaptive_k=False),
             "sps[actors]": actor_cfg.replace(method="sps"),
         }
@@ -69,6 +70,8 @@ def main():
         local_cfgs = {"ar": base, "triforce": actor_cfg.replace(placement="local")}
     target, draft, placement, cleanup = place_workers(actor_cfg)
     decs = {name: ActorDecoder(cfg, target, draft, placement) for name, cfg in variants.items()}
+    if "pearl[actors,rounds]" in decs:
+        decs["pearl[actors,rounds]"].runs = False  # k=auto's idle stretches as before the target's runs alone
     local = {name: SpecDecoder(cfg.replace(threads=args.threads)) for name, cfg in local_cfgs.items()}
     enc = local["ar"]
     if args.method == "pearl":

@@ -51,16 +51,18 @@ def test_placement_splits_the_two_cores(workers):
 @pytest.mark.parametrize("method", ["pearl", "sps"])
 def test_greedy_identical_to_ar(workers, ar_reference, method):
     dec = decoder(workers, method=method)
-    mismatched, rounds = [], 0
+    mismatched, rounds, alone = [], 0, {"calls": 0, "tokens": 0}
     for qid, (ids, ref) in ar_reference.items():
         out = dec.generate_ids(ids)
         if out.token_ids != ref:
             mismatched.append(qid)
         rounds += len(out.rounds)
         stats = dec.stats(out)
+        alone = {key: alone[key] + stats["alone"][key] for key in alone}
         assert stats["rpc"]["rounds"] == len(out.rounds) and stats["placement"]["transport"] == "calls"
     assert not mismatched, f"{method} over actors diverged from AR on {mismatched}"
     assert rounds < len(ar_reference) * NEW  # every round committed at least one token, some more
+    assert alone["calls"] and alone["tokens"] > 2 * alone["calls"], alone  # k=auto's idle stretches: the target alone
 
 
 def test_compiled_graph_transport_is_identical(workers, ar_reference):
@@ -68,7 +70,9 @@ def test_compiled_graph_transport_is_identical(workers, ar_reference):
     for method in ("pearl", "sps"):
         dec = decoder(workers, method=method, actor_transport="compiled")
         try:
-            assert dec.generate_ids(ids).token_ids == ref, method
+            out = dec.generate_ids(ids)
+            assert out.token_ids == ref, method
+            assert out.schedule_counts["alone"]["calls"], "no run of the target alone beside the compiled graph"
         finally:
             dec.executor.teardown()
 

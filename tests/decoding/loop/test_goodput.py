@@ -10,8 +10,7 @@ import random
 
 import pytest
 
-from decoding.loop.batch import PROBE_DRAFTS
-from decoding.loop.goodput import Acceptance, RowPlan, choose_width
+from decoding.loop.goodput import PROBE_DRAFTS, Acceptance, RowPlan, choose_width
 from decoding.model.costs import CostModel
 
 COST = CostModel({(1, 1): 1.0, (1, 2): 1.10, (1, 3): 1.20, (1, 4): 1.30})

@@ -9,6 +9,7 @@ from tests_support import generate
 from decoding.loop.metrics import chi_square_pvalue
 from decoding.loop.prefill import ContextTooLong
 from decoding.model.adapter import ModelAdapter
+from decoding.model.costs import CostModel
 from decoding.sampling import SamplingParams
 from decoding.schedules import two_sided
 from decoding.schedules.two_sided import (
@@ -232,6 +233,11 @@ class _Slow:
         time.sleep(self.seconds if req.k > 0 else 0.0)
         return self.side.draft(req)
 
+    def run(self, req):  # the target alone: its seconds per token
+        out = self.side.run(req)
+        time.sleep(self.seconds * len(out.tokens))
+        return out
+
 
 @pytest.mark.parametrize("schedule", ["pearl", "sps"])
 def test_the_gate_stops_a_draft_that_does_not_pay_and_keeps_one_that_does(schedule):
@@ -242,7 +248,9 @@ def test_the_gate_stops_a_draft_that_does_not_pay_and_keeps_one_that_does(schedu
     assert as_text(out.token_ids) == TEXT[:25]
     drafted = sum(r.k > 0 for r in d.calls)
     assert drafted <= 8, f"{drafted} of {len(out.rounds)} rounds drafted"  # the first judge + one probe at most
-    assert out.schedule_counts["plain_rounds"] == len(out.rounds) - drafted
+    alone = out.schedule_counts["alone"]  # idle stretches: the target decodes alone, several tokens a call
+    assert out.schedule_counts["plain_rounds"] + alone["calls"] == len(out.rounds) - drafted
+    assert alone["tokens"] >= 16 and alone["calls"] <= 3, alone
     # the control: a fixed k drafts every round but the last
     t, d = _ScriptedTarget(TEXT), _ScriptedDraft(["zzz"] * 100)
     generate_two_sided(LocalExecutor(t, d), [[0]], schedule=schedule, k=3, max_new_tokens=25)
@@ -260,6 +268,8 @@ def test_the_gate_stops_a_draft_that_does_not_pay_and_keeps_one_that_does(schedu
 
 class _Alternating(two_sided.RoundGate):
     """A gate that drafts two rounds in three, whatever it measures: the sides must resync after every pause."""
+
+    until_probe = 1  # each pause a run of one token alone
 
     def __init__(self):
         super().__init__()
@@ -293,3 +303,104 @@ def test_drafting_paused_and_resumed_keeps_the_sampled_distribution(tiny_model, 
         counts[tuple(out.token_ids[:N_TOKENS])] += 1
     p = chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING))
     assert p > 1e-4, f"pearl with pauses: sampled tokens do not follow the target (p={p:.2e})"
+
+
+# ---- the target alone: k=auto's idle stretches as runs of the verify side, prompt lookup's chains verified -----------
+
+FREE_WIDTH = CostModel({(1, 1): 1.0, (1, 2): 1.0, (1, 3): 1.0, (1, 4): 1.0})  # any chain pays: every lookup is verified
+
+
+class _Idle(two_sided.RoundGate):
+    """A gate under which drafting never pays: the whole generation runs on the target side alone."""
+
+    drafts = False
+    until_probe = 16
+
+    def observe(self, drafted, tokens, seconds):
+        pass
+
+
+class _NoDrafts:
+    """A draft side that must not be asked to draft (the target runs alone); it answers a prefill."""
+
+    def prefill(self, *args, **kwargs):
+        return 0.0
+
+    def draft(self, req):
+        raise AssertionError(f"the draft side was asked to draft while the target runs alone: {req}")
+
+
+def alone(model, sampling=GREEDY, cost=FREE_WIDTH):
+    return LocalExecutor(VerifySide(ModelAdapter(model), sampling, cost=None if cost is None else (lambda: cost)), _NoDrafts())
+
+
+@pytest.mark.parametrize("schedule", ["pearl", "sps"])
+def test_the_target_alone_verifies_looked_up_chains_and_keeps_greedy_output(tiny_model, schedule, monkeypatch):
+    monkeypatch.setattr(two_sided, "RoundGate", _Idle)
+    ref = generate(ModelAdapter(tiny_model), PROMPT, max_new_tokens=40).token_ids
+    out = generate_two_sided(alone(tiny_model), PROMPT, schedule=schedule, k=3, max_new_tokens=40, adaptive=True)
+    assert out.token_ids == ref
+    assert out.schedule_counts["alone"] == {"calls": 3, "tokens": 39, "looked_up": sum(s.accepted for s in out.steps)}
+    looked = [s for s in out.steps if s.looked]
+    assert looked and sum(s.accepted for s in looked) >= 5, "prompt lookup's chains were not verified, or never accepted"
+    assert out.stats.target_forwards < 40  # accepted chains saved forwards
+    # no cost model (or glance off): plain steps, one a token
+    plain = generate_two_sided(alone(tiny_model, cost=None), PROMPT, schedule=schedule, k=3, max_new_tokens=40, adaptive=True)
+    assert plain.token_ids == ref and not any(s.drafted for s in plain.steps) and plain.stats.target_forwards == 40
+    off = generate_two_sided(alone(tiny_model), PROMPT, schedule=schedule, k=3, max_new_tokens=40, adaptive=True, glance=False)
+    assert off.token_ids == ref and off.stats.target_forwards == 40
+
+
+def test_a_run_alone_stops_at_eos_and_within_max_new_tokens(tiny_model, monkeypatch):
+    monkeypatch.setattr(two_sided, "RoundGate", _Idle)
+    ref = generate(ModelAdapter(tiny_model), PROMPT, max_new_tokens=40).token_ids
+    eos = ref[12]
+    out = generate_two_sided(alone(tiny_model), PROMPT, k=3, max_new_tokens=40, eos_token_ids=(eos,), adaptive=True)
+    assert out.token_ids == ref[: ref.index(eos) + 1] and out.finish_reason == "stop"
+    out = generate_two_sided(alone(tiny_model), PROMPT, k=3, max_new_tokens=21, adaptive=True)
+    assert out.token_ids == ref[:21] and out.finish_reason == "length"
+
+
+def alone_counts(model, draws):
+    ex = alone(model, SAMPLING)
+    v = model.config.vocab_size
+    counts = torch.zeros([v] * N_TOKENS, dtype=torch.long)
+    looked = 0
+    for i in range(draws):
+        out = generate_two_sided(ex, PROMPT, k=2, sampling=SAMPLING, max_new_tokens=N_TOKENS + 1, seed=i, adaptive=True)
+        counts[tuple(out.token_ids[:N_TOKENS])] += 1
+        looked += sum(s.accepted for s in out.steps[:2])
+    return counts, looked
+
+
+def test_runs_alone_keep_the_sampled_distribution_and_a_wrong_rule_is_caught(tiny_model, monkeypatch):
+    monkeypatch.setattr(two_sided, "RoundGate", _Idle)
+    counts, looked = alone_counts(tiny_model, DRAWS)
+    p = chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING))
+    assert p > 1e-4, f"runs alone: sampled tokens do not follow the target (p={p:.2e})"
+    assert looked > DRAWS // 10  # looked-up drafts were accepted within the tested tokens
+    # a wrong rule: a looked-up chain's drafts committed unverified
+    verify = VerifySide.verify
+
+    def unverified(self, req, chained=None):
+        res = verify(self, req, chained)
+        if len(req.ids) > 1:
+            res.tokens, res.num_accepted = [*req.ids[1:], res.tokens[-1]], len(req.ids) - 1
+        return res
+
+    monkeypatch.setattr(VerifySide, "verify", unverified)
+    counts, _ = alone_counts(tiny_model, 3 * DRAWS)
+    assert chi_square_pvalue(counts, exact_joint(tiny_model, PROMPT, N_TOKENS, SAMPLING)) < 1e-6
+
+
+@pytest.mark.parametrize("schedule", ["pearl", "sps"])
+def test_the_target_prefills_on_the_shared_threads_and_the_draft_catches_up_when_it_first_drafts(tiny_model, schedule, monkeypatch):
+    monkeypatch.setattr(two_sided, "RoundGate", _Alternating)
+    ref = generate(ModelAdapter(tiny_model), PROMPT, max_new_tokens=30).token_ids
+    ex = sides(tiny_model)
+    ex.prefill(PROMPT[0].tolist(), 64, 0, GREEDY, threads=2)
+    assert not ex.draft.started  # deferred: nothing of the prompt in the draft's cache yet
+    out = generate_two_sided(ex, PROMPT, schedule=schedule, k=3, max_new_tokens=30, adaptive=True, run_threads=2)
+    assert out.token_ids == ref
+    assert any(s.drafted for s in out.steps) and out.schedule_counts["alone"]["calls"]
+    assert torch.get_num_threads() == 1  # the fixture's: the runs and the prefill on 2 threads set it back
