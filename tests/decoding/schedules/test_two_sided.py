@@ -283,11 +283,16 @@ class _Alternating(two_sided.RoundGate):
         self.n += 1
 
 
+def gated(monkeypatch, gate, model, executor, schedule, n, **kwargs):
+    """AR's greedy tokens, and the schedule's generation (k=3) with every round gate replaced by ``gate``."""
+    monkeypatch.setattr(two_sided, "RoundGate", gate)
+    ref = generate(ModelAdapter(model), PROMPT, max_new_tokens=n).token_ids
+    return ref, generate_two_sided(executor, PROMPT, schedule=schedule, k=3, max_new_tokens=n, adaptive=True, **kwargs)
+
+
 @pytest.mark.parametrize("schedule", ["pearl", "sps"])
 def test_drafting_paused_and_resumed_keeps_greedy_output(tiny_model, schedule, monkeypatch):
-    monkeypatch.setattr(two_sided, "RoundGate", _Alternating)
-    ref = generate(ModelAdapter(tiny_model), PROMPT, max_new_tokens=30).token_ids
-    out = generate_two_sided(sides(tiny_model), PROMPT, schedule=schedule, k=3, max_new_tokens=30, adaptive=True)
+    ref, out = gated(monkeypatch, _Alternating, tiny_model, sides(tiny_model), schedule, 30)
     assert out.token_ids == ref
     drafted = [s.drafted > 0 for s in out.steps]
     assert any(drafted) and not all(drafted)
@@ -336,9 +341,7 @@ def alone(model, sampling=GREEDY, cost=FREE_WIDTH):
 
 @pytest.mark.parametrize("schedule", ["pearl", "sps"])
 def test_the_target_alone_verifies_looked_up_chains_and_keeps_greedy_output(tiny_model, schedule, monkeypatch):
-    monkeypatch.setattr(two_sided, "RoundGate", _Idle)
-    ref = generate(ModelAdapter(tiny_model), PROMPT, max_new_tokens=40).token_ids
-    out = generate_two_sided(alone(tiny_model), PROMPT, schedule=schedule, k=3, max_new_tokens=40, adaptive=True)
+    ref, out = gated(monkeypatch, _Idle, tiny_model, alone(tiny_model), schedule, 40)
     assert out.token_ids == ref
     assert out.schedule_counts["alone"] == {"calls": 3, "tokens": 39, "looked_up": sum(s.accepted for s in out.steps)}
     looked = [s for s in out.steps if s.looked]
@@ -395,12 +398,10 @@ def test_runs_alone_keep_the_sampled_distribution_and_a_wrong_rule_is_caught(tin
 
 @pytest.mark.parametrize("schedule", ["pearl", "sps"])
 def test_the_target_prefills_on_the_shared_threads_and_the_draft_catches_up_when_it_first_drafts(tiny_model, schedule, monkeypatch):
-    monkeypatch.setattr(two_sided, "RoundGate", _Alternating)
-    ref = generate(ModelAdapter(tiny_model), PROMPT, max_new_tokens=30).token_ids
     ex = sides(tiny_model)
     ex.prefill(PROMPT[0].tolist(), 64, 0, GREEDY, threads=2)
     assert not ex.draft.started  # deferred: nothing of the prompt in the draft's cache yet
-    out = generate_two_sided(ex, PROMPT, schedule=schedule, k=3, max_new_tokens=30, adaptive=True, run_threads=2)
+    ref, out = gated(monkeypatch, _Alternating, tiny_model, ex, schedule, 30, run_threads=2)
     assert out.token_ids == ref
     assert any(s.drafted for s in out.steps) and out.schedule_counts["alone"]["calls"]
     assert torch.get_num_threads() == 1  # the fixture's: the runs and the prefill on 2 threads set it back
