@@ -298,6 +298,7 @@ class ActorDecoder(DecoderBase):
         infos = self.executor.wait([getattr(self, role).info.remote() for role in WORKER_ROLES], "workers")
         for role, info in zip(WORKER_ROLES, infos, strict=True):
             self.placement[role] = {**(self.placement.get(role) or {}), **info}
+        self.placement["same_node"] = infos[0]["node_id"] == infos[1]["node_id"]  # run_threads reads it
 
     def rpc_probe(self, n: int = 50) -> dict:
         """Round-trip cost without compute: an empty call to one worker, and to both at once (PEARL's shape)."""

@@ -266,6 +266,19 @@ def test_the_gate_stops_a_draft_that_does_not_pay_and_keeps_one_that_does(schedu
     assert len(out.rounds) <= 10, f"{len(out.rounds)} rounds for 25 tokens: the gate stopped a draft that pays"
 
 
+def test_a_gate_carried_to_the_next_generation_keeps_a_draft_that_lost_resting():
+    # the first generation learns that the slow, wrong draft loses (its tries lost ~80 ms against 2 ms a plain token):
+    # the next try waits until that loss is 1/32 of the time waited, so the next generation runs alone throughout
+    t, d = _ScriptedTarget(TEXT), _ScriptedDraft(["zzz"] * 100)
+    ex, gate = LocalExecutor(_Slow(t, 0.002), _Slow(d, 0.020)), two_sided.RoundGate()
+    generate_two_sided(ex, [[0]], k=3, max_new_tokens=25, adaptive=True, gate=gate)
+    asked = len(d.calls)
+    assert asked >= 4 and gate.probe_every > 25 * 4, gate.probe_every
+    out = generate_two_sided(ex, [[0]], k=3, max_new_tokens=25, adaptive=True, gate=gate)
+    assert as_text(out.token_ids) == TEXT[:25]
+    assert len(d.calls) == asked and out.schedule_counts["alone"]["tokens"] == 24  # the draft side not even synced
+
+
 class _Alternating(two_sided.RoundGate):
     """A gate that drafts two rounds in three, whatever it measures: the sides must resync after every pause."""
 
