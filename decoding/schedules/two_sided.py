@@ -248,8 +248,9 @@ class VerifySide:
 
     def _run(self, req: RunRequest, cost: CostModel | None) -> tuple[list[int], list[StepRecord]]:
         start, pending, tokens, steps = req.start, req.pending, [], []
+        self.history[start:] = [pending]  # each verify keeps it so: the committed text, pending last
         while len(tokens) < req.budget and not (tokens and tokens[-1] in req.stop):
-            chain = self._chain(start, pending, min(req.lookup, req.budget - len(tokens) - 1), cost)
+            chain = self._chain(min(req.lookup, req.budget - len(tokens) - 1), cost)
             res = self.verify(VerifyRequest(start, [pending, *chain]))
             if chain:
                 self.look_clock.observe(res.drafted, res.num_accepted)
@@ -260,12 +261,12 @@ class VerifySide:
             start, pending = start + len(res.tokens), res.tokens[-1]
         return tokens, steps
 
-    def _chain(self, start: int, pending: int, cap: int, cost: CostModel | None) -> list[int]:
-        """Prompt lookup's chain after ``pending`` (at slot ``start``), cut to the width that pays at its match length's
+    def _chain(self, cap: int, cost: CostModel | None) -> list[int]:
+        """Prompt lookup's chain after the pending token (the last of ``history``), cut to the width that pays at its match length's
         acceptance (``goodput.lookup_plan``); [] where no chain pays, or no ``cost`` says what one would cost."""
         if cap <= 0 or cost is None:
             return []
-        seq = self.history[:start] + [pending]
+        seq = self.history  # the committed text, pending last (``_run`` and ``verify`` keep it so)
         if self._index is None or self._index.length > len(seq):
             self._index = SuffixIndex(1, 3)
         self._index.extend(seq)
@@ -407,6 +408,11 @@ class Schedule:
     def finished(self) -> bool:
         return self.out.finished
 
+    @property
+    def settled(self) -> bool:
+        """No drafts wait for their verdict (PEARL's post-verify holds some)."""
+        return True
+
     def _gamma(self, most: int) -> int:
         """Drafts to ask for this round: ``k``, within ``most`` (what can still be committed), none while the gate
         says drafting does not pay."""
@@ -417,7 +423,7 @@ class Schedule:
         up when it next drafts) up to the gate's next probe, at most ``RUN_TOKENS``; else None (a round). Not where the
         draft side reads each verdict's KV (TriForce over actors), nor with drafts still to verify (PEARL)."""
         gate = self.gate
-        if gate is None or gate.drafts or self.ship_kv or getattr(self, "unverified", None):
+        if gate is None or gate.drafts or self.ship_kv or not self.settled:
             return None
         budget = min(RUN_TOKENS, gate.until_probe, self.out.remaining)
         return RunRequest(self.n - 1, self.pending, budget, stop, lookup, threads)
@@ -474,6 +480,10 @@ class PearlSchedule(Schedule):
     @property
     def mode(self) -> str:
         return "post-verify" if self.unverified else "pre-verify"
+
+    @property
+    def settled(self) -> bool:
+        return not self.unverified
 
     def requests(self) -> tuple[VerifyRequest, DraftRequest]:
         j = len(self.unverified)
@@ -538,8 +548,8 @@ class LocalExecutor:
 
     def prefill(self, prompt: list[int], max_len: int, seed: int, sampling: SamplingParams = GREEDY, threads: int | None = None) -> int:
         """Both sides' prefills; ``threads``: the target's on them, the draft model's deferred to its first draft."""
-        self.draft.prefill(prompt, max_len, seed + 1, sampling, **({"defer": True} if threads else {}))
-        return self.target.prefill(prompt, max_len, seed, sampling, **({"threads": threads} if threads else {}))[0]
+        self.draft.prefill(prompt, max_len, seed + 1, sampling, defer=threads is not None)
+        return self.target.prefill(prompt, max_len, seed, sampling, threads)[0]
 
     def run(self, req: RunRequest) -> RunResult:
         return self.target.run(req)
@@ -675,7 +685,7 @@ class _ScriptedTarget:
     def _at(self, i: int) -> int:  # the target's token at generated position i
         return ord(self.text[i]) if i < len(self.text) else ord("$")
 
-    def prefill(self, prompt, max_len, seed=0, sampling=None):
+    def prefill(self, prompt, max_len, seed=0, sampling=None, threads=None):
         self.prompt_len = len(prompt)
         return self._at(0), 0.0
 
@@ -704,7 +714,7 @@ class _ScriptedDraft:
     script: list
     calls: list = field(default_factory=list)
 
-    def prefill(self, prompt, max_len, seed=0, sampling=None):
+    def prefill(self, prompt, max_len, seed=0, sampling=None, defer=False):
         return 0.0
 
     def draft(self, req: DraftRequest) -> DraftResult:
