@@ -14,6 +14,7 @@ pytestmark = pytest.mark.cluster
 
 # the two faults of the actor entry far enough apart for the first to recover; the others in between and beside them
 SCHEDULE = "2:worker_kill,4:queue_fill,9:slow_reader,14:redis_restart,24:replica_kill,32:node_removal"
+DURATION_S, NODE_RETURN_S = 72, 0
 
 
 def test_a_short_soak_with_every_fault_loses_nothing(tiny_model_dir, tmp_path, capsys):
@@ -25,9 +26,9 @@ def test_a_short_soak_with_every_fault_loses_nothing(tiny_model_dir, tmp_path, c
     readme = tmp_path / "README.md"
     readme.write_text("# x\n\n<!-- soak-results -->\nold\n<!-- /soak-results -->\n")
     out, docs = tmp_path / "soak", tmp_path / "docs" / "soak"
-    argv = ["soak", "--model", str(tiny_model_dir), "--duration-s", "64", "--overlap", "--fault-gap-s", "0", "--schedule", SCHEDULE]
+    argv = ["soak", "--model", str(tiny_model_dir), "--duration-s", str(DURATION_S), "--overlap", "--fault-gap-s", "0", "--schedule", SCHEDULE]
     argv += ["--min-streams", "4", "--max-streams", "8", "--rate", "2", "--max-queued-requests", "12", "--pool", "4"]
-    argv += ["--node-return-s", "0", "--stall-s", "3", "--window-s", "10", "--sample-s", "2", "--progress-s", "10"]
+    argv += ["--node-return-s", str(NODE_RETURN_S), "--stall-s", "3", "--window-s", "10", "--sample-s", "2", "--progress-s", "10"]
     argv += ["--growth-from-s", "10", "--out", str(out), "--docs", str(docs), "--readme", str(readme)]
     code = main(argv)
     captured = capsys.readouterr()
@@ -62,7 +63,10 @@ def test_a_short_soak_with_every_fault_loses_nothing(tiny_model_dir, tmp_path, c
     redis = faults["redis_restart"]
     assert redis["publish_one_line"] and redis["results_kept"] and redis["entries_kept"] and redis["republish_exit"] == 0
     assert redis["publish_exit"] == 0 or (redis["publish_exit"] == 2 and "error:" in redis["publish_stderr"][0])
-    assert "node_added_at_s" in faults["node_removal"] or faults["node_removal"]["t_s"] > 45  # the spare came back
+    # the spare came back, unless the removal recovered too late for it: the soak adds it only while the load runs
+    # (a slow machine recovered a removed replica's node 33 s after the removal at 32 s)
+    removal = faults["node_removal"]
+    assert "node_added_at_s" in removal or removal["t_s"] + removal["recovery_s"] + NODE_RETURN_S >= DURATION_S, removal
     assert summary["outcomes"].get("error", 0) > 0  # the faults did cost requests, and they ended cleanly
 
     roles = set(pq.read_table(out / "processes.parquet").column("role").to_pylist())
