@@ -26,7 +26,8 @@ def test_a_short_soak_with_every_fault_loses_nothing(tiny_model_dir, tmp_path, c
     readme = tmp_path / "README.md"
     readme.write_text("# x\n\n<!-- soak-results -->\nold\n<!-- /soak-results -->\n")
     out, docs = tmp_path / "soak", tmp_path / "docs" / "soak"
-    argv = ["soak", "--model", str(tiny_model_dir), "--duration-s", str(DURATION_S), "--overlap", "--fault-gap-s", "0", "--schedule", SCHEDULE]
+    argv = ["soak", "--model", str(tiny_model_dir), "--duration-s", str(DURATION_S), "--overlap", "--fault-gap-s", "0"]
+    argv += ["--schedule", SCHEDULE]
     argv += ["--min-streams", "4", "--max-streams", "8", "--rate", "2", "--max-queued-requests", "12", "--pool", "4"]
     argv += ["--node-return-s", str(NODE_RETURN_S), "--stall-s", "3", "--window-s", "10", "--sample-s", "2", "--progress-s", "10"]
     argv += ["--growth-from-s", "10", "--out", str(out), "--docs", str(docs), "--readme", str(readme)]
