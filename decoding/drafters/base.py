@@ -94,6 +94,10 @@ class DecodeState:
     fills in place, so a step allocates nothing for them) and ``history``, the same ids as host ints (row 0), which
     the loop extends from the one host read of a step; a model-free drafter looks them up there without reading
     the device. Code outside the loop that assigns ``tokens`` gets a ``history`` read back once from it.
+
+    A one-row state defers the device half of a commit (:meth:`defer`): the ids wait in ``history`` and are written to
+    the buffer, in one copy, when something reads ``tokens``. A batch of AR or model-free rows then spends no device
+    operation a row on them (on a GPU, a launch each: the per-row host cost bounds a batched step there).
     """
 
     def __init__(
@@ -114,6 +118,7 @@ class DecodeState:
         self._buffer: torch.Tensor | None = None
         self._tokens = tokens
         self._history = history
+        self._owed = 0  # the last ids of ``history`` not yet written to the buffer (:meth:`defer`)
         # trees: node indices of the last step's accepted path (root 0 first)
         self.accepted_path = accepted_path
         # [B, c, H] the target's last-layer (pre-norm) hidden states of the c positions its last forward kept in the
@@ -128,21 +133,32 @@ class DecodeState:
 
     @property
     def tokens(self) -> torch.Tensor:
+        if self._owed:
+            self._settle()
         return self._tokens
 
     @tokens.setter
     def tokens(self, value: torch.Tensor) -> None:  # set from outside the loop: the buffer no longer holds them
-        self._tokens, self._buffer = value, None
+        self._tokens, self._buffer, self._owed = value, None, 0
 
     @property
     def length(self) -> int:
         """n: committed tokens."""
-        return self.tokens.shape[1]
+        return self._tokens.shape[1] + self._owed
+
+    @property
+    def rows(self) -> int:
+        """B (no device operation)."""
+        return self._tokens.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self._tokens.device
 
     @property
     def history(self) -> list[int]:
         """The committed token ids of row 0 as host ints (read back from ``tokens`` only when someone assigned them)."""
-        if self._history is None or len(self._history) != self.tokens.shape[1]:
+        if self._history is None or len(self._history) != self.length:
             self._history = self.tokens[0].tolist()
         return self._history
 
@@ -152,6 +168,24 @@ class DecodeState:
         buffer = self.tokens.new_zeros(self.tokens.shape[0], max(capacity, n))
         buffer[:, :n] = self.tokens
         self._buffer, self._tokens = buffer, buffer[:, :n]
+
+    def defer(self, host: list[int]) -> bool:
+        """Commit ``host`` (row 0's ids, the only row) on the host alone, its device copy owed until ``tokens`` is read;
+        False, with nothing done, where it cannot be (several rows, or no buffer with room): :meth:`commit` then."""
+        if self._buffer is None or self._tokens.shape[0] != 1 or self.length + len(host) > self._buffer.shape[1]:
+            return False
+        history = self.history
+        history.extend(host)
+        self._owed += len(host)
+        return True
+
+    def _settle(self) -> None:
+        """Write the owed ids into the buffer, in one copy."""
+        n, owed = self._tokens.shape[1], self._owed
+        self._owed = 0
+        ids = torch.tensor(self._history[n : n + owed], dtype=self._tokens.dtype)
+        self._buffer[0, n : n + owed] = ids.to(self._buffer.device, non_blocking=False)
+        self._tokens = self._buffer[:, : n + owed]
 
     def commit(self, tokens: torch.Tensor, host: list[int]) -> None:
         """Append a step's committed tokens: ``tokens`` [B, c] on the device and the same ids as host ints."""
@@ -243,19 +277,23 @@ class Drafter:
     # before its drafts: k=auto learns what catching up costs a token and what a draft costs apart, from any step
     # (None: not measured; a catch-up and chain run as one graph; the loop resets it at each step)
     caught_up = None
+    # whether it reads ``state.tokens`` (the device copy of the committed ids) at its steps: where it does not, a
+    # one-row state defers that copy (``DecodeState.defer``); where it does, the loop writes the ids each step (reading
+    # them owed would upload them, on a GPU a synchronisation). A drafter that reads them unflagged stays correct.
+    reads_tokens = False
 
     def start(self, state: DecodeState) -> None:
         pass
 
     def propose(self, state: DecodeState, k: int) -> Proposal:
-        return Proposal.empty(state.tokens.shape[0], state.tokens.device)
+        return Proposal.empty(state.rows, state.device)
 
     def glance(self, state: DecodeState, k: int) -> Proposal:
         """A proposal at a lookup's cost, for the steps where k=auto's propose gate holds a model-free drafter's full
         proposal back (``ProposeGate``: it saves no more than the glance would, or less than it costs). None here; suffix
         decoding and the hybrid glance with prompt lookup (0.02 ms a step), which catches the copying that starts after
         their gate shut."""
-        return Proposal.empty(state.tokens.shape[0], state.tokens.device)
+        return Proposal.empty(state.rows, state.device)
 
     def lookahead(self, state: DecodeState, k: int) -> list[int]:
         """The chain :meth:`glance` would offer now, as host ints, proposing nothing: k=auto weighs a full proposal

@@ -31,6 +31,8 @@ class DraftModelDrafter(Drafter):
     added; ``propose`` first catches up on those tokens in one forward.
     """
 
+    reads_tokens = True  # it reads ``state.tokens`` at its steps
+
     name = "sps"
 
     def __init__(

@@ -176,6 +176,8 @@ class EagleNet(nn.Module):
 class EagleDrafter(Drafter):
     """Drafts chains, or trees of ``tree`` shape, from an :class:`EagleNet` (see the module docstring)."""
 
+    reads_tokens = True  # it reads ``state.tokens`` at its steps
+
     name = "eagle"
 
     def __init__(

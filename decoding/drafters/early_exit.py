@@ -16,6 +16,8 @@ class EarlyExitDrafter(Drafter):
     runs only layers [exit_layer, N) on the drafted tokens' saved hidden states.
     """
 
+    reads_tokens = True  # it reads ``state.tokens`` at its steps
+
     name = "early-exit"
 
     def __init__(self, exit_layer: int, confidence_threshold: float = 0.0, tree: Tree | Dynamic | None = None):

@@ -99,6 +99,7 @@ def merge_trees(trees) -> list[tuple[int, int, float, set]]:
 
 
 class HybridDrafter(Drafter):
+    reads_tokens = True  # it reads ``state.tokens`` at its steps
     name = "hybrid"
 
     def __init__(

@@ -76,8 +76,12 @@ class NgramDrafter(Drafter):
         if getattr(self, "_index", None) is not None and self._index.length > length:
             self._index = SuffixIndex(self.ngram_min, self.ngram_max)
 
+    @property
+    def reads_tokens(self) -> bool:  # a chain looks up the host ids (``state.history``); a tree reads the device's
+        return self.tree_budget is not None
+
     def propose(self, state: DecodeState, k: int) -> Proposal:
-        if state.tokens.shape[0] != 1:
+        if state.rows != 1:
             raise ValueError("the n-gram drafter drafts one sequence (the loop hands it one row)")
         if self.tree_budget is not None and k > 0:
             tokens, parents = self.lookup_tree(state.tokens[0], k, self.tree_budget)
@@ -89,7 +93,7 @@ class NgramDrafter(Drafter):
             index = self._index = SuffixIndex(self.ngram_min, self.ngram_max)
         index.extend(seq)
         drafts = index.continuation(seq, k) if k > 0 else []
-        return Proposal(host=drafts, device=state.tokens.device, kind=index.matched if drafts else None)
+        return Proposal(host=drafts, device=state.device, kind=index.matched if drafts else None)
 
 
 class SuffixIndex:

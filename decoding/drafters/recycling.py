@@ -138,6 +138,8 @@ class RecyclingDrafter(Drafter):
     one the template is Sequoia's tree of ``budget`` nodes.
     """
 
+    reads_tokens = True  # it reads ``state.tokens`` at its steps
+
     name = "recycling"
     model_free = True
 

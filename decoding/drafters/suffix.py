@@ -282,6 +282,8 @@ class SuffixDrafter(Drafter):
     """Suffix decoding over this request (prompt + output) and earlier requests' outputs (``memory``, warm across
     requests; ``cold`` forgets them at every ``start``)."""
 
+    reads_tokens = True  # it reads ``state.tokens`` at its steps
+
     name = "suffix"
     model_free = True
 

@@ -149,6 +149,8 @@ class LayerSearch:
 class SwiftDrafter(Drafter):
     """The target with the layers of ``search.best`` skipped drafts a chain; see the module docstring."""
 
+    reads_tokens = True  # it reads ``state.tokens`` at its steps
+
     name = "swift"
 
     def __init__(self, search: LayerSearch, confidence_threshold: float = 0.0, cold: bool = False, k: int = 4):

@@ -233,6 +233,8 @@ class _HiddenHeadDrafter(Drafter):
     level covers every node of that level.
     """
 
+    reads_tokens = True  # it reads ``state.tokens`` at its steps
+
     def __init__(self, heads: nn.Module, confidence_threshold: float = 0.0, tree: Tree | Dynamic | None = None):
         self.heads = heads
         self.threshold = confidence_threshold
@@ -336,6 +338,8 @@ class FeatureDrafter(Drafter):
     position p <= n-2 (fed lazily, from ``state.target_hidden``); a draft step
     feeds (f^_{p}, d) and reads f^_{p+1} through the shared norm + head.
     """
+
+    reads_tokens = True  # it reads ``state.tokens`` at its steps
 
     name = "feature"
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from decoding.drafters.base import DecodeState, Drafter, Proposal
@@ -181,35 +182,37 @@ class Workspace:
         return step
 
     def _stage_rows(self, states, proposals, lengths, widths, width: int, trees: bool, ragged: bool) -> list[int]:
-        """Fill the host staging planes, row by row (numpy: no tensor operation); returns where each row's logits begin."""
+        """Fill the host staging planes (numpy: no tensor operation): every row's chain layout at once, then a row's
+        own drafts and tree where it has them; returns where each row's logits begin."""
         rows = len(states)
         np_ = {name: self._plane(self.np, i, rows, width) for i, name in enumerate(PLANES)}
         vec = {name: self._vector(self.np, i, rows) for i, name in enumerate(VECTORS)}
-        offsets, total = [], 0
-        for b, (state, proposal, n, t) in enumerate(zip(states, proposals, lengths, widths, strict=True)):
-            offsets.append(total if ragged else b * width)
-            if ragged:
-                np_["valid"].reshape(-1)[total : total + t] = range(b * width, b * width + t)
-            total += t
-            ids, nodes, pos, slots = np_["ids"][b], np_["nodes"][b], np_["positions"][b], np_["slots"][b]
-            ids[0] = nodes[0] = state.history[-1]
-            ids[1:] = 0
-            nodes[1:] = -1
-            if proposal.host is not None and t > 1:
-                ids[1:t] = nodes[1:t] = proposal.host
-            slots[:] = range(n - 1, n - 1 + width)
-            slots[t:] = state.target_cache.max_len  # the scratch slot: padding never lands on a position
-            pos[:] = range(n - 1, n - 1 + width)
+        n, t, at = np.asarray(lengths)[:, None], np.asarray(widths)[:, None], np.arange(width)[None, :]
+        starts = np.cumsum(t[:, 0]) - t[:, 0] if ragged else np.arange(rows) * width
+        if ragged:  # the real positions, row after row: row b's t_b of its width
+            total = int(t.sum())
+            np_["valid"].reshape(-1)[:total] = np.arange(total) + np.repeat(np.arange(rows) * width - starts, t[:, 0])
+        ids, nodes, pos, slots = np_["ids"], np_["nodes"], np_["positions"], np_["slots"]
+        ids[:, 0] = nodes[:, 0] = [s.history[-1] for s in states]
+        ids[:, 1:] = 0
+        nodes[:, 1:] = -1
+        pos[:] = n - 1 + at
+        # the scratch slot: padding never lands on a position
+        slots[:] = np.where(at < t, pos, np.asarray([s.target_cache.max_len for s in states])[:, None])
+        np_["logit_rows"][:] = starts[:, None] + np.minimum(at, t - 1)
+        vec["prefix"][:], vec["drafts"][:] = n[:, 0] - 1, t[:, 0] - 1
+        vec["top_k"][:] = [s.sampling.top_k for s in states]
+        for b, (proposal, tb) in enumerate(zip(proposals, widths, strict=True)):
+            if proposal.host is not None and tb > 1:
+                ids[b, 1:tb] = nodes[b, 1:tb] = proposal.host
             if proposal.tree is not None:
-                pos[:t] = [n - 1 + d for d in proposal.tree.depth_list]
+                pos[b, :tb] = [lengths[b] - 1 + d for d in proposal.tree.depth_list]
             if trees:
-                np_["parents"][b, :t] = proposal.tree.parent_list if proposal.tree is not None else [-1, *range(t - 1)]
-                np_["parents"][b, t:] = 0
-                np_["depth"][b, :t] = proposal.tree.depth_list if proposal.tree is not None else range(t)
-                np_["depth"][b, t:] = -1
-            np_["logit_rows"][b] = [offsets[b] + min(i, t - 1) for i in range(width)]
-            vec["prefix"][b], vec["drafts"][b], vec["top_k"][b] = n - 1, t - 1, state.sampling.top_k
-        return offsets
+                np_["parents"][b, :tb] = proposal.tree.parent_list if proposal.tree is not None else [-1, *range(tb - 1)]
+                np_["parents"][b, tb:] = 0
+                np_["depth"][b, :tb] = proposal.tree.depth_list if proposal.tree is not None else range(tb)
+                np_["depth"][b, tb:] = -1
+        return starts.tolist()
 
     def _stage_blocks(self, proposals, widths, width: int) -> None:
         """Each row's block mask: its tree's ancestor mask, a chain's causal one; padding sees itself only."""
@@ -405,7 +408,8 @@ def _commit_row(b, state, drafter, proposal, step: Step, h, logits, verdict: Ver
     depth = verdict.tokens.shape[1]
     m = host[b][0]
     committed = host[b][1 : m + 2]
-    state.commit(verdict.tokens[b : b + 1, : m + 1], committed)
+    if drafter.reads_tokens or not state.defer(committed):  # the verdict's row's ids, on the device now or when read
+        state.commit(verdict.tokens[b : b + 1, : m + 1], committed)
     state.accepted_path = None
     row_h = h[b : b + 1]
     state.target_hidden = row_h[:, : m + 1]  # [1, m+1, H] pending + accepted drafts
@@ -436,7 +440,7 @@ def propose(state: DecodeState, drafter: Drafter, k: int, clock: Clock | None = 
     when it ran: seconds, or a pair of ``clock`` marks (on a GPU, read after the step's synchronisation)."""
     begin = clock.mark() if clock is not None else time.perf_counter()
     if k <= 0:
-        proposal = Proposal.empty(state.tokens.shape[0], state.tokens.device)
+        proposal = Proposal.empty(state.rows, state.device)
     else:
         proposal = drafter.glance(state, k) if glance else drafter.propose(state, k)
     if clock is None:

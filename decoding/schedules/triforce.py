@@ -62,6 +62,8 @@ class TriForceDrafter(Drafter):
     tokens are retrieved in chunks of ``chunk_size``.
     """
 
+    reads_tokens = True  # it reads ``state.tokens`` at its steps
+
     batchable = False  # its middle level keeps a retrieval view of the target cache
 
     name = "triforce"

@@ -418,7 +418,7 @@ def test_the_hybrid_weighs_its_trees_by_what_its_verified_ones_had_accepted(tiny
     out = generate(target, prompt, drafter=d, k=4, max_new_tokens=12)
     verified = [s for s in out.steps if s.drafted]
     assert verified and d.record[0] == sum(s.accepted for s in verified) and d.record[1] > 0
-    state = SimpleNamespace(tokens=prompt, history=prompt[0].tolist(), last_logits=None, accepted_path=None)
+    state = SimpleNamespace(tokens=prompt, history=prompt[0].tolist(), last_logits=None, accepted_path=None, rows=1, device=prompt.device)
     d.start(state)
     d.record[:] = [0.0, 0.0]
     first = d.propose(state, 3)  # the merged tree after [..., 6, 7], its estimates calibrated: the record is empty
@@ -511,7 +511,7 @@ def test_a_glance_is_prompt_lookup_and_lossless(tiny_model, one_thread, name):
     assert drafter.record == [0.0, 0.0]
     if name == "hybrid":
         assert not drafter.calibration and (drafter.recycling.adjacency.table < 0).all(), drafter.calibration
-    state = SimpleNamespace(tokens=torch.tensor([[5, 6, 7, 5, 6]]), history=[5, 6, 7, 5, 6])
+    state = SimpleNamespace(tokens=torch.tensor([[5, 6, 7, 5, 6]]), history=[5, 6, 7, 5, 6], rows=1, device=torch.device("cpu"))
     drafter.start(state)
     proposal = drafter.glance(state, 3)
     assert proposal.tokens.tolist() == [[7, 5, 6]]  # after [5, 6]: what followed its earlier occurrence

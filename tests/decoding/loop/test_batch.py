@@ -855,3 +855,21 @@ def test_looked_up_chains_sampled_follow_the_target_and_a_wrong_rule_is_caught(t
     monkeypatch.setattr(step_module, "verify_speculative", resample_from_p)
     counts, _ = looked_counts(tiny_model, target, 1500)
     assert chi_square_pvalue(counts, exact_joint(tiny_model, ids(PROMPTS[0]), N_TOKENS, SAMPLING)) < 1e-6
+
+
+def test_a_one_row_state_defers_its_device_ids_until_read(target):
+    """A row whose drafter does not read ``state.tokens`` commits on the host; the ids reach the device buffer, in
+    order, when something reads them; a state of several rows (or without room) commits at once."""
+    from decoding.drafters.base import DecodeState
+
+    state = DecodeState(ids([4, 5]), target, target.new_cache(1, 16), GREEDY, None, 16)
+    state.reserve(8)
+    assert state.defer([6]) and state.defer([7, 8]) and state.length == 5 and state.history == [4, 5, 6, 7, 8]
+    assert state.rows == 1 and state._owed == 3  # nothing written yet
+    assert state.tokens.tolist() == [[4, 5, 6, 7, 8]] and state._owed == 0
+    state.commit(ids([9]), [9])
+    assert state.tokens.tolist() == [[4, 5, 6, 7, 8, 9]] and state.history == [4, 5, 6, 7, 8, 9]
+    assert not state.defer([1, 2, 3]) and state.length == 6  # no room left in the buffer of 8
+    two = DecodeState(torch.tensor([[1], [2]]), target, target.new_cache(2, 16), GREEDY, None, 16)
+    two.reserve(8)
+    assert not two.defer([3])
